@@ -1,0 +1,163 @@
+"""The one numerical core every impl shares: per-chunk statistics, per-position loss, logit gradient.
+
+Notation: z = student logits of this rank's vocab shard [C, Vs]; u = z / T; lse = logsumexp(u) over
+the whole (global) vocabulary; q = softmax(u). Only O(C x K) values cross ranks (see chunk_stats).
+"""
+from dataclasses import dataclass
+
+import torch
+
+from ..parallel.comm import all_reduce_max, all_reduce_sum
+from ..parallel.vocab import VocabShard
+from .inputs import Targets
+from .options import LossOptions
+
+
+@dataclass
+class ChunkStats:
+    lse: torch.Tensor                 # [C] logsumexp(u) over the global vocabulary
+    uk: torch.Tensor                  # [C, K] u at the teacher ids (0 in empty slots)
+    lse1: torch.Tensor | None = None  # [C] logsumexp(z) (T = 1) for the CE term
+    zy: torch.Tensor | None = None    # [C] z at the label
+    rest_lse: torch.Tensor | None = None  # [C] logsumexp(u) over ids not among the top-K (bucket tail)
+
+    def select(self, a, b):
+        f = lambda t: None if t is None else t[a:b]  # noqa: E731
+        return ChunkStats(f(self.lse), f(self.uk), f(self.lse1), f(self.zy), f(self.rest_lse))
+
+    @staticmethod
+    def cat(parts):
+        f = lambda name: None if getattr(parts[0], name) is None else torch.cat([getattr(p, name) for p in parts])  # noqa: E731
+        return ChunkStats(f("lse"), f("uk"), f("lse1"), f("zy"), f("rest_lse"))
+
+
+def local_columns(ids: torch.Tensor, ok: torch.Tensor, shard: VocabShard):
+    """(owned mask, local column index) of global ids in this shard's softmax columns."""
+    width = shard.local_valid
+    own = ok & (ids >= shard.start) & (ids < shard.start + width)
+    idx = torch.where(own, ids - shard.start, torch.zeros_like(ids))
+    return own, idx
+
+
+def _gather(x: torch.Tensor, idx: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    if x.shape[1] == 0:
+        return torch.zeros(idx.shape, dtype=x.dtype, device=x.device)
+    return torch.where(own, x.gather(1, idx), torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def chunk_stats(z: torch.Tensor, t: Targets, opts: LossOptions, shard: VocabShard) -> ChunkStats:
+    """Two collectives per chunk: a MAX of [C] and one SUM of [C, K + up to 3]."""
+    T = float(opts.temperature)
+    u = z if T == 1.0 else z / T
+    c = z.shape[0]
+    neg_inf = torch.full((c,), float("-inf"), dtype=z.dtype, device=z.device)
+    m = u.amax(dim=1) if z.shape[1] else neg_inf
+    m = all_reduce_max(m.contiguous(), shard.group)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # rank-local shards may be empty
+    e = torch.exp(u - m[:, None])
+    cols = [e.sum(dim=1)]
+    own, idx = local_columns(t.ids, t.valid, shard)
+    if opts.tail == "bucket":
+        hit = torch.zeros_like(e).scatter_add_(1, idx, own.to(e.dtype)) if z.shape[1] else e
+        cols.append(e.masked_fill(hit > 0, 0.0).sum(dim=1))  # exact: no 1 - sum(q) cancellation
+    del e
+    if opts.needs_ce:
+        if T != 1.0:
+            cols.append(torch.exp(z - (m * T)[:, None]).sum(dim=1))
+        lab_own, lab_idx = local_columns(t.labels[:, None], t.labels[:, None] >= 0, shard)
+        cols.append(_gather(z, lab_idx, lab_own)[:, 0])
+    packed = torch.cat([torch.stack(cols, dim=1), _gather(u, idx, own)], dim=1)
+    packed = all_reduce_sum(packed, shard.group)
+    lse = m + torch.log(packed[:, 0])
+    j = 1
+    st = ChunkStats(lse=lse, uk=packed[:, -t.ids.shape[1]:] if t.ids.shape[1] else packed[:, :0])
+    if opts.tail == "bucket":
+        st.rest_lse = m + torch.log(packed[:, j])
+        j += 1
+    if opts.needs_ce:
+        if T != 1.0:
+            st.lse1 = m * T + torch.log(packed[:, j])
+            j += 1
+        else:
+            st.lse1 = lse
+        st.zy = packed[:, j]
+    return st
+
+
+def _teacher(t: Targets):
+    p = torch.exp(t.logp) * t.valid
+    return p, p.sum(dim=1)
+
+
+def _log_S(st: ChunkStats, t: Targets):
+    """log of the student's mass on the teacher's ids."""
+    return torch.logsumexp(st.uk.masked_fill(~t.valid, float("-inf")), dim=1) - st.lse
+
+
+def chunk_loss(st: ChunkStats, t: Targets, opts: LossOptions) -> torch.Tensor:
+    """Per-position loss [C] (unweighted)."""
+    T = float(opts.temperature)
+    loss = torch.zeros_like(st.lse)
+    if opts.needs_kl:
+        p, P = _teacher(t)
+        if opts.tail == "renormalize":
+            logP = torch.log(P)
+            lqt = st.uk - torch.logsumexp(st.uk.masked_fill(~t.valid, float("-inf")), dim=1, keepdim=True)
+            kl = (p * (t.logp - logP[:, None] - lqt)).masked_fill(~t.valid, 0.0).sum(dim=1) / P
+            kl = torch.where(P > 0, kl, torch.zeros_like(kl))
+        else:
+            lq = st.uk - st.lse[:, None]
+            kl = (p * (t.logp - lq)).masked_fill(~t.valid, 0.0).sum(dim=1)
+            if opts.tail == "bucket":
+                R = (1.0 - P).clamp_min(0.0)
+                log_r = st.rest_lse - st.lse
+                rest = R * (torch.log(R) - log_r)
+                kl = kl + torch.where(R > 0, rest, torch.zeros_like(rest))
+        loss = loss + (T * T * opts.kl_weight) * kl
+    if opts.needs_ce:
+        loss = loss + opts.ce_weight * (st.lse1 - st.zy)
+    return loss
+
+
+def chunk_grad(z: torch.Tensor, st: ChunkStats, t: Targets, opts: LossOptions, shard: VocabShard,
+               g: torch.Tensor) -> torch.Tensor:
+    """d(sum_i g_i loss_i)/dz for this chunk, written over z (z is consumed)."""
+    T = float(opts.temperature)
+    dense = torch.zeros_like(st.lse)      # per-row coefficient of q
+    sparse = torch.zeros_like(st.uk)      # per-slot values added at the teacher ids
+    a = T * opts.kl_weight * g            # dz = T^2 kw dKL/du * (1/T)
+    if opts.needs_kl:
+        p, P = _teacher(t)
+        if opts.tail == "none":
+            dense = dense + a * P
+            sparse = sparse - a[:, None] * p
+        elif opts.tail == "renormalize":
+            qt = torch.softmax(st.uk.masked_fill(~t.valid, float("-inf")), dim=1).nan_to_num(0.0)
+            pt = torch.where(P[:, None] > 0, p / P[:, None], torch.zeros_like(p))
+            sparse = sparse + a[:, None] * torch.where((P > 0)[:, None], qt - pt, torch.zeros_like(p))
+        else:  # bucket: rest bucket couples every column through r = 1 - S
+            R = (1.0 - P).clamp_min(0.0)
+            ratio = torch.exp(_log_S(st, t) - (st.rest_lse - st.lse))  # S / r
+            c = P - torch.where(R > 0, R * ratio, torch.zeros_like(R))
+            qk = torch.exp(st.uk - st.lse[:, None]) * t.valid
+            dense = dense + a * c
+            sparse = sparse + a[:, None] * (qk * (P + R - c)[:, None] - p)
+    sm1 = None
+    if opts.needs_ce:
+        if T == 1.0:
+            dense = dense + opts.ce_weight * g
+        else:
+            sm1 = torch.exp(z - st.lse1[:, None])
+    if T != 1.0:
+        z.div_(T)
+    q = z.sub_(st.lse[:, None]).exp_()
+    dz = q.mul_(dense[:, None])
+    if sm1 is not None:
+        dz.add_(sm1.mul_((opts.ce_weight * g)[:, None]))
+    if dz.shape[1]:
+        own, idx = local_columns(t.ids, t.valid, shard)
+        dz.scatter_add_(1, idx, torch.where(own, sparse, torch.zeros_like(sparse)))
+        if opts.needs_ce:
+            lab_own, lab_idx = local_columns(t.labels[:, None], t.labels[:, None] >= 0, shard)
+            dz.scatter_add_(1, lab_idx, torch.where(lab_own, (-opts.ce_weight * g)[:, None], torch.zeros_like(g)[:, None]))
+    return dz

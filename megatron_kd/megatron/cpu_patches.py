@@ -1,0 +1,25 @@
+"""Two patches that let megatron-core 0.16 run on CPU with gloo (tests, demo). No-ops with CUDA.
+
+A: Megatron allocates its global memory buffer and gather buffers on torch.cuda.current_device().
+B: its CUDA RNG tracker asserts without CUDA; the inference tracker falls back to the CPU RNG.
+"""
+import torch
+
+_applied = False
+
+
+def apply_cpu_patches() -> None:
+    global _applied
+    if _applied or torch.cuda.is_available():
+        return
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    _applied = True
+
+
+def seed_model_parallel_rng(seed: int) -> None:
+    """Megatron's model-parallel RNG seeding, CPU-safe (patch B)."""
+    from megatron.core import tensor_parallel
+    if torch.cuda.is_available():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)

@@ -1,0 +1,37 @@
+"""Which slice of the global vocabulary this rank's weight shard holds."""
+from dataclasses import dataclass
+
+from .comm import group_rank, group_size
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    start: int          # global id of this shard's first row
+    size: int           # rows in this shard (padding included)
+    global_size: int    # rows over all ranks (padding included)
+    valid_size: int     # ids at or above this are padding: excluded from the softmax
+    group: object = None
+
+    @property
+    def local_valid(self) -> int:
+        """Rows of this shard that take part in the softmax (a prefix of the shard)."""
+        return max(0, min(self.size, self.valid_size - self.start))
+
+    @classmethod
+    def build(cls, local_rows: int, group=None, vocab_start_index=None, valid_vocab_size=None):
+        tp = group_size(group)
+        start = group_rank(group) * local_rows if vocab_start_index is None else int(vocab_start_index)
+        global_rows = local_rows * tp if vocab_start_index is None else _global_rows(start + local_rows, group)
+        valid = global_rows if valid_vocab_size is None else int(valid_vocab_size)
+        if valid <= 0 or valid > global_rows:
+            raise ValueError(
+                f"valid_vocab_size={valid_vocab_size} must be in [1, {global_rows}] (the vocabulary rows over all ranks)")
+        return cls(start=start, size=local_rows, global_size=global_rows, valid_size=valid, group=group)
+
+
+def _global_rows(local_end: int, group) -> int:
+    # Uneven layouts: the global vocabulary ends where the last shard ends.
+    import torch
+    from .comm import all_reduce_max
+    t = torch.tensor([float(local_end)], dtype=torch.float64)
+    return int(all_reduce_max(t, group).item())

@@ -46,8 +46,10 @@ def topk_kl_loss(hidden, weight, topk_ids, topk_logprobs, *, labels=None, loss_m
     tp = group_size(tp_group)
     if sequence_parallel and tp == 1:
         sequence_parallel = False
-    shard = VocabShard.build(weight.shape[0] if torch.is_tensor(weight) and weight.dim() == 2 else 0,
-                             tp_group, vocab_start_index, valid_vocab_size)
+    if not torch.is_tensor(weight) or weight.dim() != 2:
+        raise ValueError(f"weight must be [V, H] (this rank's vocab shard), got shape "
+                         f"{tuple(getattr(weight, 'shape', ()))}")
+    shard = VocabShard.build(weight.shape[0], tp_group, vocab_start_index, valid_vocab_size)
     h, t, lead = check_and_flatten(hidden, weight, topk_ids, topk_logprobs, labels, loss_mask, opts,
                                    vocab_size=shard.valid_size, seq_shards=tp if sequence_parallel else 1)
     if weight.dtype != hidden.dtype:

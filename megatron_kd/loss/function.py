@@ -90,12 +90,12 @@ class TopKKLFunction(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=mdt, device=weight.device)
         for i, a in enumerate(range(0, hidden.shape[0], ctx.chunk)):
             b = min(hidden.shape[0], a + ctx.chunk)
-            z = ctx.saved_z[i] if ctx.mode == "dense" else matmul.logits(hidden[a:b], w, mdt)
+            # dense copies its saved logits so backward can run twice (retain_graph, gradcheck)
+            z = ctx.saved_z[i].clone() if ctx.mode == "dense" else matmul.logits(hidden[a:b], w, mdt)
             dz = chunk_grad(z, ctx.stats.select(a, b), t.slice(a, b), opts, shard, g[a:b])
             grad_h[a:b] = matmul.grad_input(dz, w)
             matmul.accumulate_grad_weight(grad_w[: shard.local_valid], dz, hidden[a:b])
             del z, dz
-        ctx.saved_z = None
         if ctx.reduce_grad_input:
             all_reduce_sum(grad_h, shard.group)
         return grad_h, grad_w.to(ctx.weight_dtype), None, None, None, None, None, None

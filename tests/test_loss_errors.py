@@ -1,0 +1,46 @@
+"""Bad input: a ValueError that names the argument."""
+import pytest
+import torch
+
+from megatron_kd import topk_kl_loss
+from reference import make_inputs
+
+
+@pytest.fixture
+def inp():
+    return make_inputs(n_shape=(2, 5), V=20, H=8, K=4, seed=1)
+
+
+def call(inp, **over):
+    a = dict(hidden=inp["hidden"], weight=inp["weight"], topk_ids=inp["ids"], topk_logprobs=inp["logp"])
+    kw = {k: v for k, v in over.items() if k not in a}
+    a.update({k: v for k, v in over.items() if k in a})
+    return topk_kl_loss(a["hidden"], a["weight"], a["topk_ids"], a["topk_logprobs"], **kw)
+
+
+@pytest.mark.parametrize("over,match", [
+    (dict(weight=torch.randn(8, 20, dtype=torch.float64)), "H must match"),
+    (dict(weight=torch.randn(20, 8, 1, dtype=torch.float64)), "weight must be"),
+    (dict(hidden=torch.randn(3, 5, 8, dtype=torch.float64)), "hidden's leading shape"),
+    (dict(topk_logprobs=torch.zeros(2, 5, 3, dtype=torch.float64)), "topk_logprobs must have"),
+    (dict(topk_ids=torch.zeros(2, 5, 4)), "topk_ids must be an integer"),
+    (dict(topk_ids=torch.full((2, 5, 4), 20)), r"topk_ids must be in \[-1, 19\]"),
+    (dict(topk_ids=torch.full((2, 5, 4), -2)), r"topk_ids must be in \[-1, 19\]"),
+    (dict(topk_ids=torch.zeros(2, 5, 21, dtype=torch.long), topk_logprobs=torch.zeros(2, 5, 21)), "K=21"),
+    (dict(tail="top"), "tail="),
+    (dict(reduction="avg"), "reduction="),
+    (dict(impl="fast"), "impl="),
+    (dict(temperature=0.0), "temperature="),
+    (dict(temperature=-1.0), "temperature="),
+    (dict(labels=torch.zeros(2, 4, dtype=torch.long)), "labels must have shape"),
+    (dict(labels=torch.full((2, 5), 20)), "labels must be in"),
+    (dict(loss_mask=torch.ones(10)), "loss_mask must have shape"),
+    (dict(loss_mask=-torch.ones(2, 5)), "non-negative"),
+    (dict(ce_weight=1.0), "needs labels"),
+    (dict(chunk_size=0), "chunk_size"),
+    (dict(valid_vocab_size=21), "valid_vocab_size"),
+    (dict(weight=torch.randn(20, 8, dtype=torch.float32)), "dtype"),
+])
+def test_bad_input_raises_named_error(inp, over, match):
+    with pytest.raises(ValueError, match=match):
+        call(inp, **over)

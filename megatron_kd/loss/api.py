@@ -64,6 +64,7 @@ def topk_kl_loss(hidden, weight, topk_ids, topk_logprobs, *, labels=None, loss_m
         if mode == "forward_chunked" and opts.reduction == "none":
             mode = "chunked"  # per-position upstream grads are unknown in forward
         n = max(1, h.shape[0])
-        chunk = n if mode == "dense" else int(opts.chunk_size or default_chunk_size(shard.local_valid))
+        # chunk tokens follow the global vocabulary, so a TP rank's chunk buffer shrinks with its shard
+        chunk = n if mode == "dense" else int(opts.chunk_size or default_chunk_size(shard.valid_size))
         out = TopKKLFunction.apply(h, weight, t, opts, shard, mode, chunk, not sequence_parallel)
     return out.reshape(lead) if opts.reduction == "none" else out

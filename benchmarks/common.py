@@ -1,0 +1,66 @@
+"""Shared benchmark plumbing: synthetic teacher, timing, peak memory, environment record."""
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+
+import torch
+
+
+def synthetic_teacher(n, k, vocab, device, seed=0):
+    """Sharp random teacher: unique ids per row, log-probs of a distribution with ~90% mass in the top-K."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    base = torch.randint(0, vocab, (n, 1), generator=g, device=device)
+    stride = 7919  # prime, so ids in a row are distinct for k < vocab
+    ids = (base + torch.arange(k, device=device) * stride) % vocab
+    x = torch.randn(n, k, generator=g, device=device).mul_(3.0).sort(dim=1, descending=True).values
+    logp = torch.log_softmax(x, dim=1) + torch.log(torch.tensor(0.9, device=device))
+    return ids.to(torch.int32), logp.float()
+
+
+def measure(fn, reps=3, warmup=1):
+    """Median ms and peak GiB of fn() (forward+backward), inputs included in the peak."""
+    torch.cuda.synchronize()
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    peak = torch.cuda.max_memory_allocated()
+    return dict(ms=statistics.median(times), ms_all=times, peak_gib=peak / 2**30,
+                above_inputs_gib=(peak - base) / 2**30)
+
+
+def environment():
+    env = dict(date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), torch=torch.__version__,
+               python=platform.python_version(), host=platform.node())
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+        env["gpus"] = torch.cuda.device_count()
+    for mod in ("triton", "liger_kernel", "cut_cross_entropy", "megatron.core", "transformers"):
+        try:
+            m = __import__(mod, fromlist=["__version__"])
+            env[mod] = getattr(m, "__version__", "present")
+        except Exception:
+            env[mod] = None
+    try:
+        env["git"] = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except Exception:
+        pass
+    return env
+
+
+def save(path, payload):
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+    print(f"wrote {path}")

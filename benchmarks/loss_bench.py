@@ -1,0 +1,129 @@
+"""Loss-only benchmark (one GPU): output projection + sparse top-K KL, forward+backward.
+
+Every row is measured in the same run: the three bf16 GEMMs alone (floor), our impls, Liger-Kernel's fused
+linear cross-entropy and Cut Cross-Entropy (CE only: they take no sparse teacher).
+
+  python benchmarks/loss_bench.py --vocab 128256 --hidden 3072 --tokens 8192 32768 65536 262144 --out R.json
+"""
+import argparse
+import gc
+import sys
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from common import environment, measure, save, synthetic_teacher  # noqa: E402
+
+from megatron_kd import topk_kl_loss  # noqa: E402
+
+
+def gemm_floor(h, w):
+    def run():
+        z = h.detach() @ w.detach().t()
+        dh = z @ w.detach()
+        dw = z.t() @ h.detach()
+        del z, dh, dw
+    return run
+
+
+def ours(h, w, ids, logp, labels, impl, ce_weight=0.0):
+    def run():
+        h.grad = w.grad = None
+        loss = topk_kl_loss(h, w, ids, logp, labels=labels, ce_weight=ce_weight, impl=impl)
+        loss.backward()
+    return run
+
+
+def liger(h, w, labels):
+    from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+    fn = LigerFusedLinearCrossEntropyLoss()
+
+    def run():
+        h.grad = w.grad = None
+        fn(w, h, labels).backward()
+    return run
+
+
+def cce(h, w, labels):
+    from cut_cross_entropy import linear_cross_entropy
+
+    def run():
+        h.grad = w.grad = None
+        linear_cross_entropy(h, w, labels).backward()
+    return run
+
+
+def check_agreement(h, w, ids, logp, impls):
+    """Loss of every impl at the first few thousand tokens, relative to dense."""
+    n = min(h.shape[0], 4096)
+    hs, i, lp = h[:n].detach(), ids[:n], logp[:n]
+    vals = {impl: topk_kl_loss(hs, w.detach(), i, lp, impl=impl).item() for impl in impls}
+    ref = vals["dense"]
+    return {k: dict(loss=v, rel_to_dense=abs(v - ref) / abs(ref)) for k, v in vals.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--hidden", type=int, default=3072)
+    ap.add_argument("--topk", type=int, default=100)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 65536, 262144])
+    ap.add_argument("--impls", nargs="+", default=["dense", "chunked", "forward_chunked", "fused"])
+    ap.add_argument("--baselines", nargs="+", default=["gemm", "liger", "cce"])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    from megatron_kd.kernels import fused_available
+    impls = [i for i in a.impls if i != "fused" or fused_available()]
+    rows = []
+    result = dict(env=environment(), args=vars(a), rows=rows)
+    for n in a.tokens:
+        torch.manual_seed(0)
+        h = (torch.randn(n, a.hidden, device=dev) * 0.5).to(torch.bfloat16).requires_grad_(True)
+        w = (torch.randn(a.vocab, a.hidden, device=dev) * 0.02).to(torch.bfloat16).requires_grad_(True)
+        ids, logp = synthetic_teacher(n, a.topk, a.vocab, dev)
+        labels = ids[:, 0].long()
+        variants = {}
+        if "gemm" in a.baselines:
+            variants["3 GEMMs alone (floor)"] = gemm_floor(h, w)
+        for impl in impls:
+            variants[f"ours {impl}"] = ours(h, w, ids, logp, None, impl)
+        if "liger" in a.baselines:
+            variants["Liger fused linear CE (CE only)"] = liger(h, w, labels)
+        if "cce" in a.baselines:
+            variants["Cut Cross-Entropy (CE only)"] = cce(h, w, labels)
+        floor = None
+        for name, fn in variants.items():
+            try:
+                r = measure(fn, reps=a.reps)
+            except torch.OutOfMemoryError:
+                r = dict(ms=None, peak_gib=None, error="OOM")
+            except Exception as e:  # a missing baseline must not stop the rest
+                r = dict(ms=None, peak_gib=None, error=f"{type(e).__name__}: {e}"[:300])
+            h.grad = w.grad = None
+            gc.collect()
+            torch.cuda.empty_cache()
+            if name.startswith("3 GEMMs") and r.get("ms"):
+                floor = r["ms"]
+            r.update(variant=name, tokens=n, vocab=a.vocab, hidden=a.hidden, topk=a.topk)
+            if floor and r.get("ms"):
+                r["x_floor"] = r["ms"] / floor
+            rows.append(r)
+            print(f"N={n:>7} {name:<36} ms={r.get('ms') or float('nan'):9.1f} "
+                  f"peak={r.get('peak_gib') or float('nan'):7.2f} GiB  x_floor={r.get('x_floor', float('nan')):.2f} "
+                  f"{r.get('error', '')}", flush=True)
+        if n <= 32768:
+            try:
+                result.setdefault("agreement", {})[str(n)] = check_agreement(h, w, ids, logp, impls)
+                print("agreement", result["agreement"][str(n)], flush=True)
+            except torch.OutOfMemoryError:
+                pass
+        del h, w, ids, logp, labels
+        gc.collect()
+        torch.cuda.empty_cache()
+        save(a.out, result)
+
+
+if __name__ == "__main__":
+    main()

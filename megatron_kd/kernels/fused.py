@@ -1,0 +1,192 @@
+"""impl="fused": the sparse top-K KL with cuBLAS GEMMs and one Triton sweep per logit row.
+
+Forward does all the work (no recompute GEMM), token chunk by token chunk:
+  1. z = h_c @ W^T into a reused fp32 buffer (bf16 operands, fp32 out);
+  2. ops.rows.row_sweep: gathers + masks the slot columns and sums exp over the rest of each row;
+  3. sparse.combine_stats (+ TP collectives: MAX [C], SUM [C, K+few]) and core.chunk_grad coefficients;
+  4. the logit gradient dz in bf16, then grad_h = dz @ W and grad_W += dz^T @ h (fp32 accumulator).
+
+Two ways to get dz (both exact up to bf16 rounding of dz):
+  scaled   (tp == 1, tail "none", no CE at T != 1, non-negative weights: the training default)
+           the sweep already writes E = exp(u - a) with a per-row anchor a, and dz = s_r * E off the slot
+           columns with s_r = A_r exp(a_r - lse_r) known only after the sweep. s_r is a row scale, so it
+           is applied to the GEMMs' small side: grad_h = s * (E @ W), grad_W += E^T @ (s * h).
+           One read of the fp32 logits per element. Several z sub-chunks fill one E super-chunk, so the
+           weight-gradient GEMM sees many tokens per call (its fp32 read-modify-write is per call).
+  two-pass (everything else) a second sweep writes dz = A exp(u - lse) + B exp(z - lse1) once the
+           global statistics are known.
+Slot columns (teacher ids, label) are masked in the sweep and get their finished values by one
+scatter_add; s_r >= A_r e^-(slack + log V) keeps those values in range.
+
+Weight gradient: fp32 accumulator, or straight into weight.main_grad when the weight has one
+(Megatron's gradient-accumulation fusion: no extra memory). main_grad is written during forward
+assuming grad_output == weight.megatron_kd_grad_scale (default 1.0); backward checks (one host sync)
+and, if grad_output differs, adds the difference by recomputing. Then, like Megatron's linear layers,
+backward returns no weight gradient (or a dummy one and sets grad_added_to_main_grad, when the weight
+carries that attribute).
+reduction="none" needs per-position upstream grads, unknown in forward: it runs the torch "chunked" impl.
+"""
+import os
+
+import torch
+
+from ..loss.core import ChunkStats, chunk_loss
+from ..loss.function import TopKKLFunction, reduce, row_weights
+from ..parallel.comm import all_reduce_sum, group_size
+from .ops import gemm
+from .ops.rows import row_grad, row_sweep
+from .sparse import combine_stats, grad_coefficients, prepare_slots
+
+MIB = 1 << 20
+Z_BYTES = int(os.environ.get("MEGATRON_KD_FUSED_Z_MIB", "256")) * MIB  # fp32 logits of one sub-chunk
+E_BYTES = int(os.environ.get("MEGATRON_KD_FUSED_E_MIB", "512")) * MIB  # bf16 dz of one super-chunk
+SLACK = 20.0  # anchor slack (nats): E <= e^20, and rows are re-swept only beyond it
+GRAD_SCALE_ATTR = "megatron_kd_grad_scale"
+
+
+def _round(x: int, q: int) -> int:
+    return max(q, x // q * q)
+
+
+def plan_chunks(n, v_local, opts, scaled, z_bytes=Z_BYTES, e_bytes=E_BYTES, sub=None, sup=None):
+    """(sub-chunk rows C for the fp32 logits, super-chunk rows S for dz; C divides S). Two-pass: C == S."""
+    v = max(1, v_local)
+    if sup is None and opts.chunk_size:
+        sup = int(opts.chunk_size)
+    if not scaled:
+        c = sup or sub or _round((z_bytes + e_bytes) // (6 * v), 16)
+        return c, c
+    c = sub or _round(z_bytes // (4 * v), 16)
+    s = sup or _round(e_bytes // (2 * v), c)
+    c = min(c, s)
+    return c, max(c, s // c * c)
+
+
+def _use_scaled(opts, shard) -> bool:
+    return (group_size(shard.group) == 1 and opts.tail == "none" and opts.kl_weight >= 0
+            and opts.ce_weight >= 0 and not (opts.needs_ce and opts.temperature != 1.0))
+
+
+def _main_grad(weight):
+    mg = getattr(weight, "main_grad", None)
+    if torch.is_tensor(mg) and mg.shape == weight.shape and mg.dtype in (torch.float32, torch.float64):
+        return mg
+    return None
+
+
+def run(h, weight, t, opts, shard, *, grad_h=None, acc=None, wscale=1.0, sub=None, sup=None, block=None,
+        force_two_pass=False):
+    """One pass over all tokens. Fills grad_h [N, H] (if given, unreduced over TP) and acc [V, H] += wscale
+    * dL/dW (if given) for grad_output = 1. Returns the per-position statistics (ChunkStats over N)."""
+    n = h.shape[0]
+    v = shard.local_valid
+    w = weight[:v]
+    mdt = t.logp.dtype
+    T = float(opts.temperature)
+    want = grad_h is not None or acc is not None
+    scaled = want and _use_scaled(opts, shard) and not force_two_pass
+    C, S = plan_chunks(n, v, opts, scaled, sub=sub, sup=sup)
+    sl = prepare_slots(t, opts, shard)
+    g = row_weights(t, opts)
+    zbuf = torch.empty((min(C, n), v), dtype=mdt, device=h.device)
+    ebuf = torch.empty((min(S, n), v), dtype=h.dtype, device=h.device) if want else None
+    need_s1 = opts.needs_ce and T != 1.0
+    stats = []
+    for s0 in range(0, n, S):
+        s1_ = min(n, s0 + S)
+        parts = []
+        for c0 in range(s0, s1_, C):
+            c1 = min(s1_, c0 + C)
+            z = zbuf[: c1 - c0]
+            if v:
+                gemm.mm_into(h[c0:c1], w.t(), z)
+                e = ebuf[c0 - s0: c1 - s0] if scaled else None
+                parts.append(row_sweep(z, e, sl.idx[c0:c1], T, need_s1, SLACK, block))
+            else:  # this rank's shard is all padding
+                parts.append((torch.full((c1 - c0, sl.k1), float("-inf"), dtype=mdt, device=h.device),
+                              torch.tensor([float("-inf"), 0.0, 0.0], dtype=mdt, device=h.device).repeat(c1 - c0, 1)))
+        zg = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+        stat = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+        slc = sl.rows(s0, s1_)
+        st = combine_stats(zg, stat, slc, opts, shard)
+        stats.append(st)
+        if not want:
+            continue
+        tc = t.slice(s0, s1_)
+        vals, A, B = grad_coefficients(zg, st, tc, slc, opts, g[s0:s1_])
+        e = ebuf[: s1_ - s0]
+        if scaled:
+            scale = A * torch.exp(stat[:, 0] - st.lse)
+            vals = torch.where((scale != 0)[:, None], vals / scale[:, None], torch.zeros_like(vals))
+        elif v:
+            lse1 = st.lse1 if B is not None else st.lse
+            coef = torch.stack([A, st.lse, A if B is None else B, lse1], 1).contiguous()
+            row_grad(z, e, coef, T, B is not None, block)
+        if not v:  # nothing on this shard: no gradient contribution
+            if grad_h is not None:
+                grad_h[s0:s1_].zero_()
+            continue
+        e.scatter_add_(1, slc.col, vals.to(e.dtype))
+        hs = h[s0:s1_]
+        if grad_h is not None:
+            if scaled:
+                grad_h[s0:s1_] = (gemm.mm(e, w, mdt) * scale[:, None]).to(grad_h.dtype)
+            else:
+                gemm.mm_into(e, w, grad_h[s0:s1_])
+        if acc is not None:
+            if scaled:
+                hs = (hs.to(mdt) * scale[:, None]).to(h.dtype)
+            gemm.addmm_(acc[:v], e.t(), hs, alpha=wscale)
+    return ChunkStats.cat(stats)
+
+
+class FusedTopKKL(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, t, opts, shard, reduce_grad_input, tuning):
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        mdt = t.logp.dtype
+        main = _main_grad(weight) if need_w else None
+        expect = float(getattr(weight, GRAD_SCALE_ATTR, 1.0))
+        grad_h = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_h else None
+        acc = None
+        if need_w:
+            acc = main if main is not None else torch.zeros(weight.shape, dtype=mdt, device=weight.device)
+        st = run(hidden, weight, t, opts, shard, grad_h=grad_h, acc=acc,
+                 wscale=expect if main is not None else 1.0, **tuning)
+        out = reduce(chunk_loss(st, t, opts), t, opts)
+        if grad_h is not None and reduce_grad_input:
+            all_reduce_sum(grad_h, shard.group)
+        ctx.main, ctx.expect, ctx.tuning = main is not None, expect, tuning
+        ctx.opts, ctx.shard, ctx.t, ctx.weight_dtype = opts, shard, t, weight.dtype
+        grad_w = None if (acc is None or main is not None) else acc.to(weight.dtype)
+        del acc
+        ctx.save_for_backward(grad_h, grad_w, hidden if ctx.main else None, weight if ctx.main else None)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w, hidden, weight = ctx.saved_tensors
+        gh = None if grad_h is None else grad_h * grad_out.to(grad_h.dtype)
+        if not ctx.main:
+            gw = None if grad_w is None else grad_w * grad_out.to(grad_w.dtype)
+            return gh, gw, None, None, None, None, None
+        g0 = float(grad_out)  # host sync: main_grad already holds expect * dL/dW
+        if g0 != ctx.expect:
+            run(hidden, weight, ctx.t, ctx.opts, ctx.shard, acc=weight.main_grad, wscale=g0 - ctx.expect,
+                **ctx.tuning)
+        gw = None
+        if hasattr(weight, "grad_added_to_main_grad"):  # Megatron's convention for fused wgrad accumulation
+            make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+            gw = make(weight.shape, dtype=ctx.weight_dtype, device=weight.device)
+            weight.grad_added_to_main_grad = True
+        return gh, gw, None, None, None, None, None
+
+
+def fused_topk_kl(h, weight, t, opts, shard, reduce_grad_input=True, **tuning):
+    """h [N, H] (hidden dtype), weight [V_local, H]; returns the reduced loss (scalar) or [N] for "none".
+    tuning (tests/benchmarks): sub / sup (chunk rows), block (Triton tile), force_two_pass."""
+    if opts.reduction == "none" or h.shape[0] == 0:
+        from ..loss.api import default_chunk_size
+        chunk = int(opts.chunk_size or default_chunk_size(shard.local_valid))
+        return TopKKLFunction.apply(h, weight, t, opts, shard, "chunked", chunk, reduce_grad_input)
+    return FusedTopKKL.apply(h, weight, t, opts, shard, reduce_grad_input, tuning)

@@ -1,0 +1,295 @@
+"""impl="fused" (Triton + cuBLAS) against the independent float64 reference.
+
+Without CUDA the Triton kernels run on CPU tensors under TRITON_INTERPRET=1 (set below, before triton is
+imported); with CUDA the same small cases run compiled on the GPU, plus the @gpu cases at larger sizes.
+Small tuning values (sub/sup chunk rows, Triton tile) make every size uneven: several sub-chunks per
+super-chunk, a partial last chunk, a partial last vocabulary tile.
+"""
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
+pytest.importorskip("triton")
+
+import torch.distributed as dist  # noqa: E402
+
+from megatron_kd import topk_kl_loss  # noqa: E402
+from megatron_kd.kernels import fused  # noqa: E402
+from megatron_kd.kernels.fused import fused_topk_kl, plan_chunks  # noqa: E402
+from megatron_kd.kernels.ops.rows import row_sweep  # noqa: E402
+from megatron_kd.loss.inputs import check_and_flatten  # noqa: E402
+from megatron_kd.loss.options import LossOptions  # noqa: E402
+from megatron_kd.parallel.vocab import VocabShard  # noqa: E402
+from reference import make_inputs, reference_loss  # noqa: E402
+
+DEV = "cuda" if CUDA else "cpu"
+TUNE = dict(sub=8, sup=16, block=128)
+gpu = pytest.mark.gpu
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def _dev(inp):
+    return {k: (v.to(DEV) if torch.is_tensor(v) else v) for k, v in inp.items()}
+
+
+def run_fused(inp, gout=1.0, tune=TUNE, valid_vocab_size=None, **kw):
+    """fused_topk_kl called directly (fused_available() needs CUDA); returns (loss, grad_h, grad_w)."""
+    inp = _dev(inp)
+    h = inp["hidden"].clone().requires_grad_(True)
+    w = inp["weight"].clone().requires_grad_(True)
+    opts = LossOptions(impl="fused", **kw)
+    shard = VocabShard.build(w.shape[0], valid_vocab_size=valid_vocab_size)
+    hh, t, lead = check_and_flatten(h, w, inp["ids"], inp["logp"], inp["labels"], inp["loss_mask"], opts,
+                                    vocab_size=shard.valid_size)
+    out = fused_topk_kl(hh, w, t, opts, shard, True, **tune)
+    out = out.reshape(lead) if opts.reduction == "none" else out
+    (out * (gout.to(DEV) if torch.is_tensor(gout) else gout)).sum().backward()
+    return out.detach().cpu(), h.grad.cpu(), None if w.grad is None else w.grad.cpu()
+
+
+def run_ref(inp, gout=1.0, **kw):
+    h = inp["hidden"].double().clone().requires_grad_(True)
+    w = inp["weight"].double().clone().requires_grad_(True)
+    ref = reference_loss(h, w, inp["ids"], inp["logp"].double(), inp["labels"], inp["loss_mask"], **kw)
+    (ref * gout).sum().backward()
+    return ref.detach(), h.grad, w.grad
+
+
+def check(inp, tol, gout=1.0, tune=TUNE, **kw):
+    got = run_fused(inp, gout, tune, **kw)
+    want = run_ref(inp, gout, **kw)
+    errs = [rel(a, b) for a, b in zip(got, want)]
+    assert max(errs) <= tol, (kw, errs)
+    return errs
+
+
+# (tail, temperature, ce_weight, reduction, force_two_pass); the scaled one-sweep path only exists for
+# tail "none" without CE at T != 1, so the two-pass variant is forced there as well.
+CASES = [(tail, T, ce, red, two)
+         for tail in ("none", "renormalize", "bucket")
+         for (T, ce, red) in ((1.0, 0.0, "mean"), (1.0, 0.5, "sum"), (2.0, 0.5, "mean"), (0.7, 0.0, "sum"))
+         for two in ((False, True) if tail == "none" and not (ce and T != 1.0) else (False,))]
+
+
+@pytest.mark.parametrize("tail,T,ce,red,two", CASES)
+def test_fp64_matches_reference(tail, T, ce, red, two):
+    inp = make_inputs(n_shape=(37,), V=300, H=16, K=5, seed=hash((tail, T, red)) % 997)
+    check(inp, 1e-9, tune=dict(TUNE, force_two_pass=two), tail=tail, temperature=T, ce_weight=ce,
+          kl_weight=0.8, reduction=red)
+
+
+def test_reduction_none_and_grad_output():
+    inp = make_inputs(n_shape=(5, 7), V=60, H=8, K=4, seed=3)
+    gout = torch.linspace(0.5, 1.5, 35, dtype=torch.float64).reshape(5, 7)
+    check(inp, 1e-9, gout=gout, tail="bucket", ce_weight=0.3, reduction="none")
+    check(inp, 1e-9, gout=torch.tensor(0.37, dtype=torch.float64), tail="none", reduction="mean")  # scalar upstream grad
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("two", [False, True])
+def test_low_precision_inputs(dtype, tol, two):
+    inp = make_inputs(n_shape=(37,), V=300, H=24, K=9, dtype=torch.float32, seed=7)
+    inp["hidden"], inp["weight"] = inp["hidden"].to(dtype), inp["weight"].to(dtype)
+    check(inp, tol, tune=dict(TUNE, force_two_pass=two), ce_weight=0.5)  # reference uses the same rounded operands
+
+
+@pytest.mark.parametrize("tail,two", [("none", False), ("none", True), ("renormalize", False)])
+def test_duplicate_ids_and_label_among_them(tail, two):
+    inp = make_inputs(n_shape=(29,), V=200, H=12, K=6, seed=5, empty_frac=0.0)
+    ids, logp = inp["ids"].clone(), inp["logp"].clone()
+    ids[::2, 3] = ids[::2, 1]            # the same id in two slots
+    ids[1::4, 5] = ids[1::4, 1]
+    logp[::2, 3] = logp[::2, 1] - 1.0
+    inp["ids"], inp["logp"] = ids, logp
+    lab = inp["labels"].clone()
+    lab[::3] = ids[::3, 0]               # label is one of the teacher ids
+    inp["labels"] = lab
+    check(inp, 1e-9, tune=dict(TUNE, force_two_pass=two), tail=tail, ce_weight=0.6)
+
+
+def test_anchor_resweep():
+    """A column far above the anchor (first tile, slot logits) forces the second sweep of that row."""
+    inp = make_inputs(n_shape=(16,), V=300, H=16, K=5, seed=9)
+    inp["weight"][290] = inp["hidden"][3] * 60.0  # row 3: logit ~ 60 |h|^2 in the last tile
+    inp["ids"][3] = torch.tensor([0, 1, 2, 3, 4])
+    inp["logp"][3] = torch.tensor([0.3, 0.2, 0.1, 0.1, 0.1]).log()
+    check(inp, 1e-9, ce_weight=0.4)
+    z = (inp["hidden"] @ inp["weight"].t()).to(DEV)
+    idx = torch.full((16, 1), -1, dtype=torch.int32, device=DEV)
+    e = torch.empty_like(z)
+    _, stat = row_sweep(z.clone(), e, idx, 1.0, False, 20.0, block=128)
+    assert stat[3, 0].item() == pytest.approx(z[3].max().item())  # re-anchored at the row max
+    assert torch.allclose(e[3], torch.exp(z[3] - z[3].max()))
+
+
+def test_nothing_counted_and_empty_rows():
+    inp = make_inputs(n_shape=(12,), V=50, H=8, K=4, seed=2)
+    inp["ids"][:4] = -1                  # rows without teacher slots
+    inp["loss_mask"] = torch.zeros(12, dtype=torch.float64)
+    loss, gh, gw = run_fused(inp)
+    assert loss.item() == 0.0 and torch.all(gh == 0) and torch.all(gw == 0)
+    inp["loss_mask"] = None
+    check(inp, 1e-9, tail="bucket", ce_weight=0.2)
+
+
+def test_padded_vocab_and_public_api():
+    """topk_kl_loss(impl="fused"): leading dims, non-contiguous hidden, padded vocabulary rows."""
+    inp = make_inputs(n_shape=(4, 9), V=130, H=8, K=5, seed=4)
+    inp["ids"] = inp["ids"].masked_fill(inp["ids"] >= 120, -1)
+    inp["labels"] = inp["labels"].masked_fill(inp["labels"] >= 120, 0)
+    d = _dev(inp)
+    h = d["hidden"].transpose(0, 1).contiguous().transpose(0, 1).requires_grad_(True)
+    w = d["weight"].clone().requires_grad_(True)
+    out = topk_kl_loss(h, w, d["ids"], d["logp"], labels=d["labels"], loss_mask=d["loss_mask"], impl="fused",
+                       chunk_size=7, tail="bucket", ce_weight=0.5, temperature=1.5, valid_vocab_size=120)
+    out.backward()
+    ref, rh, rw = run_ref(inp, tail="bucket", ce_weight=0.5, temperature=1.5, valid_vocab_size=120)
+    assert max(rel(out.cpu(), ref), rel(h.grad.cpu(), rh), rel(w.grad.cpu(), rw)) <= 1e-9
+    assert torch.all(w.grad[120:] == 0)
+
+
+class _Counter:
+    def __init__(self, monkeypatch):
+        self.n = 0
+        real = fused.run
+
+        def counted(*a, **k):
+            self.n += 1
+            return real(*a, **k)
+        monkeypatch.setattr(fused, "run", counted)
+
+
+@pytest.mark.parametrize("gout,expect,megatron_flag", [(1.0, None, False), (0.25, None, False), (0.25, 0.25, True)])
+def test_main_grad_accumulation(monkeypatch, gout, expect, megatron_flag):
+    inp = _dev(make_inputs(n_shape=(21,), V=90, H=8, K=4, seed=6))
+    h = inp["hidden"].clone().requires_grad_(True)
+    w = inp["weight"].clone().requires_grad_(True)
+    m0 = torch.randn(w.shape, dtype=torch.float64, device=DEV)
+    w.main_grad = m0.clone()
+    if expect is not None:
+        w.megatron_kd_grad_scale = expect
+    if megatron_flag:
+        w.grad_added_to_main_grad = False
+    calls = _Counter(monkeypatch)
+    out = topk_kl_loss(h, w, inp["ids"], inp["logp"], labels=inp["labels"], loss_mask=inp["loss_mask"],
+                       impl="fused", chunk_size=8, ce_weight=0.5)
+    (out * gout).backward()
+    ref, rh, rw = run_ref({k: (v.cpu() if torch.is_tensor(v) else v) for k, v in inp.items()}, gout, ce_weight=0.5)
+    assert rel((w.main_grad - m0).cpu(), rw) <= 1e-9
+    assert rel(h.grad.cpu(), rh) <= 1e-9
+    assert calls.n == (2 if gout != (expect or 1.0) else 1)  # a second pass only when the guess was wrong
+    if megatron_flag:
+        assert w.grad_added_to_main_grad and w.grad is not None
+    else:
+        assert w.grad is None
+
+
+def test_no_grad_forward_only():
+    inp = make_inputs(n_shape=(19,), V=80, H=8, K=4, seed=8)
+    d = _dev(inp)
+    with torch.no_grad():
+        out = topk_kl_loss(d["hidden"], d["weight"], d["ids"], d["logp"], labels=d["labels"], impl="fused",
+                           chunk_size=8, ce_weight=0.3, tail="renormalize")
+    ref = reference_loss(inp["hidden"], inp["weight"], inp["ids"], inp["logp"], inp["labels"], ce_weight=0.3,
+                         tail="renormalize")
+    assert rel(out.cpu(), ref) <= 1e-9
+
+
+def test_plan_chunks_budgets():
+    o = LossOptions()
+    c, s = plan_chunks(1 << 20, 128256, o, scaled=True)
+    assert s % c == 0 and c * 128256 * 4 <= fused.Z_BYTES and s * 128256 * 2 <= fused.E_BYTES
+    c, s = plan_chunks(1 << 20, 201088, o, scaled=False)
+    assert c == s and c * 201088 * 6 <= fused.Z_BYTES + fused.E_BYTES
+    assert plan_chunks(100, 50, LossOptions(chunk_size=7), scaled=True)[1] == 7
+
+
+@pytest.mark.skipif(CUDA, reason="CPU structural check (interpreter)")
+def test_no_n_by_v_tensor():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.set_.source_Storage, torch.ops.aten.copy_.default):
+                return out  # the interpreter's byte copies of kernel arguments, no new tensors of ours
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    Largest.largest = max(Largest.largest, t.numel())
+            return out
+
+    n, v = 192, 96
+    inp = make_inputs(n_shape=(n,), V=v, H=4, K=4, dtype=torch.float32, seed=1)
+    with Largest():
+        run_fused(inp, tune=dict(sub=16, sup=32, block=32))
+    assert Largest.largest <= 32 * v < n * v
+
+
+# ---------------------------------------------------------------- tensor parallel (gloo, 2 ranks)
+TP_CASES = [  # tail, temperature, ce, sequence parallel, padded vocab, uneven shards
+    ("none", 1.0, 0.0, False, False, False),
+    ("bucket", 2.0, 0.5, True, True, True),
+    ("renormalize", 1.0, 0.5, False, True, False),
+]
+
+
+def _tp_worker(rank, world):
+    for case_no, (tail, T, ce, sp, padded, uneven) in enumerate(TP_CASES):
+        s, b, V = 4 * world, 3, 13 * world
+        inp = make_inputs(n_shape=(s, b), V=V, H=8, K=5, seed=case_no)
+        valid = V - 3 if padded else None
+        if padded:
+            inp["ids"] = inp["ids"].masked_fill(inp["ids"] >= V - 3, -1)
+            inp["labels"] = inp["labels"].masked_fill(inp["labels"] >= V - 3, 0)
+        cuts = [0, 15, V] if uneven else [0, 13, V]
+        lo, hi = cuts[rank], cuts[rank + 1]
+        w = inp["weight"][lo:hi].clone().requires_grad_(True)
+        n_loc = s // world
+        h = (inp["hidden"][rank * n_loc:(rank + 1) * n_loc] if sp else inp["hidden"]).clone().requires_grad_(True)
+        kw = dict(tail=tail, temperature=T, ce_weight=ce)
+        out = topk_kl_loss(h, w, inp["ids"], inp["logp"], labels=inp["labels"], loss_mask=inp["loss_mask"],
+                           impl="fused", chunk_size=5, tp_group=dist.group.WORLD, sequence_parallel=sp,
+                           vocab_start_index=lo if uneven else None, valid_vocab_size=valid, **kw)
+        (out * 1.3).backward()
+        ref, rh, rw = run_ref(inp, 1.3, valid_vocab_size=valid, **kw)
+        rh = rh[rank * n_loc:(rank + 1) * n_loc] if sp else rh
+        errs = rel(out, ref), rel(h.grad, rh), rel(w.grad, rw[lo:hi])
+        assert max(errs) <= 1e-9, (rank, TP_CASES[case_no], errs)
+
+
+@pytest.mark.skipif(CUDA, reason="gloo + interpreter check; NCCL runs belong to the GPU benchmark")
+def test_tensor_parallel_two_ranks():
+    from dist_utils import run_ranks
+    run_ranks(2, _tp_worker)
+
+
+# ---------------------------------------------------------------- GPU only
+@gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("tail,ce,T", [("none", 0.0, 1.0), ("none", 0.5, 1.0), ("bucket", 0.5, 2.0)])
+def test_gpu_bf16_against_fp64(tail, ce, T):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    N, V, H, K = 2048, 32000, 1024, 64
+    h = (torch.randn(N, H, device="cuda", generator=g) * 0.5).bfloat16()
+    w = (torch.randn(V, H, device="cuda", generator=g) / H ** 0.5 * 4).bfloat16()
+    tl = torch.randn(N, V, device="cuda", generator=g) * 3
+    logp, ids = torch.log_softmax(tl, -1).topk(K, -1)
+    labels = torch.randint(0, V, (N,), device="cuda", generator=g)
+    del tl
+    inp = dict(hidden=h, weight=w, ids=ids, logp=logp, labels=labels, loss_mask=None)
+    got = run_fused(inp, tune=dict(sub=256, sup=1024), tail=tail, ce_weight=ce, temperature=T)
+    hh = h.double().requires_grad_(True)
+    ww = w.double().requires_grad_(True)
+    ref = reference_loss(hh, ww, ids, logp.double(), labels, None, tail=tail, ce_weight=ce, temperature=T)
+    ref.backward()
+    assert rel(got[0], ref.cpu()) <= 1e-3
+    assert rel(got[1], hh.grad.cpu()) <= 1e-2 and rel(got[2], ww.grad.cpu()) <= 1e-2

@@ -1,0 +1,185 @@
+"""`megatron-kd launch`: print or run the exact command for a recipe on this node, in docker, or on Slurm.
+
+    megatron-kd launch --dry-run llama31_8b_to_3b_32k_1xh200 kd.top_k=64
+    megatron-kd launch gpt_oss_20b_32k_8xh200 --gpus-per-node 8
+    megatron-kd launch --dry-run gpt_oss_20b_32k_4node_online --nodes 4 --container nvcr.io#nvidia/nemo:26.08
+
+One node without --container or --slurm runs launch/torchrun.sh here; --container on one node runs the
+image with docker; --nodes > 1 (or --slurm) submits launch/slurm.sbatch. The per-node torchrun line shown
+under a dry run comes from launch/torchrun.sh itself (DRY_RUN=1), so what is printed is what runs.
+"""
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout (megatron-kd is installed editable)
+RECIPES = ROOT / "recipes"
+TORCHRUN_SH = ROOT / "launch" / "torchrun.sh"
+SLURM_SBATCH = ROOT / "launch" / "slurm.sbatch"
+# Recipe keys that point the train command at its checkpoint directory (save and load: resume when present).
+# launch/slurm.sbatch uses the same defaults (CKPT_SAVE_KEY, CKPT_LOAD_KEY).
+CKPT_KEYS = ("train.save", "train.load")
+# Environment handed into a docker container when set here (the NCCL / NVLS settings of the host).
+PASS_ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "NVSHMEM_", "TORCH_SYMM_MEM_", "CUDA_DEVICE_MAX_CONNECTIONS",
+                     "HF_", "WANDB_")
+
+
+@dataclass
+class Plan:
+    """What to run: the user-facing command, its extra environment, and notes for a dry run."""
+    mode: str
+    argv: list
+    env: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+
+    def shell(self) -> str:
+        prefix = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in self.env.items())
+        return (prefix + " " if prefix else "") + shlex.join(self.argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-kd launch", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("recipe", help="recipe name in recipes/ (e.g. tiny_cpu) or a path to a recipe .yaml")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. kd.top_k=64 parallel.tp=4")
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="workers per node (default: all visible GPUs locally, 8 on Slurm)")
+    p.add_argument("--container", metavar="IMAGE", default=None,
+                   help="docker image (one node) or pyxis image (Slurm), e.g. nvcr.io#nvidia/nemo:26.08")
+    p.add_argument("--mounts", default="", help="extra mounts src:dst[,src:dst]")
+    p.add_argument("--slurm", action="store_true", help="submit with sbatch even for one node")
+    p.add_argument("--partition", default=None)
+    p.add_argument("--account", default=None)
+    p.add_argument("--time", default=None, help="Slurm time limit per start, e.g. 04:00:00")
+    p.add_argument("--job-name", default=None, help="Slurm job name (default: the recipe name); keys the run dir")
+    p.add_argument("--run-dir", default=None, help="logs and checkpoints (default: runs/<job name>)")
+    return p
+
+
+def check_recipe(recipe: str) -> None:
+    """A recipe is a name in recipes/ or a .yaml path; a missing one exits with the list of known names."""
+    if recipe.endswith((".yaml", ".yml")):
+        if not Path(recipe).is_file():
+            raise SystemExit(f"megatron-kd launch: recipe file {recipe!r} does not exist")
+        return
+    if not (RECIPES / f"{recipe}.yaml").is_file():
+        known = sorted(p.stem for p in RECIPES.glob("*.yaml")) if RECIPES.is_dir() else []
+        raise SystemExit(f"megatron-kd launch: no recipe {recipe!r} in {RECIPES}; "
+                         f"known: {', '.join(known) or 'none'}")
+
+
+def recipe_args(recipe: str) -> list:
+    """Hydra's flags for a recipe, as launch/slurm.sbatch builds them: a path gives --config-path too."""
+    if recipe.endswith((".yaml", ".yml")):
+        p = Path(recipe).absolute()  # Hydra reads a relative --config-path against its own module
+        return ["--config-path", str(p.parent), "--config-name", p.stem]
+    return ["--config-name", recipe]
+
+
+def default_run_dir(a) -> str:
+    return os.path.abspath(a.run_dir or os.path.join("runs", job_name(a)))
+
+
+def job_name(a) -> str:
+    return a.job_name or Path(a.recipe).stem
+
+
+def script(path: Path) -> str:
+    """The script path as the user would type it: relative when run from the checkout."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def torchrun_line(args: list, env: dict) -> str:
+    """Ask launch/torchrun.sh for the exact torchrun command it would run (DRY_RUN=1)."""
+    out = subprocess.run(["bash", str(TORCHRUN_SH), *args], env={**os.environ, **env, "DRY_RUN": "1"},
+                         check=True, capture_output=True, text=True)
+    return out.stdout.strip()
+
+
+def plan_local(a) -> Plan:
+    env = {"NPROC_PER_NODE": str(a.gpus_per_node)} if a.gpus_per_node else {}
+    targs = ["train", *recipe_args(a.recipe), *a.overrides]
+    plan = Plan("local", ["bash", script(TORCHRUN_SH), *targs], env)
+    plan.notes.append("which runs: " + torchrun_line(targs, env))
+    return plan
+
+
+def plan_docker(a) -> Plan:
+    run_dir = default_run_dir(a)
+    argv = ["docker", "run", "--rm", "--gpus", "all", "--ipc=host", "--ulimit", "memlock=-1",
+            "--ulimit", "stack=67108864", "-v", f"{run_dir}:{run_dir}"]
+    if a.recipe.endswith((".yaml", ".yml")):  # a recipe outside the image: mount its folder read-only
+        d = str(Path(a.recipe).absolute().parent)
+        argv += ["-v", f"{d}:{d}:ro"]
+    for m in filter(None, a.mounts.split(",")):
+        argv += ["-v", m]
+    for k in sorted(os.environ):
+        if k.startswith(PASS_ENV_PREFIXES):
+            argv += ["-e", k]  # docker copies the value from this environment
+    if a.gpus_per_node:
+        argv += ["-e", f"NPROC_PER_NODE={a.gpus_per_node}"]
+    ckpt = f"{run_dir}/checkpoints"
+    targs = ["train", *recipe_args(a.recipe), *a.overrides, *ckpt_overrides(ckpt)]
+    plan = Plan("docker", argv + [a.container, *targs])
+    plan.notes.append("the image's entrypoint runs `train` through launch/torchrun.sh (one worker per GPU)")
+    return plan
+
+
+def ckpt_overrides(ckpt_dir: str) -> list:
+    return [f"{k}={ckpt_dir}" for k in CKPT_KEYS]
+
+
+def plan_slurm(a) -> Plan:
+    job, gpus, run_dir = job_name(a), a.gpus_per_node or 8, default_run_dir(a)
+    recipe = str(Path(a.recipe).absolute()) if a.recipe.endswith((".yaml", ".yml")) else a.recipe
+    env = {"RUN_DIR": run_dir}
+    if a.container:
+        env["CONTAINER_IMAGE"] = a.container
+    if a.mounts:
+        env["CONTAINER_MOUNTS"] = a.mounts
+    argv = ["sbatch", f"--job-name={job}", f"--nodes={a.nodes}", f"--gpus-per-node={gpus}"]
+    argv += [f"--{k}={v}" for k, v in (("partition", a.partition), ("account", a.account), ("time", a.time)) if v]
+    plan = Plan("slurm", argv + [script(SLURM_SBATCH), recipe, *a.overrides], env)
+    # What each node runs: torchrun.sh's own dry run, with the values slurm.sbatch derives there as words.
+    ckpt = f"{run_dir}/checkpoints"
+    targs = ["train", *recipe_args(recipe), *a.overrides, *ckpt_overrides(ckpt)]
+    node_env = {"NNODES": str(a.nodes), "NPROC_PER_NODE": str(gpus), "NODE_RANK": "NODE_ID",
+                "MASTER_ADDR": "FIRST_HOST", "MASTER_PORT": "JOB_PORT"}
+    where = "inside the container " if a.container else ""
+    plan.notes.append(f"each node then runs {where}(NODE_ID = its index, FIRST_HOST = the first host, "
+                      f"JOB_PORT = 20000 + job id % 20000):")
+    plan.notes.append(torchrun_line(targs, node_env))
+    plan.notes.append(f"requeue-safe: checkpoints in {ckpt}; a requeued or resubmitted job named {job} resumes")
+    return plan
+
+
+def make_plan(a) -> Plan:
+    if a.nodes < 1 or (a.gpus_per_node is not None and a.gpus_per_node < 1):
+        raise SystemExit("megatron-kd launch: --nodes and --gpus-per-node must be >= 1")
+    check_recipe(a.recipe)
+    if a.nodes > 1 or a.slurm:
+        return plan_slurm(a)
+    if a.container:
+        return plan_docker(a)
+    return plan_local(a)
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_intermixed_args(argv)
+    plan = make_plan(a)
+    print(plan.shell())
+    for note in plan.notes:
+        print(f"# {note}")
+    if a.dry_run:
+        return 0
+    sys.stdout.flush()
+    return subprocess.run(plan.argv, env={**os.environ, **plan.env}).returncode

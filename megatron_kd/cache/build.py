@@ -1,0 +1,147 @@
+"""build_cache: run a teacher over a token dataset's samples and write its top-K, resumably.
+
+Layout: shards are fixed ranges of sample indices; data-parallel rank r computes shards r, r + dp, ...;
+within a TP group every rank runs the teacher and the vocab-parallel top-K, and TP rank 0 writes.
+Global rank 0 writes settings.json before anyone computes and manifest.json after everyone is done.
+Micro-batches never cross a shard boundary, so a shard's bytes do not depend on where a previous run died.
+"""
+import os
+
+import torch
+import torch.distributed as dist
+
+from ..parallel.comm import group_rank, group_size
+from ..parallel.topk import topk_from_hidden, vocab_parallel_topk
+from .dataset import split_sample
+from .errors import CacheError
+from .format import MANIFEST, make_settings
+from .progress import Progress
+from .reader import load_manifest
+from .writer import CacheWriter
+
+
+def _dist_on() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _barrier():
+    if _dist_on():
+        dist.barrier()
+
+
+def _data_parallel(tp_group, dp_rank, dp_size):
+    if dp_rank is not None and dp_size is not None:
+        return int(dp_rank), int(dp_size)
+    try:
+        from megatron.core import parallel_state as ps
+        if ps.model_parallel_is_initialized():
+            return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    except ImportError:
+        pass
+    if _dist_on():
+        tp = group_size(tp_group)
+        return dist.get_rank() // tp, dist.get_world_size() // tp
+    return 0, 1
+
+
+def _tokens(dataset, i) -> torch.Tensor:
+    return split_sample(dataset[i])["tokens"].reshape(-1)
+
+
+def _teacher_topk(teacher, tokens, k, temperature, chunk_size, tp_group):
+    out = teacher(tokens)
+    b, s = tokens.shape
+    if out.logits is not None:
+        logits = out.logits.reshape(b * s, -1)
+        step = int(chunk_size or max(1, (1 << 26) // max(1, logits.shape[1])))
+        parts = [vocab_parallel_topk(logits[a:a + step], k, tp_group, out.vocab_start_index, temperature,
+                                     teacher.vocab_size) for a in range(0, b * s, step)]
+        ids, lp = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    else:
+        hidden = out.hidden.reshape(b * s, -1)
+        ids, lp = topk_from_hidden(hidden, out.weight, k, tp_group, chunk_size, temperature,
+                                   out.vocab_start_index, teacher.vocab_size)
+    return ids.reshape(b, s, k), lp.reshape(b, s, k)
+
+
+def _broadcast_list(obj: list, tp_group) -> list:
+    """TP rank 0's list on every rank of the group: all ranks of a TP group must run the same shards."""
+    if group_size(tp_group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(tp_group, 0), group=tp_group)
+    return box[0]
+
+
+def _teacher_identity(teacher, teacher_id):
+    if teacher_id is None:
+        return teacher.identity()
+    if isinstance(teacher_id, str):
+        return {"name": teacher_id}
+    return dict(teacher_id)
+
+
+def build_cache(teacher, dataset, out_dir, *, top_k: int = 100, encoding: str = "fp16", temperature: float = 1.0,
+                num_samples: int | None = None, samples_per_shard: int | None = None, micro_batch_size: int = 1,
+                chunk_size: int | None = None, teacher_id=None, tokenizer_id: str = "", dataset_id: str | None = None,
+                overwrite: bool = False, progress: bool = True, tp_group=None, dp_rank: int | None = None,
+                dp_size: int | None = None) -> dict:
+    """Build (or finish) the cache in out_dir; returns the manifest. Call on every rank with the same arguments.
+
+    teacher: a Teacher (see megatron_kd.cache.teacher: MegatronTeacher, CallableTeacher, HFTeacher).
+    dataset: len() + [i] -> Megatron GPT dict (tokens, labels, ...) or seq_length + 1 token ids.
+    teacher_id: overrides teacher.identity() (a dict, or a string used as the name).
+    """
+    tp_group = tp_group if tp_group is not None else getattr(teacher, "tp_group", None)
+    dp_rank, dp_size = _data_parallel(tp_group, dp_rank, dp_size)
+    writes = group_rank(tp_group) == 0
+    is_root = not _dist_on() or dist.get_rank() == 0
+    n = len(dataset) if num_samples is None else int(num_samples)
+    if n > len(dataset):
+        raise CacheError(f"num_samples={n} but the dataset has only {len(dataset)} samples; lower --num-samples")
+    if micro_batch_size < 1:
+        raise CacheError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    seq = int(_tokens(dataset, 0).numel())
+    if dataset_id is None:
+        dataset_id = str(getattr(dataset, "unique_description_hash", ""))
+    settings = make_settings(encoding=encoding, top_k=top_k, vocab_size=teacher.vocab_size, temperature=temperature,
+                             seq_length=seq, num_samples=n, teacher=_teacher_identity(teacher, teacher_id),
+                             tokenizer=tokenizer_id, dataset=dataset_id, samples_per_shard=samples_per_shard)
+
+    writer = CacheWriter(out_dir, settings, overwrite=overwrite) if is_root else None
+    _barrier()
+    if writer is None:
+        writer = CacheWriter(out_dir, settings)
+    finished = os.path.exists(os.path.join(writer.path, MANIFEST))  # and nothing pending: the writer checked
+    mine = [j for j in writer.pending_shards() if j % dp_size == dp_rank]
+    mine = _broadcast_list(mine, tp_group)
+    _barrier()  # every rank has listed its shards before any rank writes one
+
+    todo = sum(writer.shard_range(j)[1] - writer.shard_range(j)[0] for j in mine)
+    bar = Progress(todo, seq, enabled=progress and is_root, scale=dp_size)
+    for j in mine:
+        first, stop = writer.shard_range(j)
+        sw = writer.begin_shard(j) if writes else None
+        try:
+            for a in range(first, stop, micro_batch_size):
+                idx = range(a, min(stop, a + micro_batch_size))
+                tokens = torch.stack([_tokens(dataset, i) for i in idx])
+                if tokens.shape[1] != seq:
+                    raise CacheError(f"sample {a} has {tokens.shape[1]} tokens, sample 0 has {seq}: the cache needs "
+                                     "a dataset of fixed sequence length")
+                ids, lp = _teacher_topk(teacher, tokens, top_k, temperature, chunk_size, tp_group)
+                if sw is not None:
+                    sw.add(ids, lp, tokens)
+                bar.update(len(idx))
+            if sw is not None:
+                sw.commit()
+        except BaseException:
+            if sw is not None:
+                sw.abort()
+            raise
+    bar.close()
+    _barrier()
+    if is_root and not finished:
+        writer.finalize()
+    _barrier()
+    return load_manifest(writer.path)

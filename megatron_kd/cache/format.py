@@ -1,0 +1,81 @@
+"""The cache directory layout and its settings (the part of the manifest that defines a cache).
+
+DIR/settings.json        what the build was asked for; written first, compared on every restart
+DIR/shards/NNNNNN.bin    samples [first, first + count): count x sample_bytes, no header
+DIR/shards/NNNNNN.json   the shard's sidecar: checksum, per-sample token hash + crc32, statistics;
+                         its presence (with a .bin of the right size) marks the shard as done
+DIR/samples.idx          per sample: uint64 token hash, uint32 crc32 of its bytes, uint32 0 (16 bytes)
+DIR/manifest.json        settings + shards + checksums + statistics; written last: its presence = finished
+"""
+import os
+
+import numpy as np
+
+from .encoding import ENCODINGS, get_encoding
+from .errors import CacheError
+
+FORMAT = "megatron-kd-topk-cache"
+FORMAT_VERSION = 1
+SETTINGS = "settings.json"
+MANIFEST = "manifest.json"
+SAMPLE_INDEX = "samples.idx"
+SHARD_DIR = "shards"
+SAMPLE_INDEX_DTYPE = np.dtype([("token_hash", "<u8"), ("crc32", "<u4"), ("reserved", "<u4")])
+DEFAULT_SHARD_BYTES = 256 << 20
+
+# Keys that must match for a restart to continue an existing build (everything in settings.json does).
+IDENTITY_KEYS = ("format", "format_version", "encoding", "top_k", "vocab_size", "temperature", "seq_length",
+                 "num_samples", "samples_per_shard", "sample_bytes", "teacher", "tokenizer", "dataset", "token_hash")
+
+
+def shard_name(j: int) -> str:
+    return os.path.join(SHARD_DIR, f"{j:06d}.bin")
+
+
+def sidecar_name(j: int) -> str:
+    return os.path.join(SHARD_DIR, f"{j:06d}.json")
+
+
+def make_settings(*, encoding, top_k, vocab_size, temperature, seq_length, num_samples, teacher, tokenizer="",
+                  dataset="", samples_per_shard=None) -> dict:
+    if encoding not in ENCODINGS:
+        raise CacheError(f"unknown encoding {encoding!r}; use one of {', '.join(ENCODINGS)}")
+    if num_samples < 1:
+        raise CacheError("the dataset has no samples; pass a non-empty dataset or --num-samples >= 1")
+    enc = get_encoding(encoding, vocab_size, top_k, seq_length)
+    if samples_per_shard is None:
+        samples_per_shard = max(1, min(num_samples, DEFAULT_SHARD_BYTES // enc.sample_bytes))
+    if samples_per_shard < 1:
+        raise CacheError(f"samples_per_shard must be >= 1, got {samples_per_shard}")
+    return {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "encoding": encoding, "top_k": int(top_k),
+        "vocab_size": int(vocab_size), "temperature": float(temperature), "seq_length": int(seq_length),
+        "num_samples": int(num_samples), "samples_per_shard": int(samples_per_shard),
+        "sample_bytes": enc.sample_bytes, "bytes_per_token": enc.bytes_per_token,
+        "teacher": teacher, "tokenizer": str(tokenizer), "dataset": str(dataset),
+        "token_hash": "blake2b-64 of the sample's input tokens [seq_length] as little-endian int64",
+        "alignment": "row t = teacher distribution of token t+1 given tokens[:t+1] (aligned with labels)",
+    }
+
+
+def num_shards(settings: dict) -> int:
+    return -(-settings["num_samples"] // settings["samples_per_shard"])
+
+
+def shard_range(settings: dict, j: int) -> tuple[int, int]:
+    first = j * settings["samples_per_shard"]
+    return first, min(settings["num_samples"], first + settings["samples_per_shard"])
+
+
+def settings_diff(old: dict, new: dict) -> list[str]:
+    return [f"{k}: cache has {old.get(k)!r}, this build asks for {new.get(k)!r}"
+            for k in IDENTITY_KEYS if old.get(k) != new.get(k)]
+
+
+def check_format(meta: dict, path) -> None:
+    if meta.get("format") != FORMAT:
+        raise CacheError(f"{path} is not a megatron-kd top-K cache (format={meta.get('format')!r}); "
+                         "point to the directory `megatron-kd cache build --out` wrote")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CacheError(f"{path} has cache format version {meta.get('format_version')}, this megatron-kd reads "
+                         f"version {FORMAT_VERSION}; rebuild the cache with this version or use the matching release")

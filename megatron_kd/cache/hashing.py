@@ -1,0 +1,40 @@
+"""Identities: per-sample token hashes, shard checksums, and teacher fingerprints."""
+import hashlib
+import json
+import zlib
+
+import numpy as np
+
+CHECKSUM = "sha256"
+
+
+def token_hash(tokens) -> int:
+    """64-bit blake2b of the teacher's input tokens as little-endian int64 (what the cache row describes)."""
+    if hasattr(tokens, "detach"):
+        tokens = tokens.detach().cpu().numpy()
+    arr = np.ascontiguousarray(np.asarray(tokens).ravel(), dtype="<i8")
+    return int.from_bytes(hashlib.blake2b(arr.tobytes(), digest_size=8).digest(), "little")
+
+
+def hex64(value: int) -> str:
+    return f"{int(value):016x}"
+
+
+def crc32(buf) -> int:
+    return zlib.crc32(memoryview(np.ascontiguousarray(buf)).cast("B")) & 0xFFFFFFFF
+
+
+def file_sha256(path, block: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(block)
+            if not chunk:
+                break
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def config_hash(config: dict) -> str:
+    text = json.dumps(config, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

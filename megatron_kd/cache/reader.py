@@ -1,0 +1,166 @@
+"""CacheReader: O(1) random access to sample i through numpy memory maps.
+
+Sample i lives in shard i // samples_per_shard at byte (i % samples_per_shard) * sample_bytes. Shards are
+mapped lazily, so opening a cache costs one JSON read and a stat per shard, and the reader pickles cheaply
+into DataLoader workers (maps are reopened there).
+"""
+import math
+import os
+
+import numpy as np
+
+from .encoding import get_encoding
+from .errors import CacheError
+from .format import MANIFEST, SAMPLE_INDEX, SAMPLE_INDEX_DTYPE, SETTINGS, check_format, num_shards, sidecar_name
+from .fsio import read_json
+from .hashing import crc32, hex64, token_hash
+
+
+def _rebuild_hint(path) -> str:
+    return f"rerun the same `megatron-kd cache build --out {path} ...` command (it resumes and keeps finished shards)"
+
+
+def load_manifest(path) -> dict:
+    p = os.path.join(path, MANIFEST)
+    if not os.path.isdir(path):
+        raise CacheError(f"cache directory {path} does not exist; build it with `megatron-kd cache build --out {path}`")
+    if not os.path.exists(p):
+        if os.path.exists(os.path.join(path, SETTINGS)):
+            settings = read_json(os.path.join(path, SETTINGS))
+            done = sum(os.path.exists(os.path.join(path, sidecar_name(j))) for j in range(num_shards(settings)))
+            raise CacheError(f"{path} has no manifest.json: its build has not finished ({done} of "
+                             f"{num_shards(settings)} shards done); {_rebuild_hint(path)}")
+        raise CacheError(f"{path} has no manifest.json and is not a cache directory; build one with "
+                         f"`megatron-kd cache build --out {path}`")
+    try:
+        manifest = read_json(p)
+    except ValueError as e:
+        raise CacheError(f"{p} is not valid JSON ({e}); delete it and {_rebuild_hint(path)}") from None
+    check_format(manifest, p)
+    return manifest
+
+
+class CacheReader:
+    def __init__(self, path, *, verify_reads: bool = True):
+        """verify_reads: check each sample's crc32 when read (about 1 ms per MB), so a corrupt shard fails loudly."""
+        self.path = os.fspath(path)
+        self.verify_reads = verify_reads
+        self.manifest = load_manifest(self.path)
+        m = self.manifest
+        self.top_k, self.vocab_size, self.seq_length = m["top_k"], m["vocab_size"], m["seq_length"]
+        self.temperature, self.encoding = m["temperature"], m["encoding"]
+        self.samples_per_shard, self.sample_bytes = m["samples_per_shard"], m["sample_bytes"]
+        self._enc = get_encoding(self.encoding, self.vocab_size, self.top_k, self.seq_length)
+        if self._enc.sample_bytes != self.sample_bytes:
+            raise CacheError(f"{self.path}: manifest says {self.sample_bytes} bytes per sample, the {self.encoding} "
+                             f"encoding needs {self._enc.sample_bytes}; the manifest was edited or is from another "
+                             "version: rebuild the cache")
+        for s in m["shards"]:
+            f = os.path.join(self.path, s["file"])
+            if not os.path.exists(f):
+                raise CacheError(f"{self.path}: shard {s['file']} is missing; delete {sidecar_name(s['shard'])} "
+                                 f"too (if present) and {_rebuild_hint(self.path)}")
+            if os.path.getsize(f) != s["bytes"]:
+                raise CacheError(f"{self.path}: shard {s['file']} has {os.path.getsize(f)} bytes, the manifest says "
+                                 f"{s['bytes']} (truncated or overwritten); delete it and {sidecar_name(s['shard'])}, "
+                                 f"then {_rebuild_hint(self.path)}")
+        idx = os.path.join(self.path, SAMPLE_INDEX)
+        if not os.path.exists(idx) or os.path.getsize(idx) != len(self) * SAMPLE_INDEX_DTYPE.itemsize:
+            raise CacheError(f"{self.path}: {SAMPLE_INDEX} is missing or has the wrong size; delete it and "
+                             f"manifest.json, then {_rebuild_hint(self.path)} (no shard is recomputed)")
+        self._maps = {}
+        self._index = None
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_maps"], state["_index"] = {}, None
+        return state
+
+    def __len__(self) -> int:
+        return self.manifest["num_samples"]
+
+    def _sample_index(self):
+        if self._index is None:
+            self._index = np.memmap(os.path.join(self.path, SAMPLE_INDEX), dtype=SAMPLE_INDEX_DTYPE, mode="r")
+        return self._index
+
+    def _shard(self, j: int):
+        mm = self._maps.get(j)
+        if mm is None:
+            mm = np.memmap(os.path.join(self.path, self.manifest["shards"][j]["file"]), dtype=np.uint8, mode="r")
+            self._maps[j] = mm
+        return mm
+
+    def _check_index(self, i) -> int:
+        if not isinstance(i, (int, np.integer)):
+            raise TypeError(f"sample index must be an int, got {type(i).__name__}")
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"sample {i} out of range: the cache holds {n} samples")
+        return int(i) % n
+
+    def raw(self, i: int) -> np.ndarray:
+        """The sample's encoded bytes (a read-only memmap slice)."""
+        i = self._check_index(i)
+        j, r = divmod(i, self.samples_per_shard)
+        buf = self._shard(j)[r * self.sample_bytes:(r + 1) * self.sample_bytes]
+        if self.verify_reads and crc32(buf) != int(self._sample_index()["crc32"][i]):
+            name = self.manifest["shards"][j]["file"]
+            raise CacheError(f"{self.path}: sample {i} in shard {name} fails its crc32 check (corrupt shard); "
+                             f"run `megatron-kd cache verify {self.path}`, delete {name} and "
+                             f"{sidecar_name(j)}, then {_rebuild_hint(self.path)}")
+        return buf
+
+    def read(self, i: int, start: int = 0, stop: int | None = None) -> dict:
+        """Positions [start, stop) of sample i: topk_ids int64 [n, K] (-1 = empty slot, its log-prob -inf),
+        topk_logprobs float32 [n, K], sorted by log-prob descending."""
+        stop = self.seq_length if stop is None else stop
+        if not 0 <= start <= stop <= self.seq_length:
+            raise IndexError(f"positions [{start}, {stop}) outside [0, {self.seq_length})")
+        ids, lp = self._enc.decode(self.raw(i), start, stop)
+        if ids.size and ids.max() >= self.vocab_size:
+            raise CacheError(f"{self.path}: sample {i} decodes to ids >= vocab_size {self.vocab_size} (corrupt shard); "
+                             f"run `megatron-kd cache verify {self.path}` and rebuild the shard it names")
+        return {"topk_ids": ids, "topk_logprobs": lp}
+
+    def __getitem__(self, i: int) -> dict:
+        return self.read(i)
+
+    def token_hash(self, i: int) -> str:
+        return hex64(int(self._sample_index()["token_hash"][self._check_index(i)]))
+
+    def check_tokens(self, i: int, tokens) -> None:
+        """Raise if `tokens` (the sample's seq_length input tokens) are not the ones the teacher saw."""
+        n = int(np.prod(np.shape(tokens.cpu() if hasattr(tokens, "cpu") else tokens)))
+        if n != self.seq_length:
+            raise CacheError(f"sample {i} has {n} tokens, the cache was built with seq_length={self.seq_length}; "
+                             "train with the cache's sequence length or rebuild the cache for this one")
+        got = hex64(token_hash(tokens))
+        want = self.token_hash(i)
+        if got != want:
+            raise CacheError(
+                f"sample {i}: token hash {got} does not match the cache's {want} ({self.path}). The training data "
+                "differs from what the teacher saw: another dataset, data seed/shuffle, sequence length, split or "
+                f"tokenizer (cache: tokenizer={self.manifest.get('tokenizer')!r}, "
+                f"dataset={self.manifest.get('dataset')!r}). Use the exact data settings of the cache build, "
+                "or rebuild the cache for this data.")
+
+    def check_compatible(self, *, vocab_size=None, top_k=None, temperature=None, seq_length=None) -> None:
+        """Raise if a student run with these settings cannot use this cache."""
+        problems = []
+        if vocab_size is not None and int(vocab_size) != self.vocab_size:
+            problems.append(f"vocabulary: the teacher's is {self.vocab_size} ids, the student's is {vocab_size}; "
+                            "top-K ids only mean the same tokens under one tokenizer: use the teacher's tokenizer "
+                            "and pass the unpadded vocabulary size")
+        if top_k is not None and int(top_k) > self.top_k:
+            problems.append(f"top_k: the run asks for K={top_k}, the cache stores K={self.top_k}; train with "
+                            f"top_k <= {self.top_k} or rebuild with --top-k {top_k}")
+        if temperature is not None and not math.isclose(float(temperature), self.temperature, rel_tol=1e-6):
+            problems.append(f"temperature: the cache was captured at T={self.temperature}, the run uses "
+                            f"T={temperature}; set the distillation temperature to {self.temperature} or rebuild "
+                            f"with --temperature {temperature}")
+        if seq_length is not None and int(seq_length) != self.seq_length:
+            problems.append(f"seq_length: the cache rows have {self.seq_length} positions, the run uses "
+                            f"{seq_length}; use seq_length={self.seq_length} or rebuild the cache")
+        if problems:
+            raise CacheError(f"cache {self.path} does not fit this run:\n  " + "\n  ".join(problems))

@@ -1,0 +1,61 @@
+"""Statistics measured at build time against the fp32 top-K values: covered mass and encoding error.
+
+kl_error of a position = |sum_k p'_k (log p'_k - log p_k)|, p = fp32 teacher top-K probabilities, p' = the
+decoded ones: the change of the top-K KL loss (tail "none") that a student equal to the teacher would see.
+"""
+import numpy as np
+
+MASS_BINS = 20
+
+
+def empty_stats() -> dict:
+    return {"tokens": 0, "mass_sum": 0.0, "mass_hist": [0] * MASS_BINS, "kl_error_sum": 0.0, "kl_error_max": 0.0}
+
+
+def _by_id(ids, logp):
+    order = np.argsort(ids, axis=1, kind="stable")
+    return np.take_along_axis(ids, order, 1), np.take_along_axis(logp, order, 1).astype(np.float64)
+
+
+def kl_error(ids, logp, dec_ids, dec_logp) -> np.ndarray:
+    """Per position |sum p' (log p' - log p)| over matching ids; empty slots (-1) count as p = 0."""
+    a_ids, a = _by_id(np.asarray(ids), np.asarray(logp))
+    b_ids, b = _by_id(np.asarray(dec_ids), np.asarray(dec_logp))
+    if not np.array_equal(a_ids, b_ids):
+        raise AssertionError("decoded ids differ from the encoded ids: the encoding is broken")
+    live = a_ids >= 0
+    pb = np.where(live, np.exp(np.where(live, b, 0.0)), 0.0)
+    return np.abs((pb * np.where(live, b - np.where(live, a, 0.0), 0.0)).sum(axis=1))
+
+
+def sample_stats(ids, logp, dec_ids, dec_logp) -> dict:
+    live = np.asarray(ids) >= 0
+    mass = np.where(live, np.exp(np.where(live, np.asarray(logp, np.float64), 0.0)), 0.0).sum(axis=1)
+    err = kl_error(ids, logp, dec_ids, dec_logp)
+    hist = np.histogram(np.clip(mass, 0.0, 1.0), bins=MASS_BINS, range=(0.0, 1.0))[0]
+    return {"tokens": int(mass.size), "mass_sum": float(mass.sum()), "mass_hist": [int(x) for x in hist],
+            "kl_error_sum": float(err.sum()), "kl_error_max": float(err.max(initial=0.0))}
+
+
+def merge(a: dict, b: dict) -> dict:
+    return {"tokens": a["tokens"] + b["tokens"], "mass_sum": a["mass_sum"] + b["mass_sum"],
+            "mass_hist": [x + y for x, y in zip(a["mass_hist"], b["mass_hist"])],
+            "kl_error_sum": a["kl_error_sum"] + b["kl_error_sum"],
+            "kl_error_max": max(a["kl_error_max"], b["kl_error_max"])}
+
+
+def summary(s: dict) -> dict:
+    n = max(1, s["tokens"])
+    hist = s["mass_hist"]
+    cum, quantiles = 0, {}
+    for q in (0.1, 0.5, 0.9):
+        cum = 0
+        for i, c in enumerate(hist):
+            cum += c
+            if cum >= q * s["tokens"]:
+                quantiles[f"p{int(q * 100)}"] = (i + 1) / MASS_BINS  # upper edge of the bin
+                break
+    return {"tokens": s["tokens"], "mean_mass_covered": s["mass_sum"] / n,
+            "mass_covered_quantiles_upper_bound": quantiles,
+            "mass_covered_histogram": {f"{i / MASS_BINS:.2f}-{(i + 1) / MASS_BINS:.2f}": c for i, c in enumerate(hist)},
+            "kl_error_mean": s["kl_error_sum"] / n, "kl_error_max": s["kl_error_max"]}

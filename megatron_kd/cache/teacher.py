@@ -1,0 +1,183 @@
+"""What the builder needs from a teacher, and adapters for Megatron-Core GPTModel, plain callables, HF models.
+
+A teacher is called with tokens [b, s] (int64) and returns a TeacherOutput holding either this rank's
+final hidden states plus output-layer rows (the builder then computes logits chunk by chunk) or this rank's
+logits shard. It also names its valid (unpadded) vocabulary size, its TP group and its identity.
+"""
+import contextlib
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..parallel.comm import all_reduce_sum, group_rank, group_size
+from .hashing import config_hash
+
+
+@dataclass
+class TeacherOutput:
+    hidden: torch.Tensor | None = None   # [b, s, H] final hidden states (after the final norm)
+    weight: torch.Tensor | None = None   # [V_local, H] this rank's output-layer rows
+    logits: torch.Tensor | None = None   # [b, s, V_local] this rank's logits (instead of hidden + weight)
+    vocab_start_index: int | None = None  # global id of row 0 of this shard; None = rank * V_local
+
+
+class CallableTeacher:
+    """Wraps fn(tokens [b, s]) -> TeacherOutput, a logits tensor, or (hidden, weight)."""
+
+    def __init__(self, fn, vocab_size: int, *, name: str = "callable", identity: dict | None = None, tp_group=None):
+        self.fn, self.vocab_size, self.name, self.tp_group = fn, int(vocab_size), name, tp_group
+        self._identity = identity
+
+    def identity(self) -> dict:
+        if self._identity is None:
+            raise ValueError(f"teacher {self.name!r} has no identity; pass identity={{'name':..., 'config_hash':..., "
+                             "'weights_hash':...}} (or teacher_id=...) so a cache can name the teacher it came from")
+        return dict(self._identity)
+
+    @torch.no_grad()
+    def __call__(self, tokens) -> TeacherOutput:
+        out = self.fn(tokens)
+        if isinstance(out, TeacherOutput):
+            return out
+        if torch.is_tensor(out):
+            return TeacherOutput(logits=out)
+        hidden, weight = out
+        return TeacherOutput(hidden=hidden, weight=weight)
+
+
+# Fields of a TransformerConfig that define the function a GPT computes. Parallel layout fields are left out
+# so that the same teacher hashes alike at any TP size.
+_CONFIG_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                  "kv_channels", "normalization", "layernorm_epsilon", "layernorm_zero_centered_gamma",
+                  "gated_linear_unit", "activation_func", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
+                  "num_moe_experts", "moe_router_topk", "rotary_interleaved", "apply_residual_connection_post_layernorm",
+                  "params_dtype", "bf16", "fp16", "softmax_scale", "window_size", "attention_softmax_in_fp32")
+
+
+def _plain(v):
+    if isinstance(v, (int, float, str, bool)) or v is None:
+        return v
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return getattr(v, "__name__", None) or str(v)
+
+
+def megatron_weights_hash(model, tp_group) -> str:
+    """A TP-layout-invariant fingerprint: exact int64 sums of each tensor's bit patterns (and their squares).
+
+    Integer sums do not depend on summation order, so TP shards summed over the TP group give the TP=1 value.
+    Zero padding rows of the vocabulary add nothing. Not cryptographic: it tells checkpoints apart.
+    """
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        t = p.detach()
+        bits = t.view(torch.int16 if t.element_size() == 2 else torch.int32).to(torch.int64).reshape(-1)
+        sums = torch.stack([bits.sum(), (bits * bits).sum()])
+        if getattr(p, "tensor_model_parallel", False):
+            sums = all_reduce_sum(sums, tp_group)
+        h.update(f"{name}:{t.dtype}:{sums[0].item()}:{sums[1].item()};".encode())
+    return h.hexdigest()[:16]
+
+
+class MegatronTeacher:
+    """A Megatron-Core GPTModel (post_process=True) as a teacher: hidden states + its output-layer shard.
+
+    The output layer is bypassed during the forward, so no [s, b, V/tp] logits tensor is ever made.
+    vocab_size is the tokenizer's (unpadded) size; the model's padded rows never enter the top-K.
+    """
+
+    def __init__(self, model, vocab_size: int, *, name: str = "megatron-gpt", tp_group=None):
+        self.model, self.vocab_size, self.name, self.tp_group = model, int(vocab_size), name, tp_group
+        self.model.eval()
+
+    def identity(self) -> dict:
+        cfg = {k: _plain(getattr(self.model.config, k, None)) for k in _CONFIG_FIELDS}
+        cfg["position_embedding_type"] = getattr(self.model, "position_embedding_type", None)
+        cfg["share_embeddings_and_output_weights"] = getattr(self.model, "share_embeddings_and_output_weights", None)
+        return {"name": self.name, "config_hash": config_hash(cfg),
+                "weights_hash": megatron_weights_hash(self.model, self.tp_group)}
+
+    def _output_weight(self):
+        m = self.model
+        if m.share_embeddings_and_output_weights:
+            return m.shared_embedding_or_output_weight()
+        return m.output_layer.weight
+
+    @contextlib.contextmanager
+    def _hidden_only(self, box):
+        layer = self.model.output_layer
+        tp = self.tp_group
+
+        def capture(hidden, weight=None, runtime_gather_output=None):
+            if getattr(layer, "sequence_parallel", False) and group_size(tp) > 1:
+                from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+                hidden = gather_from_sequence_parallel_region(hidden, group=tp)
+            box.append(hidden)
+            return hidden, None
+
+        layer.forward = capture
+        try:
+            yield
+        finally:
+            del layer.forward  # back to the class's forward
+
+    @torch.no_grad()
+    def __call__(self, tokens) -> TeacherOutput:
+        tokens = tokens.to(next(self.model.parameters()).device)
+        b, s = tokens.shape
+        pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+        mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=tokens.device), diagonal=1)[None, None]
+        box = []
+        with self._hidden_only(box):
+            self.model(tokens, pos, mask)
+        hidden = box[0].transpose(0, 1)  # [s, b, H] -> [b, s, H]
+        w = self._output_weight()
+        return TeacherOutput(hidden=hidden, weight=w, vocab_start_index=group_rank(self.tp_group) * w.shape[0])
+
+
+class HFTeacher:
+    """A Hugging Face transformers causal LM from a local directory (single device, small teachers).
+
+    Uses the base model's last hidden state and the output embeddings; models that post-process logits
+    (soft-capping, scaling) are refused rather than cached wrong.
+    """
+
+    def __init__(self, model_dir, *, device="cpu", dtype=None, name=None):
+        try:
+            import transformers
+        except ImportError:
+            raise ImportError("a Hugging Face teacher needs the `transformers` package: pip install transformers") from None
+        self.model_dir = os.fspath(model_dir)
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(self.model_dir, torch_dtype=dtype).to(device)
+        self.model.eval()
+        cfg = self.model.config
+        if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
+            raise ValueError(f"{self.model_dir}: this model post-processes its logits (soft-capping/scaling); "
+                             "the hidden-state path would cache the wrong distribution. Wrap it in a "
+                             "CallableTeacher that returns its logits instead.")
+        self.vocab_size = int(cfg.vocab_size)
+        self.name = name or os.path.basename(os.path.normpath(self.model_dir))
+        self.tp_group = None
+
+    def identity(self) -> dict:
+        h = hashlib.sha256()
+        for f in sorted(os.listdir(self.model_dir)):
+            if f.endswith((".safetensors", ".bin", ".pt")):
+                with open(os.path.join(self.model_dir, f), "rb") as fh:
+                    for chunk in iter(lambda: fh.read(1 << 24), b""):
+                        h.update(chunk)
+        return {"name": self.name, "config_hash": config_hash(json.loads(self.model.config.to_json_string())),
+                "weights_hash": h.hexdigest()[:16]}
+
+    @torch.no_grad()
+    def __call__(self, tokens) -> TeacherOutput:
+        dev = next(self.model.parameters()).device
+        out = self.model.base_model(input_ids=tokens.to(dev))
+        head = self.model.get_output_embeddings()
+        if getattr(head, "bias", None) is not None:
+            raise ValueError(f"{self.model_dir}: the output layer has a bias; wrap the model in a CallableTeacher "
+                             "that returns logits")
+        return TeacherOutput(hidden=out.last_hidden_state, weight=head.weight)

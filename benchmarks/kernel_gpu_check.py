@@ -75,15 +75,16 @@ def rel(a, b):
                 max=((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item())
 
 
-def accuracy_case(n, vocab, hidden, k, tail, ce, T, wscale, force_two_pass=False):
+def accuracy_case(n, vocab, hidden, k, tail, ce, T, wscale, force_two_pass=False, overlap=False):
     h, w, ids, logp, labels = inputs(n, vocab, hidden, k, wscale)
-    if force_two_pass:
+    if force_two_pass or overlap:
         from megatron_kd.loss.inputs import check_and_flatten
         from megatron_kd.parallel.vocab import VocabShard
         opts = LossOptions(tail=tail, ce_weight=ce, temperature=T, impl="fused")
         shard = VocabShard.build(vocab)
         hh, t, _ = check_and_flatten(h, w, ids, logp, labels, None, opts, vocab)
-        loss = fused.fused_topk_kl(hh, w, t, opts, shard, True, force_two_pass=True)
+        loss = fused.fused_topk_kl(hh, w, t, opts, shard, True, force_two_pass=force_two_pass, overlap=overlap,
+                                   sub=512 if overlap else None, sup=2048 if overlap else None)
     else:
         loss = topk_kl_loss(h, w, ids, logp, labels=labels, tail=tail, ce_weight=ce, temperature=T, impl="fused")
     loss.backward()
@@ -113,7 +114,8 @@ def measure(fn, reps=3, warmup=2):
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
     peak = torch.cuda.max_memory_allocated()
-    return dict(ms=statistics.median(times), ms_all=times, peak_gib=peak / 2**30, above_inputs_gib=(peak - base) / 2**30)
+    return dict(ms=statistics.median(times), ms_all=times, peak_gib=peak / 2**30,
+                above_inputs_gib=(peak - base) / 2**30)
 
 
 def gemm_floor(h, w):
@@ -180,10 +182,12 @@ def components(n, vocab, hidden, k):
                 sweep_best_config=str(getattr(rows._sweep_tuned, "best_config", None)))
 
 
-def timing_case(n, vocab, hidden, k, e_mib=None, main_grad=False, baselines=("gemm", "liger")):
-    old = fused.E_BYTES
+def timing_case(n, vocab, hidden, k, e_mib=None, main_grad=False, baselines=("gemm", "liger"), overlap=None):
+    old, old_overlap = fused.E_BYTES, fused.OVERLAP
     if e_mib:
         fused.E_BYTES = e_mib * fused.MIB
+    if overlap is not None:
+        fused.OVERLAP = overlap
     try:
         res = {}
         h, w, ids, logp, labels = inputs(n, vocab, hidden, k)
@@ -208,7 +212,7 @@ def timing_case(n, vocab, hidden, k, e_mib=None, main_grad=False, baselines=("ge
         res["chunks"] = fused.plan_chunks(n, vocab, LossOptions(), scaled=True)
         return res
     finally:
-        fused.E_BYTES = old
+        fused.E_BYTES, fused.OVERLAP = old, old_overlap
         gc.collect()
         torch.cuda.empty_cache()
 
@@ -246,9 +250,12 @@ def main():
         guarded(name, res, accuracy_case, 4096, V, H, K, tail, ce, T, 0.02, two)
     guarded("accuracy N=4096 sharp logits (W x10) tail=none ce=0.5", res, accuracy_case, 4096, V, H, K,
             "none", 0.5, 1.0, 0.2)
+    guarded("accuracy N=4096 tail=none ce=0 overlap (side-stream sweeps)", res, accuracy_case, 4096, V, H, K,
+            "none", 0.0, 1.0, 0.02, False, True)
     guarded(f"components N=32768 V={V}", res, components, 32768, V, H, K)
     guarded(f"timing N=32768 V={V} H={H}", res, timing_case, 32768, V, H, K)
     if not a.quick:
+        guarded(f"timing N=32768 V={V} overlap", res, timing_case, 32768, V, H, K, overlap=True, baselines=())
         guarded(f"timing N=32768 V={V} main_grad", res, timing_case, 32768, V, H, K, main_grad=True,
                 baselines=())
         for e_mib in (256, 1024):

@@ -17,6 +17,9 @@ Two ways to get dz (both exact up to bf16 rounding of dz):
            global statistics are known.
 Slot columns (teacher ids, label) are masked in the sweep and get their finished values by one
 scatter_add; s_r >= A_r e^-(slack + log V) keeps those values in range.
+MEGATRON_KD_FUSED_OVERLAP=1 (or tuning overlap=True) runs the sweeps on a side stream under the next
+sub-chunk's GEMM (two fp32 logit buffers); off by default until measured on the GPU.
+Buffers: MEGATRON_KD_FUSED_Z_MIB (fp32 logits, default 256) and MEGATRON_KD_FUSED_E_MIB (bf16 dz, 512).
 
 Weight gradient: fp32 accumulator, or straight into weight.main_grad when the weight has one
 (Megatron's gradient-accumulation fusion: no extra memory). main_grad is written during forward
@@ -40,6 +43,7 @@ from .sparse import combine_stats, grad_coefficients, prepare_slots
 MIB = 1 << 20
 Z_BYTES = int(os.environ.get("MEGATRON_KD_FUSED_Z_MIB", "256")) * MIB  # fp32 logits of one sub-chunk
 E_BYTES = int(os.environ.get("MEGATRON_KD_FUSED_E_MIB", "512")) * MIB  # bf16 dz of one super-chunk
+OVERLAP = os.environ.get("MEGATRON_KD_FUSED_OVERLAP", "0") == "1"  # sweep on a side stream (CUDA)
 SLACK = 20.0  # anchor slack (nats): E <= e^20, and rows are re-swept only beyond it
 GRAD_SCALE_ATTR = "megatron_kd_grad_scale"
 
@@ -76,8 +80,69 @@ def _main_grad(weight):
     return None
 
 
+class _Logits:
+    """Per super-chunk: the logits GEMM of each sub-chunk into a reused fp32 buffer, then the slot and sweep
+    kernels. With overlap (CUDA), the sweeps run on a side stream over two alternating buffers, so the
+    memory-bound sweep of sub-chunk i runs under the compute-bound GEMM of sub-chunk i+1."""
+
+    def __init__(self, h, w, sl, C, mdt, overlap):
+        self.h, self.w, self.sl, self.C = h, w, sl, C
+        self.overlap = overlap and h.is_cuda
+        rows_ = min(C, h.shape[0])
+        self.zbufs = [torch.empty((rows_, w.shape[0]), dtype=mdt, device=h.device)
+                      for _ in range(2 if self.overlap else 1)]
+        self.free = [None] * len(self.zbufs)  # side-stream events: buffer i may be overwritten
+        self.side = _side_stream(h.device) if self.overlap else None
+        self.z = None
+
+    def sweep(self, s0, s1, e, sweep_kw):
+        """zg [s1-s0, K1] and stat [s1-s0, 3] for rows [s0, s1); e (rows s0..s1 of E) or None."""
+        mdt = self.zbufs[0].dtype
+        zg = torch.empty((s1 - s0, self.sl.k1), dtype=mdt, device=self.h.device)
+        stat = torch.empty((s1 - s0, 3), dtype=mdt, device=self.h.device)
+        if self.w.shape[0] == 0:  # this rank's shard is all padding
+            zg.fill_(float("-inf"))
+            stat.copy_(torch.tensor([float("-inf"), 0.0, 0.0], dtype=mdt).expand(s1 - s0, 3))
+            return zg, stat
+        main = torch.cuda.current_stream(self.h.device) if self.overlap else None
+        for i, c0 in enumerate(range(s0, s1, self.C)):
+            c1 = min(s1, c0 + self.C)
+            k = i % len(self.zbufs)
+            z = self.z = self.zbufs[k][: c1 - c0]
+            if self.overlap and self.free[k] is not None:
+                main.wait_event(self.free[k])
+            gemm.mm_into(self.h[c0:c1], self.w.t(), z)
+            args = (z, None if e is None else e[c0 - s0: c1 - s0], zg[c0 - s0: c1 - s0], stat[c0 - s0: c1 - s0])
+            if not self.overlap:
+                self._kernels(c0, c1, *args, **sweep_kw)
+                continue
+            ready = torch.cuda.Event()
+            ready.record(main)
+            with torch.cuda.stream(self.side):
+                self.side.wait_event(ready)
+                self._kernels(c0, c1, *args, **sweep_kw)
+                self.free[k] = torch.cuda.Event()
+                self.free[k].record(self.side)
+        if self.overlap:
+            main.wait_stream(self.side)
+        return zg, stat
+
+    def _kernels(self, c0, c1, z, e, zg, stat, **kw):
+        slot_gather_mask(z, self.sl.idx[c0:c1], out=zg)
+        row_sweep(z, e, zg, out=stat, **kw)
+
+
+_SIDE = {}
+
+
+def _side_stream(device):
+    if device not in _SIDE:
+        _SIDE[device] = torch.cuda.Stream(device=device)
+    return _SIDE[device]
+
+
 def run(h, weight, t, opts, shard, *, grad_h=None, acc=None, wscale=1.0, sub=None, sup=None, block=None,
-        force_two_pass=False):
+        force_two_pass=False, overlap=None):
     """One pass over all tokens. Fills grad_h [N, H] (if given, unreduced over TP) and acc [V, H] += wscale
     * dL/dW (if given) for grad_output = 1. Returns the per-position statistics (ChunkStats over N)."""
     n = h.shape[0]
@@ -90,26 +155,13 @@ def run(h, weight, t, opts, shard, *, grad_h=None, acc=None, wscale=1.0, sub=Non
     C, S = plan_chunks(n, v, opts, scaled, sub=sub, sup=sup)
     sl = prepare_slots(t, opts, shard)
     g = row_weights(t, opts)
-    zbuf = torch.empty((min(C, n), v), dtype=mdt, device=h.device)
+    logits = _Logits(h, w, sl, C, mdt, (OVERLAP if overlap is None else overlap) and S > C)
     ebuf = torch.empty((min(S, n), v), dtype=h.dtype, device=h.device) if want else None
-    need_s1 = opts.needs_ce and T != 1.0
+    sweep_kw = dict(temperature=T, need_s1=opts.needs_ce and T != 1.0, slack=SLACK, block=block)
     stats = []
     for s0 in range(0, n, S):
         s1_ = min(n, s0 + S)
-        parts = []
-        for c0 in range(s0, s1_, C):
-            c1 = min(s1_, c0 + C)
-            z = zbuf[: c1 - c0]
-            if v:
-                gemm.mm_into(h[c0:c1], w.t(), z)
-                e = ebuf[c0 - s0: c1 - s0] if scaled else None
-                zg = slot_gather_mask(z, sl.idx[c0:c1])
-                parts.append((zg, row_sweep(z, e, zg, T, need_s1, SLACK, block)))
-            else:  # this rank's shard is all padding
-                parts.append((torch.full((c1 - c0, sl.k1), float("-inf"), dtype=mdt, device=h.device),
-                              torch.tensor([float("-inf"), 0.0, 0.0], dtype=mdt, device=h.device).repeat(c1 - c0, 1)))
-        zg = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
-        stat = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+        zg, stat = logits.sweep(s0, s1_, ebuf[: s1_ - s0] if scaled else None, sweep_kw)
         slc = sl.rows(s0, s1_)
         st = combine_stats(zg, stat, slc, opts, shard)
         stats.append(st)
@@ -124,7 +176,7 @@ def run(h, weight, t, opts, shard, *, grad_h=None, acc=None, wscale=1.0, sub=Non
         elif v:
             lse1 = st.lse1 if B is not None else st.lse
             coef = torch.stack([A, st.lse, A if B is None else B, lse1], 1).contiguous()
-            row_grad(z, e, coef, T, B is not None, block)
+            row_grad(logits.z, e, coef, T, B is not None, block)  # two-pass: S == C, one sub-chunk
         if not v:  # nothing on this shard: no gradient contribution
             if grad_h is not None:
                 grad_h[s0:s1_].zero_()
@@ -187,7 +239,7 @@ class FusedTopKKL(torch.autograd.Function):
 
 def fused_topk_kl(h, weight, t, opts, shard, reduce_grad_input=True, **tuning):
     """h [N, H] (hidden dtype), weight [V_local, H]; returns the reduced loss (scalar) or [N] for "none".
-    tuning (tests/benchmarks): sub / sup (chunk rows), block (Triton tile), force_two_pass."""
+    tuning (tests/benchmarks): sub / sup (chunk rows), block (Triton tile), force_two_pass, overlap."""
     if opts.reduction == "none" or h.shape[0] == 0:
         from ..loss.api import default_chunk_size
         chunk = int(opts.chunk_size or default_chunk_size(shard.local_valid))

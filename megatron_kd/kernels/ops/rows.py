@@ -115,25 +115,25 @@ def _launch(raw, tuned, grid, block, *args, **kw):
         tuned[grid](*args, **kw)
 
 
-def slot_gather_mask(z, idx):
+def slot_gather_mask(z, idx, out=None):
     """z [C, V] logits (slot columns are overwritten with -inf), idx [C, K1] int32 local slot columns
-    (-1: not on this shard). Returns zg [C, K1], the logits at the slots (-inf where not owned)."""
+    (-1: not on this shard). Returns zg [C, K1] (or fills out), the logits at the slots (-inf where not owned)."""
     c, k1 = idx.shape
-    zg = torch.empty((c, k1), dtype=z.dtype, device=z.device)
+    zg = torch.empty((c, k1), dtype=z.dtype, device=z.device) if out is None else out
     if c and k1:
-        assert z.stride(1) == 1 and idx.is_contiguous()
+        assert z.stride(1) == 1 and idx.is_contiguous() and zg.is_contiguous()
         _slot_kernel[(c,)](z, z.stride(0), idx, zg, k1, KP=max(2, triton.next_power_of_2(k1)))
     return zg
 
 
-def row_sweep(z, e, zg, temperature: float, need_s1: bool, slack: float, block: int | None = None):
+def row_sweep(z, e, zg, temperature: float, need_s1: bool, slack: float, block: int | None = None, out=None):
     """After slot_gather_mask: stat [C, 3] = (a, sum exp(u - a), sum exp(z - a T)) over the non-slot
-    columns; with e [C, V] given, also writes e = exp(u - a) there (0 at the slots)."""
+    columns (or fills out); with e [C, V] given, also writes e = exp(u - a) there (0 at the slots)."""
     c, v = z.shape
-    stat = torch.empty((c, 3), dtype=z.dtype, device=z.device)
+    stat = torch.empty((c, 3), dtype=z.dtype, device=z.device) if out is None else out
     if c == 0:
         return stat
-    assert z.stride(1) == 1 and zg.is_contiguous() and (e is None or e.stride(1) == 1)
+    assert z.stride(1) == 1 and zg.is_contiguous() and stat.is_contiguous() and (e is None or e.stride(1) == 1)
     k1 = zg.shape[1]
     _launch(_sweep_kernel, _sweep_tuned, (c,), block,
             z, z.stride(0), z if e is None else e, 0 if e is None else e.stride(0), zg, stat, v, k1,

@@ -4,7 +4,8 @@
 #   launch/torchrun.sh train --config-name llama31_8b_to_3b_32k_1xh200 kd.top_k=64
 #   launch/torchrun.sh launch/dist_smoke.py          # check the process group before a long job
 #
-# The first argument is a megatron-kd command (run as `python -m megatron_kd ...`) or a path to a .py script.
+# The first argument is a megatron-kd command (run as `python -m megatron_kd ...`), a path to a .py script,
+# or `-m package.module` (e.g. `-m megatron_kd.bridge.run --recipe ...` for Megatron-Bridge).
 # Settings come from the environment; every one has a default and every one can be overridden:
 #   NPROC_PER_NODE  workers on this node (default: visible GPUs, else 1)
 #   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT   multi-node rendezvous (slurm.sbatch sets them;
@@ -14,7 +15,7 @@
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then
-    sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+    sed -n '2,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 
@@ -59,7 +60,7 @@ else
         --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-29500}")
 fi
 
-if [[ "$1" == *.py ]]; then
+if [[ "$1" == *.py || "$1" == -m ]]; then  # a script, or `-m package.module args` (e.g. megatron_kd.bridge.run)
     cmd+=("$@")
 else
     cmd+=(-m megatron_kd "$@")

@@ -1,0 +1,81 @@
+"""The `kd` section a Bridge user adds next to their ConfigContainer. Plain dataclass: no Bridge import."""
+from dataclasses import asdict, dataclass, fields
+
+from ..loss import LossOptions
+
+
+@dataclass
+class OfflineKDConfig:
+    """Offline top-K distillation settings; loss keys mean what they mean in `megatron_kd.topk_kl_loss`."""
+
+    cache_path: str = ""
+    """Teacher top-K cache (a directory with manifest.json) built over the same training dataset."""
+    top_k: int | None = None
+    """Expected K; None takes the cache's. A mismatch fails at dataset build, before any step."""
+    kl_weight: float = 1.0
+    ce_weight: float = 0.0
+    temperature: float = 1.0
+    tail: str = "none"
+    impl: str = "auto"
+    chunk_size: int | None = None
+    check_tokens: bool = True
+    """Compare each sample's token hash with the cache's: catches a cache built for other data."""
+    eval_with_lm_loss: bool = True
+    """Validation batches (no cache rows) use the plain LM loss instead of failing."""
+
+    def validate(self) -> "OfflineKDConfig":
+        if not self.cache_path:
+            raise ValueError("kd.cache_path is required: the directory of the teacher top-K cache")
+        if self.top_k is not None and int(self.top_k) < 1:
+            raise ValueError(f"kd.top_k={self.top_k} must be a positive integer (or null: the cache's K)")
+        try:
+            LossOptions(**self.loss_kwargs())  # the loss's own checks, before any work
+        except ValueError as e:
+            raise ValueError(f"kd: {e}") from None
+        return self
+
+    def loss_kwargs(self) -> dict:
+        """Keyword arguments for topk_kl_loss (per-position losses: Bridge's loss_func masks and sums)."""
+        return dict(kl_weight=float(self.kl_weight), ce_weight=float(self.ce_weight),
+                    temperature=float(self.temperature), tail=self.tail, reduction="none", impl=self.impl,
+                    chunk_size=self.chunk_size)
+
+    @classmethod
+    def from_dict(cls, values: dict | None) -> "OfflineKDConfig":
+        values = dict(values or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown kd key(s) {unknown}; known: {sorted(known)}")
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def split_kd_overrides(overrides: list) -> tuple[list, list]:
+    """Hydra-style overrides split into ours (`kd.x=...`, prefix dropped) and Bridge's (everything else)."""
+    ours, theirs = [], []
+    for item in overrides:
+        key = item.lstrip("+~").split("=", 1)[0]
+        if key == "kd" or key.startswith("kd."):
+            ours.append(item)
+        else:
+            theirs.append(item)
+    return ours, theirs
+
+
+def apply_kd_overrides(kd: OfflineKDConfig, overrides: list) -> OfflineKDConfig:
+    """`kd.top_k=64 kd.cache_path=/data/c` onto a config; values parse as YAML scalars (64 -> int, null -> None)."""
+    import yaml
+
+    values = kd.to_dict()
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"kd override {item!r} needs the form kd.<key>=<value>")
+        key, raw = item.lstrip("+").split("=", 1)
+        key = key[len("kd."):]
+        if key not in values:
+            raise ValueError(f"unknown kd key {key!r} in {item!r}; known: {sorted(values)}")
+        values[key] = yaml.safe_load(raw) if raw != "" else ""
+    return OfflineKDConfig.from_dict(values)

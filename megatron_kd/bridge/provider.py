@@ -1,0 +1,34 @@
+"""The Bridge DatasetProvider that adds cache rows to the user's own dataset config. Imports Bridge: load it only
+through data.wrap_dataset_config. A module-level class, so Bridge's saved run config can name it (_target_)."""
+import dataclasses
+
+from megatron.bridge.data.base import DatasetProvider
+from megatron.bridge.data.utils import get_dataset_provider
+
+from .config import OfflineKDConfig
+from .data import build_kd_datasets
+
+
+@dataclasses.dataclass(kw_only=True)
+class OfflineKDDatasetProvider(DatasetProvider):
+    base: object = None
+    """The user's dataset config (GPTDatasetConfig, ...), built exactly as Bridge would build it."""
+    kd: OfflineKDConfig = dataclasses.field(default_factory=OfflineKDConfig)
+
+    def finalize(self) -> None:
+        if hasattr(self.base, "finalize"):
+            self.base.finalize()
+        super().finalize()
+
+    def build_datasets(self, context):
+        from ..cache import CacheReader
+
+        return build_kd_datasets(self.base, lambda: CacheReader(self.kd.cache_path), context,
+                                 get_dataset_provider(self.base), self.kd.check_tokens)
+
+    def __getattr__(self, name):
+        # seq_length, tokenizer settings, ...: whatever Bridge reads from a dataset config, the user's has.
+        base = self.__dict__.get("base")
+        if base is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(base, name)

@@ -1,0 +1,393 @@
+"""megatron_kd.bridge: glue logic tested without Megatron-Bridge (fake Bridge modules where a class must subclass
+Bridge's), and one test against the real Bridge, skipped where it is not importable."""
+import dataclasses
+import subprocess
+import sys
+import types
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_kd import topk_kl_loss
+from megatron_kd.bridge import OfflineKDConfig, apply_kd_overrides, bridge_available, split_kd_overrides
+from megatron_kd.bridge import data as kd_data
+from megatron_kd.bridge.api import enable_offline_kd
+from megatron_kd.bridge.run import read_config_file
+from megatron_kd.bridge.step import (OfflineKDForwardStep, kd_loss_func, kd_output_processor,
+                                     slice_for_context_parallel)
+
+ROOT = Path(__file__).resolve().parents[1]
+B, S, H, V, K = 2, 8, 16, 40, 5
+
+
+class FakeReader:
+    """CacheReader's documented surface: len, [i], check_tokens, check_compatible, top_k / vocab_size / ..."""
+
+    def __init__(self, n=4, seq_length=S, top_k=K, vocab_size=V):
+        self.top_k, self.vocab_size, self.seq_length, self.n = top_k, vocab_size, seq_length, n
+        self.checked = []
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        rng = np.random.default_rng(i)
+        ids = np.stack([rng.permutation(self.vocab_size)[:self.top_k] for _ in range(self.seq_length)])
+        lp = np.log(rng.dirichlet(np.ones(self.top_k), self.seq_length) * 0.9).astype(np.float32)
+        return {"topk_ids": ids.astype(np.int64), "topk_logprobs": lp}
+
+    def check_tokens(self, i, tokens):
+        self.checked.append(i)
+
+    def check_compatible(self, *, top_k=None, seq_length=None, **_):
+        if top_k is not None and top_k != self.top_k:
+            raise ValueError(f"cache top_k={self.top_k}, asked {top_k}")
+        if seq_length is not None and seq_length != self.seq_length:
+            raise ValueError(f"cache seq_length={self.seq_length}, asked {seq_length}")
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    def __len__(self):
+        return 3
+
+    def __getitem__(self, i):
+        t = torch.arange(S) + i
+        return {"tokens": t, "labels": t + 1, "loss_mask": torch.ones(S), "position_ids": torch.arange(S)}
+
+
+# --- import hygiene and config -------------------------------------------------------------------------------
+
+def test_import_never_pulls_bridge_or_megatron_core():
+    code = ("import sys, megatron_kd, megatron_kd.bridge, megatron_kd.bridge.step, megatron_kd.bridge.data, "
+            "megatron_kd.bridge.api, megatron_kd.bridge.run; from megatron_kd.bridge import enable_offline_kd; "
+            "bad = [m for m in sys.modules if m.startswith(('megatron.bridge', 'megatron.core'))]; print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_config_validation_names_the_key():
+    with pytest.raises(ValueError, match="kd.cache_path is required"):
+        OfflineKDConfig().validate()
+    with pytest.raises(ValueError, match="kd: tail='oops'"):
+        OfflineKDConfig(cache_path="/c", tail="oops").validate()
+    with pytest.raises(ValueError, match="kd.top_k=0"):
+        OfflineKDConfig(cache_path="/c", top_k=0).validate()
+    with pytest.raises(ValueError, match=r"unknown kd key\(s\) \['topk'\]"):
+        OfflineKDConfig.from_dict({"cache_path": "/c", "topk": 3})
+
+
+def test_overrides_split_and_parse():
+    ours, theirs = split_kd_overrides(["kd.top_k=64", "train.train_iters=10", "+kd.ce_weight=0.5", "model.x=1"])
+    assert ours == ["kd.top_k=64", "+kd.ce_weight=0.5"] and theirs == ["train.train_iters=10", "model.x=1"]
+    kd = apply_kd_overrides(OfflineKDConfig(cache_path="/c"), ours + ["kd.chunk_size=null"])
+    assert kd.top_k == 64 and kd.ce_weight == 0.5 and kd.chunk_size is None
+    with pytest.raises(ValueError, match="unknown kd key 'topk'"):
+        apply_kd_overrides(kd, ["kd.topk=3"])
+
+
+# --- the Bridge-style YAML example ---------------------------------------------------------------------------
+
+BRIDGE_SECTIONS = {"model", "train", "dataset", "optimizer", "scheduler", "checkpoint", "logger", "tokenizer",
+                   "ddp", "dist", "rng", "validation", "mixed_precision", "comm_overlap", "profiling",
+                   "rerun_state_machine", "env_vars"}  # ConfigContainer's fields in Bridge 0.6
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "recipes" / "bridge").glob("*.yaml")), ids=lambda p: p.name)
+def test_bridge_yaml_examples_parse(path):
+    bridge, kd = read_config_file(str(path))
+    OfflineKDConfig.from_dict(kd).validate()
+    assert set(bridge) <= BRIDGE_SECTIONS, set(bridge) - BRIDGE_SECTIONS
+    assert bridge["model"]["seq_length"] == bridge["dataset"]["seq_length"]  # Bridge asserts they match
+
+
+def test_bridge_yaml_example_exists():
+    assert list((ROOT / "recipes" / "bridge").glob("*.yaml")), "recipes/bridge/ needs a YAML example"
+
+
+# --- dataset glue --------------------------------------------------------------------------------------------
+
+def test_cached_dataset_adds_rows_and_checks_tokens():
+    reader = FakeReader()
+    ds = kd_data.CachedTopKDataset(TokenDataset(), reader)
+    item = ds[2]
+    assert item["topk_ids"].dtype == torch.int64 and item["topk_ids"].shape == (S, K)
+    assert item["topk_logprobs"].dtype == torch.float32
+    assert torch.equal(item["tokens"], torch.arange(S) + 2) and reader.checked == [2]
+    batch = torch.utils.data.default_collate([ds[0], ds[1]])  # what Bridge's DataLoader does
+    assert batch["topk_ids"].shape == (2, S, K)
+
+
+def test_cached_dataset_refuses_a_short_cache():
+    with pytest.raises(ValueError, match="cache has 2 samples but the training dataset needs 3"):
+        kd_data.CachedTopKDataset(TokenDataset(), FakeReader(n=2))
+
+
+def test_build_kd_datasets_wraps_train_only_and_binds_context():
+    seen = {}
+
+    def provider(sizes, config, tokenizer=None):
+        seen.update(sizes=sizes, config=config, tokenizer=tokenizer)
+        return TokenDataset(), TokenDataset(), None
+
+    ctx = SimpleNamespace(train_samples=3, valid_samples=2, test_samples=0, tokenizer="tok", pg_collection=None)
+    train, valid, test = kd_data.build_kd_datasets("base-cfg", FakeReader, ctx, provider)
+    assert isinstance(train, kd_data.CachedTopKDataset) and isinstance(valid, TokenDataset) and test is None
+    assert seen == {"sizes": [3, 2, 0], "config": "base-cfg", "tokenizer": "tok"}
+
+
+@pytest.fixture
+def fake_bridge(monkeypatch):
+    """Just enough of megatron.bridge for the DatasetProvider subclass: base classes and get_dataset_provider."""
+
+    @dataclasses.dataclass(kw_only=True)
+    class DataloaderConfig:
+        dataloader_type: str | None = None
+        num_workers: int = 2
+        pin_memory: bool = True
+
+        def finalize(self):
+            self.finalized = True
+
+    @dataclasses.dataclass
+    class DatasetProvider(DataloaderConfig):
+        def build_datasets(self, context):
+            raise NotImplementedError
+
+    calls = []
+
+    def get_dataset_provider(config):
+        def provider(sizes, cfg):
+            calls.append((sizes, cfg))
+            return TokenDataset(), None, None
+        return provider
+
+    mods = {name: types.ModuleType(name) for name in
+            ("megatron.bridge", "megatron.bridge.data", "megatron.bridge.data.base", "megatron.bridge.data.utils")}
+    mods["megatron.bridge.data.base"].DatasetProvider = DatasetProvider
+    mods["megatron.bridge.data.utils"].get_dataset_provider = get_dataset_provider
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.delitem(sys.modules, "megatron_kd.bridge.provider", raising=False)  # re-import on the fakes
+    yield SimpleNamespace(DatasetProvider=DatasetProvider, calls=calls)
+    sys.modules.pop("megatron_kd.bridge.provider", None)
+
+
+@dataclasses.dataclass
+class UserDatasetConfig:  # stands in for Bridge's GPTDatasetConfig
+    seq_length: int = S
+    num_workers: int = 8
+    pin_memory: bool = False
+    finalized: bool = False
+
+    def finalize(self):
+        self.finalized = True
+
+
+def test_dataset_provider_wraps_the_users_config(fake_bridge, monkeypatch):
+    import megatron_kd.cache as cache
+    monkeypatch.setattr(cache, "CacheReader", lambda path: FakeReader(), raising=False)
+    base = UserDatasetConfig()
+    wrapped = kd_data.wrap_dataset_config(base, OfflineKDConfig(cache_path="/c"))
+    assert isinstance(wrapped, fake_bridge.DatasetProvider)
+    assert wrapped.seq_length == S and wrapped.num_workers == 8 and wrapped.pin_memory is False
+    wrapped.finalize()
+    assert base.finalized and wrapped.finalized
+    ctx = SimpleNamespace(train_samples=3, valid_samples=0, test_samples=0)
+    train, _, _ = wrapped.build_datasets(ctx)
+    assert isinstance(train, kd_data.CachedTopKDataset) and fake_bridge.calls == [([3, 0, 0], base)]
+    with pytest.raises(AttributeError):
+        wrapped.no_such_field
+
+
+def test_enable_offline_kd_checks_the_cache_first(fake_bridge):
+    model = SimpleNamespace(seq_length=S, vocab_size=64)
+    cfg = SimpleNamespace(model=model, dataset=UserDatasetConfig())
+    step = enable_offline_kd(cfg, {"cache_path": "/c", "top_k": K}, reader=FakeReader())
+    assert isinstance(step, OfflineKDForwardStep) and step.valid_vocab_size == V
+    assert isinstance(cfg.dataset, fake_bridge.DatasetProvider) and cfg.dataset.kd.top_k == K
+    for bad_model, msg in ((SimpleNamespace(seq_length=S, vocab_size=V - 1), "vocabulary"),
+                           (SimpleNamespace(seq_length=2 * S, vocab_size=V), "seq_length"),
+                           (SimpleNamespace(seq_length=S, vocab_size=V, use_mup=True), "MuP")):
+        cfg = SimpleNamespace(model=bad_model, dataset=UserDatasetConfig())
+        with pytest.raises(ValueError, match=msg):
+            enable_offline_kd(cfg, OfflineKDConfig(cache_path="/c"), reader=FakeReader())
+    with pytest.raises(ValueError, match="top_k"):
+        enable_offline_kd(SimpleNamespace(model=model, dataset=None), OfflineKDConfig(cache_path="/c", top_k=3),
+                          reader=FakeReader())
+
+
+# --- forward step glue ---------------------------------------------------------------------------------------
+
+class FakeGPT(torch.nn.Module):
+    """GPTModel's contract for this adapter: [s, b, h] hidden states into the output_processor hook, or per-token
+    CE [b, s] when given labels and no hook."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = torch.nn.Embedding(V + 8, H)
+        self.output_layer = torch.nn.Linear(H, V, bias=False)
+        self.config = SimpleNamespace(sequence_parallel=False)
+        self.seen = {}
+
+    def forward(self, input_ids, position_ids, attention_mask, labels=None, loss_mask=None,
+                output_processor=None, output_processor_context=None):
+        hidden = self.embedding(input_ids).transpose(0, 1)  # Megatron's [s, b, h]
+        self.seen = dict(hidden=hidden, loss_mask=loss_mask)
+        if output_processor is not None:
+            return output_processor(hidden_states=hidden, output_layer=self.output_layer, output_weight=None,
+                                    labels=labels, loss_mask=loss_mask, context=output_processor_context,
+                                    config=self.config, runtime_gather_output=None)
+        logits = self.output_layer(hidden).float()
+        return torch.nn.functional.cross_entropy(logits.permute(1, 2, 0), labels, reduction="none")
+
+
+def make_batch(with_rows=True):
+    reader = FakeReader()
+    ds = kd_data.CachedTopKDataset(TokenDataset(), reader) if with_rows else TokenDataset()
+    batch = torch.utils.data.default_collate([ds[0], ds[1]])
+    batch["loss_mask"][0, -3:] = 0
+    return batch
+
+
+def test_output_processor_matches_the_loss_on_batch_major_inputs():
+    model = FakeGPT()
+    batch = make_batch()
+    hidden = model.embedding(batch["tokens"]).transpose(0, 1)
+    ctx = {"topk_ids": batch["topk_ids"], "topk_logprobs": batch["topk_logprobs"], "labels": batch["labels"],
+           "valid_vocab_size": V, "loss_kwargs": OfflineKDConfig(cache_path="/c", ce_weight=0.3).loss_kwargs()}
+    out = kd_output_processor(hidden_states=hidden, output_layer=model.output_layer, output_weight=None,
+                              context=ctx, config=model.config, labels=None)
+    ref = topk_kl_loss(hidden.transpose(0, 1), model.output_layer.weight, batch["topk_ids"], batch["topk_logprobs"],
+                       labels=batch["labels"], ce_weight=0.3, reduction="none")
+    assert out.shape == (B, S)
+    torch.testing.assert_close(out, ref)
+
+
+def test_loss_func_masks_sums_and_reports():
+    losses = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[1, 0, 1], [1, 1, 0]])
+    loss, n, report = kd_loss_func(mask, losses)
+    assert loss.item() == 13.0 and n.item() == 4
+    torch.testing.assert_close(report["kd loss"], torch.tensor([13.0, 4.0]))
+
+
+def test_forward_step_trains_on_kd_loss():
+    model = FakeGPT()
+    batch = make_batch()
+    step = OfflineKDForwardStep(OfflineKDConfig(cache_path="/c"), valid_vocab_size=V)
+    output, loss_func = step.step(batch, model)
+    loss, n, report = loss_func(output)
+    hidden = model.seen["hidden"].transpose(0, 1)
+    ref = topk_kl_loss(hidden, model.output_layer.weight, batch["topk_ids"], batch["topk_logprobs"],
+                       reduction="none")
+    torch.testing.assert_close(loss, (ref * batch["loss_mask"]).sum())
+    assert n.item() == B * S - 3 and "kd loss" in report
+    loss.backward()
+    assert model.output_layer.weight.grad is not None and model.output_layer.weight.grad.abs().sum() > 0
+
+
+def test_forward_step_eval_batches_use_the_lm_loss():
+    model = FakeGPT()
+    output, loss_func = OfflineKDForwardStep(OfflineKDConfig(cache_path="/c")).step(make_batch(False), model)
+    _, _, report = loss_func(output)
+    assert "lm loss" in report and output.shape == (B, S)
+    strict = OfflineKDForwardStep(OfflineKDConfig(cache_path="/c", eval_with_lm_loss=False))
+    with pytest.raises(ValueError, match="without cache rows"):
+        strict.step(make_batch(False), model)
+
+
+class Timers:
+    def __init__(self):
+        self.log = []
+
+    def __call__(self, name, log_level=None):
+        log = self.log
+        return SimpleNamespace(start=lambda **_: log.append(("start", name)), stop=lambda **_: log.append(("stop", name)))
+
+
+def test_forward_step_call_convention():
+    """Bridge injects state when the first parameter is named `state`; the data iterator yields collated batches."""
+    step = OfflineKDForwardStep(OfflineKDConfig(cache_path="/c"), valid_vocab_size=V)
+    import inspect
+    assert list(inspect.signature(step).parameters)[:3] == ["state", "data_iterator", "model"]
+    state = SimpleNamespace(timers=Timers(), cfg=SimpleNamespace(
+        rerun_state_machine=SimpleNamespace(check_for_nan_in_loss=False)))
+    output, loss_func = step(state, iter([make_batch()]), FakeGPT())
+    assert loss_func(output)[0].isfinite()
+    assert state.timers.log == [("start", "batch-generator"), ("stop", "batch-generator")]
+
+
+def test_forward_step_refuses_models_without_the_hook():
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, position_ids, attention_mask, labels=None):
+            return input_ids
+
+    with pytest.raises(RuntimeError, match="megatron-core >= 0.19"):
+        OfflineKDForwardStep(OfflineKDConfig(cache_path="/c"))(SimpleNamespace(), iter([make_batch()]), Old())
+
+
+def test_packed_batches_are_refused():
+    from megatron_kd.bridge.step import next_batch
+    batch = make_batch()
+    batch["cu_seqlens"] = torch.tensor([0, S])
+    with pytest.raises(ValueError, match="packed sequences"):
+        next_batch(iter([batch]), "cpu")
+
+
+def test_context_parallel_split_follows_megatron(monkeypatch):
+    """Cache rows [b, s, K] are split like tokens [b, s]: chunks r and 2*cp-1-r of 2*cp."""
+    pytest.importorskip("megatron.core")
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)  # megatron reads the stub group then
+    cp = 2
+    batch = {"tokens": torch.arange(B * S).view(B, S), "topk_ids": torch.arange(B * S * K).view(B, S, K)}
+    for rank in range(cp):
+        group = SimpleNamespace(size=lambda: cp, rank=lambda r=rank: r)
+        part = slice_for_context_parallel(dict(batch), group)
+        chunk = S // (2 * cp)
+        keep = list(range(rank * chunk, (rank + 1) * chunk)) + \
+            list(range((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk))
+        assert torch.equal(part["tokens"], batch["tokens"][:, keep])
+        assert torch.equal(part["topk_ids"], batch["topk_ids"][:, keep])
+    assert slice_for_context_parallel(batch, None) is batch
+
+
+# --- against the real Megatron-Bridge ------------------------------------------------------------------------
+
+BRIDGE_REASON = ("Megatron-Bridge is not importable here (it needs Python 3.12, Transformer Engine and CUDA; "
+                 "run inside nvcr.io/nvidia/nemo:26.08)")
+
+
+def _bridge_importable() -> bool:
+    if not bridge_available():
+        return False
+    try:
+        import megatron.bridge.training.pretrain  # noqa: F401
+        return True
+    except Exception:
+        return False
+
+
+@pytest.mark.skipif(not _bridge_importable(), reason=BRIDGE_REASON)
+def test_with_real_bridge():
+    from megatron.bridge.data.base import DatasetProvider
+    from megatron.bridge.data.utils import get_dataset_provider
+    from megatron.bridge.training.config import MockGPTDatasetConfig
+    from megatron.bridge.training.utils.train_utils import needs_global_state_injection
+
+    step = OfflineKDForwardStep(OfflineKDConfig(cache_path="/c"))
+    assert needs_global_state_injection(step)
+    base = MockGPTDatasetConfig(random_seed=1, seq_length=S, reset_position_ids=False, reset_attention_mask=False,
+                                eod_mask_loss=False)
+    wrapped = kd_data.wrap_dataset_config(base, OfflineKDConfig(cache_path="/c"))
+    assert isinstance(wrapped, DatasetProvider) and wrapped.seq_length == S
+    assert callable(get_dataset_provider(wrapped))
+
+
+def test_load_recipe_accepts_module_paths():
+    from megatron_kd.bridge.run import load_recipe
+    assert load_recipe("collections:OrderedDict") == {}

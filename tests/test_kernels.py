@@ -92,7 +92,7 @@ def test_reduction_none_and_grad_output():
     check(inp, 1e-9, gout=torch.tensor(0.37, dtype=torch.float64), tail="none")  # scalar upstream grad
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2), (torch.float16, 2e-2)])
 @pytest.mark.parametrize("two", [False, True])
 def test_low_precision_inputs(dtype, tol, two):
     inp = make_inputs(n_shape=(37,), V=300, H=24, K=9, dtype=torch.float32, seed=7)

@@ -52,10 +52,10 @@ def _round(x: int, q: int) -> int:
     return max(q, x // q * q)
 
 
-def plan_chunks(n, v_local, opts, scaled, sub=None, sup=None):
+def plan_chunks(n, vocab, opts, scaled, sub=None, sup=None):
     """(sub-chunk rows C for the fp32 logits, super-chunk rows S for dz; C divides S). Two-pass: C == S.
-    Budgets are read at call time (Z_BYTES / E_BYTES), so benchmarks can sweep them."""
-    v = max(1, v_local)
+    Budgets (Z_BYTES / E_BYTES, read at call time so benchmarks can sweep them) hold at TP=1."""
+    v = max(1, vocab)
     z_bytes, e_bytes = Z_BYTES, E_BYTES
     if sup is None and opts.chunk_size:
         sup = int(opts.chunk_size)
@@ -68,9 +68,11 @@ def plan_chunks(n, v_local, opts, scaled, sub=None, sup=None):
     return c, max(c, s // c * c)
 
 
-def _use_scaled(opts, shard) -> bool:
+def _use_scaled(opts, shard, dtype) -> bool:
+    # fp16 is out: E = exp(u - a) may reach e^slack, beyond its range
     return (group_size(shard.group) == 1 and opts.tail == "none" and opts.kl_weight >= 0
-            and opts.ce_weight >= 0 and not (opts.needs_ce and opts.temperature != 1.0))
+            and opts.ce_weight >= 0 and not (opts.needs_ce and opts.temperature != 1.0)
+            and dtype in (torch.bfloat16, torch.float32, torch.float64))
 
 
 def _main_grad(weight):
@@ -151,8 +153,9 @@ def run(h, weight, t, opts, shard, *, grad_h=None, acc=None, wscale=1.0, sub=Non
     mdt = t.logp.dtype
     T = float(opts.temperature)
     want = grad_h is not None or acc is not None
-    scaled = want and _use_scaled(opts, shard) and not force_two_pass
-    C, S = plan_chunks(n, v, opts, scaled, sub=sub, sup=sup)
+    scaled = want and _use_scaled(opts, shard, h.dtype) and not force_two_pass
+    # rows follow the global vocabulary, so a TP rank's buffers shrink with its shard
+    C, S = plan_chunks(n, shard.valid_size, opts, scaled, sub=sub, sup=sup)
     sl = prepare_slots(t, opts, shard)
     g = row_weights(t, opts)
     logits = _Logits(h, w, sl, C, mdt, (OVERLAP if overlap is None else overlap) and S > C)

@@ -7,7 +7,6 @@ import types
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 
@@ -23,32 +22,6 @@ ROOT = Path(__file__).resolve().parents[1]
 B, S, H, V, K = 2, 8, 16, 40, 5
 
 
-class FakeReader:
-    """CacheReader's documented surface: len, [i], check_tokens, check_compatible, top_k / vocab_size / ..."""
-
-    def __init__(self, n=4, seq_length=S, top_k=K, vocab_size=V):
-        self.top_k, self.vocab_size, self.seq_length, self.n = top_k, vocab_size, seq_length, n
-        self.checked = []
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        rng = np.random.default_rng(i)
-        ids = np.stack([rng.permutation(self.vocab_size)[:self.top_k] for _ in range(self.seq_length)])
-        lp = np.log(rng.dirichlet(np.ones(self.top_k), self.seq_length) * 0.9).astype(np.float32)
-        return {"topk_ids": ids.astype(np.int64), "topk_logprobs": lp}
-
-    def check_tokens(self, i, tokens):
-        self.checked.append(i)
-
-    def check_compatible(self, *, top_k=None, seq_length=None, **_):
-        if top_k is not None and top_k != self.top_k:
-            raise ValueError(f"cache top_k={self.top_k}, asked {top_k}")
-        if seq_length is not None and seq_length != self.seq_length:
-            raise ValueError(f"cache seq_length={self.seq_length}, asked {seq_length}")
-
-
 class TokenDataset(torch.utils.data.Dataset):
     def __len__(self):
         return 3
@@ -56,6 +29,17 @@ class TokenDataset(torch.utils.data.Dataset):
     def __getitem__(self, i):
         t = torch.arange(S) + i
         return {"tokens": t, "labels": t + 1, "loss_mask": torch.ones(S), "position_ids": torch.arange(S)}
+
+
+@pytest.fixture(scope="module")
+def cache_path(tmp_path_factory):
+    """A real teacher cache (megatron_kd.cache) over TokenDataset: 3 samples x S positions x K, vocab V."""
+    from megatron_kd.cache import CallableTeacher, build_cache
+    table = torch.randn(V + 8, V, generator=torch.Generator().manual_seed(0))
+    path = tmp_path_factory.mktemp("kd") / "cache"
+    build_cache(CallableTeacher(lambda tokens: table[tokens], V), TokenDataset(), path, top_k=K, teacher_id="test",
+                dataset_id="tokens", progress=False)
+    return str(path)
 
 
 # --- import hygiene and config -------------------------------------------------------------------------------
@@ -110,23 +94,7 @@ def test_bridge_yaml_example_exists():
 
 # --- dataset glue --------------------------------------------------------------------------------------------
 
-def test_cached_dataset_adds_rows_and_checks_tokens():
-    reader = FakeReader()
-    ds = kd_data.CachedTopKDataset(TokenDataset(), reader)
-    item = ds[2]
-    assert item["topk_ids"].dtype == torch.int64 and item["topk_ids"].shape == (S, K)
-    assert item["topk_logprobs"].dtype == torch.float32
-    assert torch.equal(item["tokens"], torch.arange(S) + 2) and reader.checked == [2]
-    batch = torch.utils.data.default_collate([ds[0], ds[1]])  # what Bridge's DataLoader does
-    assert batch["topk_ids"].shape == (2, S, K)
-
-
-def test_cached_dataset_refuses_a_short_cache():
-    with pytest.raises(ValueError, match="cache has 2 samples but the training dataset needs 3"):
-        kd_data.CachedTopKDataset(TokenDataset(), FakeReader(n=2))
-
-
-def test_build_kd_datasets_wraps_train_only_and_binds_context():
+def test_build_kd_datasets_wraps_train_only_and_binds_context(cache_path):
     seen = {}
 
     def provider(sizes, config, tokenizer=None):
@@ -134,9 +102,26 @@ def test_build_kd_datasets_wraps_train_only_and_binds_context():
         return TokenDataset(), TokenDataset(), None
 
     ctx = SimpleNamespace(train_samples=3, valid_samples=2, test_samples=0, tokenizer="tok", pg_collection=None)
-    train, valid, test = kd_data.build_kd_datasets("base-cfg", FakeReader, ctx, provider)
-    assert isinstance(train, kd_data.CachedTopKDataset) and isinstance(valid, TokenDataset) and test is None
+    kd = OfflineKDConfig(cache_path=cache_path, top_k=K - 2)
+    train, valid, test = kd_data.build_kd_datasets("base-cfg", kd, ctx, provider)
+    assert isinstance(valid, TokenDataset) and test is None
     assert seen == {"sizes": [3, 2, 0], "config": "base-cfg", "tokenizer": "tok"}
+    item = train[2]
+    assert item["topk_ids"].shape == (S, K - 2) and torch.equal(item["tokens"], torch.arange(S) + 2)
+    batch = torch.utils.data.default_collate([train[0], train[1]])  # what Bridge's DataLoader does
+    assert batch["topk_ids"].shape == (2, S, K - 2) and batch["topk_logprobs"].dtype == torch.float32
+
+
+def test_build_kd_datasets_refuses_other_data(cache_path):
+    class Shifted(TokenDataset):
+        def __getitem__(self, i):
+            return super().__getitem__(i + 1)
+
+    ctx = SimpleNamespace(train_samples=3, valid_samples=0, test_samples=0)
+    train, _, _ = kd_data.build_kd_datasets(None, OfflineKDConfig(cache_path=cache_path), ctx,
+                                            lambda sizes, cfg: (Shifted(), None, None))
+    with pytest.raises(ValueError, match="token"):
+        train[0]
 
 
 @pytest.fixture
@@ -187,37 +172,36 @@ class UserDatasetConfig:  # stands in for Bridge's GPTDatasetConfig
         self.finalized = True
 
 
-def test_dataset_provider_wraps_the_users_config(fake_bridge, monkeypatch):
-    import megatron_kd.cache as cache
-    monkeypatch.setattr(cache, "CacheReader", lambda path: FakeReader(), raising=False)
+def test_dataset_provider_wraps_the_users_config(fake_bridge, cache_path):
     base = UserDatasetConfig()
-    wrapped = kd_data.wrap_dataset_config(base, OfflineKDConfig(cache_path="/c"))
+    wrapped = kd_data.wrap_dataset_config(base, OfflineKDConfig(cache_path=cache_path))
     assert isinstance(wrapped, fake_bridge.DatasetProvider)
     assert wrapped.seq_length == S and wrapped.num_workers == 8 and wrapped.pin_memory is False
     wrapped.finalize()
     assert base.finalized and wrapped.finalized
     ctx = SimpleNamespace(train_samples=3, valid_samples=0, test_samples=0)
     train, _, _ = wrapped.build_datasets(ctx)
-    assert isinstance(train, kd_data.CachedTopKDataset) and fake_bridge.calls == [([3, 0, 0], base)]
+    assert train[0]["topk_ids"].shape == (S, K) and fake_bridge.calls == [([3, 0, 0], base)]
     with pytest.raises(AttributeError):
         wrapped.no_such_field
 
 
-def test_enable_offline_kd_checks_the_cache_first(fake_bridge):
+def test_enable_offline_kd_checks_the_cache_first(fake_bridge, cache_path):
     model = SimpleNamespace(seq_length=S, vocab_size=64)
     cfg = SimpleNamespace(model=model, dataset=UserDatasetConfig())
-    step = enable_offline_kd(cfg, {"cache_path": "/c", "top_k": K}, reader=FakeReader())
+    step = enable_offline_kd(cfg, {"cache_path": cache_path, "top_k": K})
     assert isinstance(step, OfflineKDForwardStep) and step.valid_vocab_size == V
     assert isinstance(cfg.dataset, fake_bridge.DatasetProvider) and cfg.dataset.kd.top_k == K
-    for bad_model, msg in ((SimpleNamespace(seq_length=S, vocab_size=V - 1), "vocabulary"),
-                           (SimpleNamespace(seq_length=2 * S, vocab_size=V), "seq_length"),
-                           (SimpleNamespace(seq_length=S, vocab_size=V, use_mup=True), "MuP")):
-        cfg = SimpleNamespace(model=bad_model, dataset=UserDatasetConfig())
+    bad = [(dict(seq_length=S, vocab_size=V - 1), {}, "vocabulary"),
+           (dict(seq_length=2 * S, vocab_size=V), {}, "seq_length"),
+           (dict(seq_length=S, vocab_size=V), {"top_k": K + 1}, "top_k"),
+           (dict(seq_length=S, vocab_size=V), {"temperature": 2.0}, "temperature"),
+           (dict(seq_length=S, vocab_size=V, use_mup=True), {}, "MuP")]
+    for model_keys, kd_keys, msg in bad:
+        cfg = SimpleNamespace(model=SimpleNamespace(**model_keys), dataset=UserDatasetConfig())
         with pytest.raises(ValueError, match=msg):
-            enable_offline_kd(cfg, OfflineKDConfig(cache_path="/c"), reader=FakeReader())
-    with pytest.raises(ValueError, match="top_k"):
-        enable_offline_kd(SimpleNamespace(model=model, dataset=None), OfflineKDConfig(cache_path="/c", top_k=3),
-                          reader=FakeReader())
+            enable_offline_kd(cfg, OfflineKDConfig(cache_path=cache_path, **kd_keys))
+        assert isinstance(cfg.dataset, UserDatasetConfig)  # nothing changed
 
 
 # --- forward step glue ---------------------------------------------------------------------------------------
@@ -246,17 +230,17 @@ class FakeGPT(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits.permute(1, 2, 0), labels, reduction="none")
 
 
-def make_batch(with_rows=True):
-    reader = FakeReader()
-    ds = kd_data.CachedTopKDataset(TokenDataset(), reader) if with_rows else TokenDataset()
+def make_batch(cache_path=None):
+    from megatron_kd.cache import TopKDataset
+    ds = TopKDataset(TokenDataset(), cache_path) if cache_path else TokenDataset()
     batch = torch.utils.data.default_collate([ds[0], ds[1]])
     batch["loss_mask"][0, -3:] = 0
     return batch
 
 
-def test_output_processor_matches_the_loss_on_batch_major_inputs():
+def test_output_processor_matches_the_loss_on_batch_major_inputs(cache_path):
     model = FakeGPT()
-    batch = make_batch()
+    batch = make_batch(cache_path)
     hidden = model.embedding(batch["tokens"]).transpose(0, 1)
     ctx = {"topk_ids": batch["topk_ids"], "topk_logprobs": batch["topk_logprobs"], "labels": batch["labels"],
            "valid_vocab_size": V, "loss_kwargs": OfflineKDConfig(cache_path="/c", ce_weight=0.3).loss_kwargs()}
@@ -276,9 +260,9 @@ def test_loss_func_masks_sums_and_reports():
     torch.testing.assert_close(report["kd loss"], torch.tensor([13.0, 4.0]))
 
 
-def test_forward_step_trains_on_kd_loss():
+def test_forward_step_trains_on_kd_loss(cache_path):
     model = FakeGPT()
-    batch = make_batch()
+    batch = make_batch(cache_path)
     step = OfflineKDForwardStep(OfflineKDConfig(cache_path="/c"), valid_vocab_size=V)
     output, loss_func = step.step(batch, model)
     loss, n, report = loss_func(output)
@@ -293,12 +277,12 @@ def test_forward_step_trains_on_kd_loss():
 
 def test_forward_step_eval_batches_use_the_lm_loss():
     model = FakeGPT()
-    output, loss_func = OfflineKDForwardStep(OfflineKDConfig(cache_path="/c")).step(make_batch(False), model)
+    output, loss_func = OfflineKDForwardStep(OfflineKDConfig(cache_path="/c")).step(make_batch(), model)
     _, _, report = loss_func(output)
     assert "lm loss" in report and output.shape == (B, S)
     strict = OfflineKDForwardStep(OfflineKDConfig(cache_path="/c", eval_with_lm_loss=False))
     with pytest.raises(ValueError, match="without cache rows"):
-        strict.step(make_batch(False), model)
+        strict.step(make_batch(), model)
 
 
 class Timers:
@@ -310,14 +294,14 @@ class Timers:
         return SimpleNamespace(start=lambda **_: log.append(("start", name)), stop=lambda **_: log.append(("stop", name)))
 
 
-def test_forward_step_call_convention():
+def test_forward_step_call_convention(cache_path):
     """Bridge injects state when the first parameter is named `state`; the data iterator yields collated batches."""
     step = OfflineKDForwardStep(OfflineKDConfig(cache_path="/c"), valid_vocab_size=V)
     import inspect
     assert list(inspect.signature(step).parameters)[:3] == ["state", "data_iterator", "model"]
     state = SimpleNamespace(timers=Timers(), cfg=SimpleNamespace(
         rerun_state_machine=SimpleNamespace(check_for_nan_in_loss=False)))
-    output, loss_func = step(state, iter([make_batch()]), FakeGPT())
+    output, loss_func = step(state, iter([make_batch(cache_path)]), FakeGPT())
     assert loss_func(output)[0].isfinite()
     assert state.timers.log == [("start", "batch-generator"), ("stop", "batch-generator")]
 
@@ -331,9 +315,9 @@ def test_forward_step_refuses_models_without_the_hook():
         OfflineKDForwardStep(OfflineKDConfig(cache_path="/c"))(SimpleNamespace(), iter([make_batch()]), Old())
 
 
-def test_packed_batches_are_refused():
+def test_packed_batches_are_refused(cache_path):
     from megatron_kd.bridge.step import next_batch
-    batch = make_batch()
+    batch = make_batch(cache_path)
     batch["cu_seqlens"] = torch.tensor([0, S])
     with pytest.raises(ValueError, match="packed sequences"):
         next_batch(iter([batch]), "cpu")

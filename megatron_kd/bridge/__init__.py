@@ -24,7 +24,6 @@ _LAZY = {
     "OfflineKDForwardStep": ".step",
     "kd_output_processor": ".step",
     "kd_loss_func": ".step",
-    "CachedTopKDataset": ".data",
 }
 
 __all__ = ["OfflineKDConfig", "apply_kd_overrides", "split_kd_overrides", "bridge_available", *_LAZY]

@@ -11,10 +11,11 @@ class OfflineKDConfig:
     cache_path: str = ""
     """Teacher top-K cache (a directory with manifest.json) built over the same training dataset."""
     top_k: int | None = None
-    """Expected K; None takes the cache's. A mismatch fails at dataset build, before any step."""
+    """K to train with: None takes the cache's; a smaller K keeps each row's most probable entries."""
     kl_weight: float = 1.0
     ce_weight: float = 0.0
     temperature: float = 1.0
+    """Must equal the temperature the cache was captured at (checked before any step)."""
     tail: str = "none"
     impl: str = "auto"
     chunk_size: int | None = None

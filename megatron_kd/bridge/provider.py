@@ -21,10 +21,7 @@ class OfflineKDDatasetProvider(DatasetProvider):
         super().finalize()
 
     def build_datasets(self, context):
-        from ..cache import CacheReader
-
-        return build_kd_datasets(self.base, lambda: CacheReader(self.kd.cache_path), context,
-                                 get_dataset_provider(self.base), self.kd.check_tokens)
+        return build_kd_datasets(self.base, self.kd, context, get_dataset_provider(self.base))
 
     def __getattr__(self, name):
         # seq_length, tokenizer settings, ...: whatever Bridge reads from a dataset config, the user's has.

@@ -6,6 +6,7 @@ Global rank 0 writes settings.json before anyone computes and manifest.json afte
 Micro-batches never cross a shard boundary, so a shard's bytes do not depend on where a previous run died.
 """
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -32,12 +33,9 @@ def _barrier():
 def _data_parallel(tp_group, dp_rank, dp_size):
     if dp_rank is not None and dp_size is not None:
         return int(dp_rank), int(dp_size)
-    try:
-        from megatron.core import parallel_state as ps
-        if ps.model_parallel_is_initialized():
-            return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    except ImportError:
-        pass
+    ps = sys.modules.get("megatron.core.parallel_state")  # only if a Megatron teacher already imported it
+    if ps is not None and ps.model_parallel_is_initialized():
+        return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     if _dist_on():
         tp = group_size(tp_group)
         return dist.get_rank() // tp, dist.get_world_size() // tp

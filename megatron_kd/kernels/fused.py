@@ -224,9 +224,10 @@ class FusedTopKKL(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w, hidden, weight = ctx.saved_tensors
-        gh = None if grad_h is None else grad_h * grad_out.to(grad_h.dtype)
+        # a 0-dim grad_out keeps the result's dtype but multiplies in its own precision (not rounded to bf16)
+        gh = None if grad_h is None else grad_h * grad_out
         if not ctx.main:
-            gw = None if grad_w is None else grad_w * grad_out.to(grad_w.dtype)
+            gw = None if grad_w is None else grad_w * grad_out
             return gh, gw, None, None, None, None, None
         g0 = float(grad_out)  # host sync: main_grad already holds expect * dL/dW
         if g0 != ctx.expect:

@@ -151,7 +151,8 @@ class HFTeacher:
         except ImportError:
             raise ImportError("a Hugging Face teacher needs the `transformers` package: pip install transformers") from None
         self.model_dir = os.fspath(model_dir)
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(self.model_dir, torch_dtype=dtype).to(device)
+        kw = {} if dtype is None else {"dtype": dtype}  # the keyword since transformers 4.56 (was torch_dtype)
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(self.model_dir, **kw).to(device)
         self.model.eval()
         cfg = self.model.config
         if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):

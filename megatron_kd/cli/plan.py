@@ -1,0 +1,195 @@
+"""`megatron-kd plan RECIPE_OR_SHAPE [overrides] [flags]`: predicted per-GPU peak memory of a KD layout.
+
+    megatron-kd plan llama-3.2-3b --seq 32768
+    megatron-kd plan gpt-oss-20b --seq 32768 --ep 8 --dp 8
+    megatron-kd plan gpt-oss-20b --seq 32768 --search 8          # every layout of 8 GPUs, fitting ones first
+    megatron-kd plan gpt-oss-20b --seq 32768 --online gpt-oss-120b --teacher-loss dense --search 8,16,32,64
+    megatron-kd plan gpt_oss_20b_32k_8xh200 parallel.ep=4       # a recipe in recipes/, Hydra overrides
+
+Flags override the recipe. The table is one rank of the worst pipeline stage; `fits` leaves RESERVE_GIB for
+the CUDA context and allocator slack (torch.cuda.max_memory_allocated excludes them).
+"""
+import argparse
+import itertools
+import json
+import sys
+from dataclasses import replace
+
+from ..plan.memory import GIB, H200_GIB, RESERVE_GIB, Training, plan_memory
+from ..plan.recipe import from_recipe, load_recipe, recipe_path
+from ..plan.shapes import Layout, ModelShape, PRESETS, active_params, preset, total_params
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="megatron-kd plan", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("target", help=f"recipe name/path, or a model shape: {', '.join(PRESETS)}")
+    p.add_argument("overrides", nargs="*", help="recipe overrides (Hydra syntax), e.g. parallel.tp=2")
+    g = p.add_argument_group("layout")
+    for k in ("tp", "pp", "ep", "etp", "cp", "dp"):
+        g.add_argument(f"--{k}", type=int)
+    g.add_argument("--gpus", type=int, help="total GPUs (sets dp = gpus / (tp*pp*cp))")
+    g.add_argument("--no-sp", action="store_true", help="sequence parallel off (default on when tp > 1)")
+    t = p.add_argument_group("step")
+    t.add_argument("--seq", type=int, help="tokens per sequence")
+    t.add_argument("--mbs", type=int, help="micro-batch size")
+    t.add_argument("--micro-batches", type=int, help="micro-batches per step per DP rank (PP in flight)")
+    t.add_argument("--recompute", choices=("full", "selective", "none"))
+    t.add_argument("--recompute-layers", type=int, help="full recompute of only this many layers per stage")
+    t.add_argument("--loss", choices=("fused", "chunked", "forward_chunked", "dense"))
+    t.add_argument("--topk", type=int)
+    t.add_argument("--online", nargs="?", const="", metavar="TEACHER",
+                   help="online KD with a teacher shape in memory (default: the recipe's teacher)")
+    t.add_argument("--teacher-loss", choices=("topk", "dense"), help="online: teacher top-K or dense logits")
+    t.add_argument("--ce", action="store_true", help="cross-entropy only (no teacher)")
+    t.add_argument("--grad-bf16", action="store_true", help="bf16 DDP grad buffer (grad_reduce_in_fp32 off)")
+    t.add_argument("--no-dist-opt", action="store_true", help="no distributed optimizer")
+    t.add_argument("--adam", choices=("fused", "foreach", "for_loop"))
+    t.add_argument("--swiglu-fusion", action="store_true", help="Megatron's bias_activation_fusion")
+    m = p.add_argument_group("model")
+    m.add_argument("--layers", type=int, help="override the student's depth")
+    o = p.add_argument_group("output")
+    o.add_argument("--gpu-gib", type=float, default=H200_GIB)
+    o.add_argument("--reserve-gib", type=float, default=RESERVE_GIB)
+    o.add_argument("--stage", type=int, help="pipeline stage (default: the worst)")
+    o.add_argument("--search", help="GPU counts (comma list): print every layout, fitting ones first")
+    o.add_argument("--json", action="store_true")
+    return p
+
+
+def resolve(a):
+    """(shape, layout, training) from the target and flags."""
+    if recipe_path(a.target) is not None:
+        shape, layout, tr, teacher = from_recipe(load_recipe(a.target, a.overrides))
+    else:
+        if a.overrides:
+            raise SystemExit(f"megatron-kd plan: overrides {a.overrides} need a recipe, not a shape")
+        try:
+            shape = preset(a.target)
+        except KeyError as e:
+            raise SystemExit(f"megatron-kd plan: {e.args[0]} (and no recipe {a.target!r} in recipes/)") from None
+        layout, tr, teacher = Layout(), Training(), None
+    if a.layers:
+        shape = shape.with_(num_layers=a.layers, name=f"{shape.name} ({a.layers} layers)")
+    lk = {k: getattr(a, k) for k in ("tp", "pp", "ep", "etp", "cp", "dp") if getattr(a, k) is not None}
+    layout = replace(layout, **lk)
+    if a.no_sp:
+        layout = replace(layout, sequence_parallel=False)
+    if a.gpus:
+        layout = replace(layout, dp=max(1, a.gpus // (layout.tp * layout.pp * layout.cp)))
+    tk = {}
+    for k, f in (("seq", "seq_len"), ("mbs", "micro_batch"), ("micro_batches", "num_microbatches"),
+                 ("recompute", "recompute"), ("recompute_layers", "recompute_layers"), ("loss", "loss"),
+                 ("topk", "topk"), ("teacher_loss", "teacher_loss"), ("adam", "adam_impl")):
+        if getattr(a, k) is not None:
+            tk[f] = getattr(a, k)
+    if a.ce:
+        tk["mode"] = "ce"
+    if a.online is not None:
+        tk["mode"] = "online"
+        tk["teacher"] = preset(a.online) if a.online else (teacher or tr.teacher)
+        if tk["teacher"] is None:
+            raise SystemExit("megatron-kd plan: --online needs a teacher shape (e.g. --online llama-3.1-8b)")
+    if a.grad_bf16:
+        tk.update(grad_fp32=False, main_grad_fusion=False)
+    if a.no_dist_opt:
+        tk["distributed_optimizer"] = False
+    if a.swiglu_fusion:
+        tk["swiglu_fusion"] = True
+    return shape, layout, replace(tr, **tk)
+
+
+def format_plan(p, gpu_gib=H200_GIB, reserve_gib=RESERVE_GIB) -> str:
+    s, lay, tr = p.shape, p.layout, p.training
+    mode = tr.mode + (f" (teacher {tr.teacher.name}, {tr.teacher_loss})" if tr.mode == "online" else "")
+    lines = [
+        f"model     {s.name}: {total_params(s) / 1e9:.3f} B params ({active_params(s) / 1e9:.3f} B active), "
+        f"{s.num_layers} layers, hidden {s.hidden}, vocab {s.vocab}" + (", MoE" if s.is_moe else ""),
+        f"layout    tp={lay.tp} pp={lay.pp} ep={lay.ep} etp={lay.expert_tp} cp={lay.cp} dp={lay.dp} "
+        f"(world {lay.world}, sp={'on' if lay.sp else 'off'}), stage {p.stage}",
+        f"step      seq {tr.seq_len} x mbs {tr.micro_batch} ({p.tokens_local} tokens/rank), {tr.num_microbatches} "
+        f"micro-batches, recompute {tr.recompute}, KD {mode}, loss {tr.loss}, top-{tr.topk}",
+        f"optimizer Megatron {'distributed ' if tr.distributed_optimizer else ''}Adam ({tr.adam_impl}), grads "
+        f"{'fp32' if tr.grad_fp32 else 'bf16'}, bf16 params + fp32 main params",
+        "",
+        f"{'component':<34}{'GiB':>9}  note",
+        f"{'-' * 34}{'-' * 9}  {'-' * 40}",
+    ]
+    for grp in ("static", "activations", "loss", "transient"):
+        for it in p.items:
+            if it.group == grp and (it.bytes or grp == "static"):
+                lines.append(f"{grp + ': ' + it.name:<34}{it.bytes / GIB:>9.2f}  {it.note}")
+    lines += ["", f"{'phase':<34}{'GiB':>9}"]
+    for k, v in p.phases.items():
+        lines.append(f"{k:<34}{v / GIB:>9.2f}" + ("  <- peak" if k == p.peak_phase else ""))
+    fit = "fits" if p.fits(gpu_gib, reserve_gib) else "DOES NOT FIT"
+    lines += ["", f"peak {p.peak_gib:.2f} GiB ({p.peak_bytes / 1e9:.1f} GB) per GPU in '{p.peak_phase}'; "
+                  f"+ {reserve_gib:g} GiB reserve vs {gpu_gib:g} GiB: {fit}"]
+    return "\n".join(lines)
+
+
+def layouts(shape: ModelShape, gpus: int, allow_cp: bool = False):
+    """Every (tp, pp, ep, cp, dp) of `gpus` GPUs valid for `shape` (tp within a node of 8)."""
+    divs = [d for d in range(1, gpus + 1) if gpus % d == 0]
+    for tp, pp in itertools.product([d for d in divs if d <= 8], divs):
+        for cp in ([d for d in divs] if allow_cp else [1]):
+            if gpus % (tp * pp * cp):
+                continue
+            dp = gpus // (tp * pp * cp)
+            for ep in (divs if shape.is_moe else [1]):
+                lay = Layout(tp=tp, pp=pp, ep=ep, cp=cp, dp=dp)
+                try:
+                    lay.check(shape)
+                except ValueError:
+                    continue
+                yield lay
+
+
+def search(shape, tr, counts, gpu_gib, reserve_gib):
+    rows = []
+    for n in counts:
+        for lay in layouts(shape, n):
+            try:
+                p = plan_memory(shape, lay, tr)
+            except ValueError:
+                continue
+            rows.append((n, lay, p))
+    return rows
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        shape, layout, tr = resolve(a)
+        if a.search:
+            counts = [int(x) for x in a.search.split(",")]
+            rows = search(shape, tr, counts, a.gpu_gib, a.reserve_gib)
+            if a.json:
+                print(json.dumps([dict(gpus=n, layout=vars(l), peak_gib=p.peak_gib, phase=p.peak_phase,
+                                       fits=p.fits(a.gpu_gib, a.reserve_gib)) for n, l, p in rows], indent=1))
+                return 0
+            print(f"{shape.name}, seq {tr.seq_len}, KD {tr.mode}, loss {tr.loss}, recompute {tr.recompute}")
+            print(f"{'gpus':>5} {'tp':>3} {'pp':>3} {'ep':>3} {'dp':>4} {'peak GiB':>9}  fits  phase")
+            for n in counts:
+                sub = sorted([r for r in rows if r[0] == n], key=lambda r: (not r[2].fits(a.gpu_gib, a.reserve_gib),
+                                                                            r[1].tp * r[1].pp, r[2].peak_bytes))
+                for _, lay, p in sub:
+                    ok = "yes" if p.fits(a.gpu_gib, a.reserve_gib) else "no"
+                    print(f"{n:>5} {lay.tp:>3} {lay.pp:>3} {lay.ep:>3} {lay.dp:>4} {p.peak_gib:>9.1f}  {ok:<4}  "
+                          f"{p.peak_phase}")
+                fit = [r for r in sub if r[2].fits(a.gpu_gib, a.reserve_gib)]
+                print(f"  -> {n} GPUs: " + (f"{len(fit)} layouts fit" if fit else "nothing fits"))
+            return 0
+        p = plan_memory(shape, layout, tr, stage=a.stage)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        print(f"megatron-kd plan: {e}", file=sys.stderr)
+        return 2
+    if a.json:
+        print(json.dumps(p.as_dict() | dict(fits=p.fits(a.gpu_gib, a.reserve_gib)), indent=1))
+    else:
+        print(format_plan(p, a.gpu_gib, a.reserve_gib))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,385 @@
+"""Per-GPU peak memory of a Megatron-Core KD training step: the model behind `megatron-kd plan`.
+
+What one rank allocates (torch.cuda.max_memory_allocated; the CUDA context and allocator slack come on top,
+see RESERVE_GIB):
+
+  static     weights (bf16) + Megatron DDP grad buffer (fp32 main grads, or bf16) + optimizer state (fp32 main
+             params + Adam m, v; the distributed optimizer shards dense params over DP x CP and expert params
+             over expert-DP) + teacher weights (online) + the top-K cache batches resident on the GPU.
+  activations what the forward keeps for backward: per layer either the checkpointed input (full recompute)
+             or everything autograd saves (see layer_activations), times the micro-batches in flight on the
+             stage (1F1B: pp - stage); plus the working set of the one layer being recomputed / differentiated.
+  loss       our chunked/fused KL: one logit chunk plus O(tokens x (H + K)) buffers and, unless the fused
+             loss writes the weight gradient straight into Megatron's main_grad, an fp32 [V/tp, H] gradient;
+             dense: whole [tokens, V/tp] fp32 logit matrices.
+  transients the optimizer step (torch's foreach AdamW holds one fp32 temporary per param group; bf16 grad
+             buffers are copied to fp32 for the step), bf16 weight gradients between autograd and main_grad.
+
+The peak is the largest of four phases: end of forward (loss), backward (recomputed layer), end of backward
+(embedding gradient) and optimizer step. Every term is a closed formula of the shape and layout; the
+activation terms name the tensors they count (tests/test_plan.py checks them against autograd on CPU).
+"""
+from dataclasses import dataclass, field, replace
+
+from .shapes import Layout, ModelShape, padded_vocab, param_counts
+
+GIB = float(1 << 30)
+RESERVE_GIB = 3.0          # CUDA context, NCCL buffers, allocator rounding: not in max_memory_allocated
+H200_GIB = 139.8           # usable HBM of one H200 (torch.cuda.mem_get_info total)
+LOSS_CHUNK_ELEMENTS = 1 << 26   # megatron_kd.loss.api.CHUNK_ELEMENTS (torch chunked impls)
+FUSED_Z_BYTES = 256 << 20       # megatron_kd.kernels.fused.Z_BYTES (fp32 logits of one sub-chunk)
+FUSED_E_BYTES = 512 << 20       # megatron_kd.kernels.fused.E_BYTES (bf16 dz of one super-chunk)
+TOPK_CHUNK_ELEMENTS = 1 << 26   # teacher top-K on the fly: logits of one chunk
+
+RECOMPUTE = ("full", "selective", "none")
+LOSSES = ("fused", "chunked", "forward_chunked", "dense")
+MODES = ("offline", "online", "ce")
+
+
+@dataclass(frozen=True)
+class Training:
+    seq_len: int = 8192
+    micro_batch: int = 1
+    num_microbatches: int = 1          # micro-batches per step on each DP rank (PP in-flight bound)
+    recompute: str = "full"            # full | selective (core attention) | none
+    recompute_layers: int | None = None  # full: layers per stage recomputed (None: all), the rest keep activations
+    grad_fp32: bool = True             # DDP grad buffer in fp32 (grad_reduce_in_fp32); False: bf16
+    distributed_optimizer: bool = True
+    adam_impl: str = "fused"           # fused | foreach (torch's CUDA default) | for_loop
+    loss: str = "fused"                # our impls (LOSSES)
+    main_grad_fusion: bool = True      # fused loss accumulates the output weight grad into main_grad
+    mode: str = "offline"              # offline (cache) | online (teacher in memory) | ce
+    topk: int = 100
+    teacher: ModelShape | None = None  # online: same TP/PP/EP layout as the student
+    teacher_loss: str = "topk"         # online: "topk" (teacher top-K chunk by chunk + our loss) | "dense"
+    cache_buffers: int = 2             # top-K batches resident on the GPU (current + prefetched)
+    swiglu_fusion: bool = False        # Megatron's bias_activation_fusion (torch.compile'd SwiGLU)
+    fused_norm: bool = True            # CUDA's fused RMSNorm (False: torch's composite CPU path, for CPU checks)
+
+    def check(self) -> None:
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute={self.recompute!r}; use one of {RECOMPUTE}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss={self.loss!r}; use one of {LOSSES}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode={self.mode!r}; use one of {MODES}")
+        if self.mode == "online" and self.teacher is None:
+            raise ValueError("mode='online' needs a teacher shape")
+        if self.adam_impl not in ("fused", "foreach", "for_loop"):
+            raise ValueError(f"adam_impl={self.adam_impl!r}; use fused, foreach or for_loop")
+        if self.seq_len < 1 or self.micro_batch < 1 or self.num_microbatches < 1:
+            raise ValueError("seq_len, micro_batch and num_microbatches must be >= 1")
+
+
+@dataclass
+class Item:
+    group: str
+    name: str
+    bytes: float
+    note: str = ""
+
+
+@dataclass
+class Plan:
+    shape: ModelShape
+    layout: Layout
+    training: Training
+    stage: int
+    items: list = field(default_factory=list)
+    phases: dict = field(default_factory=dict)      # phase -> bytes
+    params_local: int = 0
+    tokens_local: int = 0
+
+    @property
+    def peak_bytes(self) -> float:
+        return max(self.phases.values())
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak_bytes / GIB
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phases.get)
+
+    def group_bytes(self, group: str) -> float:
+        return sum(i.bytes for i in self.items if i.group == group)
+
+    def get(self, name: str) -> float:
+        return sum(i.bytes for i in self.items if i.name == name)
+
+    def fits(self, gpu_gib: float = H200_GIB, reserve_gib: float = RESERVE_GIB) -> bool:
+        return self.peak_gib + reserve_gib <= gpu_gib
+
+    def as_dict(self) -> dict:
+        return dict(shape=self.shape.as_dict(), layout=vars(self.layout) | dict(etp=self.layout.expert_tp),
+                    training={k: (v.name if isinstance(v, ModelShape) else v) for k, v in vars(self.training).items()},
+                    stage=self.stage, params_local=self.params_local, tokens_local=self.tokens_local,
+                    items=[dict(group=i.group, name=i.name, gib=i.bytes / GIB, note=i.note) for i in self.items],
+                    phases_gib={k: v / GIB for k, v in self.phases.items()}, peak_gib=self.peak_gib,
+                    peak_phase=self.peak_phase)
+
+
+# ----------------------------------------------------------------------------------------------- activations
+
+def tokens_per_rank(tr: Training, lay: Layout) -> int:
+    """Tokens of one micro-batch on one rank (context parallel splits the sequence)."""
+    return tr.micro_batch * tr.seq_len // lay.cp
+
+
+def layer_activations(shape: ModelShape, lay: Layout, T: int, moe: bool, b: int = 2, micro_batch: int = 1,
+                      swiglu_fusion: bool = False, fused_norm: bool = True) -> dict:
+    """Bytes autograd keeps for backward in one Megatron local-spec layer with SDPA attention, no recompute.
+
+    T = tokens of the micro-batch on this rank; the norms and residuals see T / tp under sequence
+    parallelism (Megatron's linears save the sequence shard and re-gather it in backward). Every entry is a
+    tensor that megatron-core 0.16/0.19 + torch keep (checked on CPU by tests/test_plan.py):
+    RMSNorm: CUDA's fused kernel keeps its bf16 input and an fp32 rstd (fused_norm=False: the composite CPU
+    path, two fp32 copies); SDPA: q, k (new after RoPE), v (a view that keeps the whole qkv output alive),
+    output and fp32 log-sum-exp; the output reshape for linear_proj is a view when micro_batch == 1;
+    RoPE's bf16 cos/sin for q and k; unfused SwiGLU keeps fc1's output (the gate is a view), silu(gate),
+    (linear + glu_linear_offset), and the product (fc2's input); MoE experts also keep the product before
+    the routing-prob scale.
+    """
+    t, h, d = lay.tp, shape.hidden, shape.head_dim
+    ts = T // t if lay.sp else T
+    s = T // max(1, micro_batch)
+    nq, nkv = shape.num_heads // t, shape.num_kv_heads // t
+    norm = (b * ts * h + 4 * ts) if fused_norm else 2 * 4 * ts * h + 4 * ts
+    a = {
+        "norm1 input (residual)": norm,
+        "qkv input (norm1 out)": b * ts * h,
+        "qkv output (v is a view of it)": b * T * (nq + 2 * nkv) * d,
+        "q, k after RoPE": b * T * (nq + nkv) * d,
+        "RoPE cos/sin": 4 * b * s * d,
+        "attention out + lse": b * T * nq * d + 4 * T * nq,
+    }
+    if micro_batch > 1:
+        a["proj input"] = b * T * nq * d
+    a["norm2 input (residual)"] = norm
+    a["mlp input (norm2 out)"] = b * ts * h
+    gated = shape.gated_mlp
+    if not moe:
+        f = shape.ffn_hidden // t
+        a["fc1 output"] = b * T * (2 if gated else 1) * f
+        if gated and not swiglu_fusion:
+            a["silu(gate), linear + offset"] = 2 * b * T * f
+        a["fc2 input"] = b * T * f
+        return a
+    fe = shape.moe_ffn_hidden // lay.expert_tp
+    R = routed_tokens(shape, lay, T)
+    a["router (logits, probs, routing map)"] = ts * shape.num_experts * 7 + ts * shape.moe_topk * 20 + 2 * R
+    a["expert inputs (dispatched)"] = b * R * h
+    a["expert fc1 outputs"] = b * R * (2 if gated else 1) * fe
+    fusion = swiglu_fusion and gated and not shape.add_bias_linear
+    if gated and not fusion:
+        a["expert silu(gate), linear + offset"] = 2 * b * R * fe
+    if not fusion:
+        a["expert act outputs (before probs)"] = b * R * fe
+    a["expert fc2 inputs (x probs)"] = b * R * fe
+    if shape.moe_shared_ffn:
+        fs = shape.moe_shared_ffn // t
+        a["shared expert"] = b * T * fs * ((2 + 2 + 1) if gated else 2)
+    return a
+
+
+def routed_tokens(shape: ModelShape, lay: Layout, T: int) -> int:
+    """Token copies one rank's experts process per micro-batch (balanced routing): ETP * T * topk / TP."""
+    return lay.expert_tp * T * shape.moe_topk // lay.tp
+
+
+def layer_backward_extra(shape: ModelShape, lay: Layout, T: int, moe: bool, b: int = 2) -> dict:
+    """Gradients alive on top of the saved activations while one layer runs backward (bytes).
+
+    Autograd frees each node's saved tensors as it goes, so the largest gradients (SwiGLU's, the expert
+    tokens', SDPA's dq/dk/dv + fp32 dq accumulator) mostly replace activations already released; measured on
+    CPU, a recomputed layer peaks within ~5% of its saved activations above the incoming gradient. We keep
+    a quarter of the largest gradient set as margin.
+    """
+    t, h, d = lay.tp, shape.hidden, shape.head_dim
+    ts = T // t if lay.sp else T
+    nq, nkv = shape.num_heads // t, shape.num_kv_heads // t
+    g = 2 if shape.gated_mlp else 1
+    attn = b * T * (nq + 2 * nkv) * d * 2 + 4 * T * nq * d
+    mlp = 2 * b * routed_tokens(shape, lay, T) * h if moe else 2 * b * T * g * shape.ffn_hidden // t
+    resid = 2 * b * ts * h + (b * T * h if lay.sp else 0)   # incoming + residual grads (+ SP gather)
+    return {"gradients in flight (1/4 of the largest set)": max(attn, mlp) // 4, "residual-stream gradients": resid}
+
+
+# ------------------------------------------------------------------------------------------------ loss
+
+def _pow2_floor(x: int) -> int:
+    return 1 << (max(1, x).bit_length() - 1)
+
+
+def loss_buffers(shape: ModelShape, lay: Layout, tr: Training, T: int) -> dict:
+    """Loss working set on the last stage: {'fwd': bytes at the loss forward, 'held': kept into backward,
+    'bwd': peak inside the loss backward, 'tail': held until the embedding backward (tied dummy grad)}."""
+    t, h = lay.tp, shape.hidden
+    vloc = padded_vocab(shape.vocab, t, lay.vocab_divisible_by) // t
+    K = tr.topk
+    gath = 2 * T * h if lay.sp else 0                  # the loss gathers the sequence-parallel hidden states
+    targets = T * K * (8 + 4 + 1 + 8) + T * 16         # ids, log-probs, valid mask, local slot index, weights
+    vh = vloc * h
+    tied_tail = 2 * vh if (shape.tied_embeddings and lay.pp == 1) else 0
+    if tr.mode == "ce":
+        tv = T * vloc
+        return dict(fwd=gath + 3 * 4 * tv, held=gath + 2 * 4 * tv, bwd=gath + 3 * 4 * tv + 6 * vh,
+                    tail=tied_tail)
+    if tr.loss == "dense" or (tr.mode == "online" and tr.teacher_loss == "dense"):
+        tv = T * vloc
+        extra = 4 * tv if tr.mode == "online" else 0   # teacher log-probs [T, V/tp] fp32 held through the loss
+        return dict(fwd=gath + targets + 3 * 4 * tv + extra, held=gath + targets + 4 * tv + extra,
+                    bwd=gath + targets + 2 * 4 * tv + 2 * tv + 6 * vh + 2 * T * h + extra, tail=tied_tail)
+    stats = T * (K + 4) * 4
+    if tr.loss == "fused":
+        # megatron_kd.kernels.fused.plan_chunks: rows follow the global vocabulary V; at tp == 1 the "scaled"
+        # path keeps C rows of fp32 logits and S >= C rows of bf16 dz, at tp > 1 (two-pass) C == S.
+        V = max(1, shape.vocab)
+        rnd = lambda x, q: max(q, x // q * q)  # noqa: E731
+        if t == 1:
+            C = rnd(FUSED_Z_BYTES // (4 * V), 16)
+            S = max(C, rnd(FUSED_E_BYTES // (2 * V), C) // C * C)
+        else:
+            C = S = rnd((FUSED_Z_BYTES + FUSED_E_BYTES) // (6 * V), 16)
+        z = min(T, C) * vloc * 4
+        e = min(T, S) * vloc * 2
+        acc = 0 if tr.main_grad_fusion else 4 * vh
+        wcopy = 0 if tr.main_grad_fusion else 2 * vh
+        held = gath + targets + stats + 2 * T * h + wcopy
+        return dict(fwd=gath + targets + stats + 2 * T * h + z + e + acc + wcopy, held=held,
+                    bwd=held + 2 * T * h + 2 * vh, tail=tied_tail)
+    c = _pow2_floor(max(16, LOSS_CHUNK_ELEMENTS // max(1, shape.vocab)))
+    cv = min(T, c) * vloc * 4
+    if tr.loss == "chunked":
+        held = gath + targets + stats
+        return dict(fwd=held + 3 * cv, held=held, bwd=held + 2 * T * h + 6 * vh + 2 * cv, tail=tied_tail)
+    held = gath + targets + 2 * T * h + 2 * vh        # forward_chunked: finished grads kept for backward
+    return dict(fwd=gath + targets + stats + 2 * T * h + 6 * vh + 2 * cv, held=held,
+                bwd=held + 2 * T * h + 2 * vh, tail=tied_tail)
+
+
+def teacher_forward_peak(teacher: ModelShape, lay: Layout, tr: Training, T: int) -> float:
+    """Transient bytes of a no-grad teacher forward (one layer's intermediates + the output top-K chunk)."""
+    t, h = lay.tp, teacher.hidden
+    act = layer_activations(teacher, lay, T, teacher.is_moe)
+    layer = max(act.values()) * 3 + 4 * (T // t if lay.sp else T) * h
+    vloc = padded_vocab(teacher.vocab, t, lay.vocab_divisible_by) // t
+    if tr.teacher_loss == "dense":
+        out = T * vloc * (2 + 4 + 4)                    # bf16 logits, fp32 copy, log-softmax
+    else:
+        c = max(16, TOPK_CHUNK_ELEMENTS // vloc)
+        out = min(T, c) * vloc * (2 + 4 + 8 + 4) + T * tr.topk * 12   # logits, fp32, int64 keys; result
+    return max(layer, out) + 2 * T * h
+
+
+# ------------------------------------------------------------------------------------------------ the plan
+
+def plan_stage(shape: ModelShape, lay: Layout, tr: Training, stage: int) -> Plan:
+    lay.check(shape)
+    tr.check()
+    pc = param_counts(shape, lay, stage)
+    T = tokens_per_rank(tr, lay)
+    first, last = stage == 0, stage == lay.pp - 1
+    p = Plan(shape, lay, tr, stage, params_local=pc.total, tokens_local=T)
+    add = lambda g, n, b, note="": p.items.append(Item(g, n, float(b), note))  # noqa: E731
+
+    # static
+    add("static", "weights", 2 * pc.total, f"bf16, {pc.total / 1e9:.3f} B params on this rank")
+    add("static", "grads", (4 if tr.grad_fp32 else 2) * pc.total,
+        "DDP main_grad buffer, " + ("fp32" if tr.grad_fp32 else "bf16"))
+    dsh = lay.dense_shard if tr.distributed_optimizer else 1
+    esh = lay.expert_dp if tr.distributed_optimizer else 1
+    add("static", "optimizer", 12 * pc.dense / dsh + 12 * pc.expert / esh,
+        f"fp32 main params + Adam m, v; dense / {dsh}" + (f", experts / {esh}" if pc.expert else ""))
+    if tr.mode == "online":
+        tpc = param_counts(tr.teacher, lay, stage)
+        add("static", "teacher weights", 2 * tpc.total, f"bf16 {tr.teacher.name}, no grads")
+    if tr.mode == "offline" and last:
+        add("static", "cache reader", tr.cache_buffers * T * tr.topk * 12,
+            f"{tr.cache_buffers} x top-{tr.topk} batches (int64 ids + fp32 log-probs)")
+    static = p.group_bytes("static")
+
+    # activations
+    inflight = min(lay.pp - stage, tr.num_microbatches)
+    ts = T // lay.tp if lay.sp else T
+    per_layer, extra = [], []
+    for i in range(stage * pc.layers, (stage + 1) * pc.layers):
+        moe = shape.is_moe and i % shape.moe_layer_freq == 0
+        a = layer_activations(shape, lay, T, moe, micro_batch=tr.micro_batch, swiglu_fusion=tr.swiglu_fusion,
+                              fused_norm=tr.fused_norm)
+        if tr.recompute == "selective":
+            a = {k: v for k, v in a.items() if k != "attention out + lse"}
+        per_layer.append(sum(a.values()))
+        extra.append(sum(layer_backward_extra(shape, lay, T, moe).values()))
+    ckpt = 2 * ts * shape.hidden
+    if tr.recompute == "full":
+        n_rc = pc.layers if tr.recompute_layers is None else min(pc.layers, tr.recompute_layers)
+        kept = n_rc * ckpt + sum(per_layer[n_rc:])
+        add("activations", "layer checkpoints", inflight * n_rc * ckpt,
+            f"{inflight} x {n_rc} layers x [T/sp, H] bf16")
+        if n_rc < pc.layers:
+            add("activations", "unrecomputed layers", inflight * sum(per_layer[n_rc:]),
+                f"{inflight} x {pc.layers - n_rc} layers' saved tensors")
+        working = max(per_layer) + max(extra) if n_rc else max(extra)
+    else:
+        kept = sum(per_layer)
+        add("activations", "saved activations", inflight * kept,
+            f"{inflight} x {pc.layers} layers ({tr.recompute} recompute)")
+        working = max(extra)
+    if first:
+        add("activations", "embedding output", 0, "counted as layer 0's input")
+    fin = 2 * ts * shape.hidden + 4 * ts if last else 0
+    if last:
+        add("activations", "final norm", inflight * fin, "input + rstd")
+    acts = inflight * (kept + fin)
+
+    # loss and teacher
+    lb = loss_buffers(shape, lay, tr, T) if last else dict(fwd=0, held=0, bwd=0, tail=0)
+    teach = teacher_forward_peak(tr.teacher, lay, tr, T) if tr.mode == "online" else 0.0
+    online_targets = T * tr.topk * 12 if (tr.mode == "online" and tr.teacher_loss == "topk") else 0
+    if last:
+        add("loss", "loss (forward)", lb["fwd"], f"{tr.loss if tr.mode != 'ce' else 'ce'} impl, {T} tokens")
+        add("loss", "loss (held for backward)", lb["held"], "")
+        add("loss", "loss (backward)", lb["bwd"], "")
+    if tr.mode == "online":
+        add("transient", "teacher forward", teach, f"{tr.teacher.name}, no grad, {tr.teacher_loss} targets")
+
+    # transients
+    wgrad = 2 * pc.largest_layer_tensor
+    emb_grad = 2 * (pc.embedding if first else 0)
+    add("transient", "recompute working set" if tr.recompute == "full" else "backward gradients", working,
+        "one layer's activations + gradients in backward" if tr.recompute == "full" else "gradients in flight")
+    add("transient", "bf16 weight grad", wgrad, "largest layer weight's grad before it joins main_grad")
+    if first:
+        add("transient", "embedding grad", emb_grad, "bf16 [V/tp, H] at the end of backward")
+    opt = 0.0
+    if tr.adam_impl == "foreach":
+        opt += 4 * max(pc.dense / dsh, pc.expert / esh)
+    if not tr.grad_fp32:
+        opt += 4 * (pc.dense / dsh + pc.expert / esh)
+    add("transient", "optimizer step", opt, f"{tr.adam_impl} AdamW" + ("" if tr.grad_fp32 else " + fp32 grad copy"))
+
+    p.phases = {
+        "teacher forward": static + teach if tr.mode == "online" else 0.0,
+        "forward end (loss)": static + acts + lb["fwd"] + online_targets,
+        "backward": static + acts + lb["held"] + online_targets + max(lb["bwd"] - lb["held"],
+                                                                       lb["tail"] + working + wgrad),
+        "backward end": static + lb["tail"] + emb_grad,
+        "optimizer step": static + opt,
+    }
+    p.phases = {k: v for k, v in p.phases.items() if v > 0}
+    return p
+
+
+def plan_memory(shape: ModelShape, layout: Layout = Layout(), training: Training = Training(),
+                stage: int | None = None) -> Plan:
+    """The plan of the worst pipeline stage (or of `stage`)."""
+    if stage is not None:
+        return plan_stage(shape, layout, training, stage)
+    stages = sorted({0, layout.pp - 1} | ({1} if layout.pp > 2 else set()))
+    return max((plan_stage(shape, layout, training, s) for s in stages), key=lambda p: p.peak_bytes)
+
+
+def with_training(tr: Training, **kw) -> Training:
+    return replace(tr, **kw)

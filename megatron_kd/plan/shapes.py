@@ -1,0 +1,255 @@
+"""Model shapes and exact per-rank parameter counts of Megatron-Core GPT models (local or TE spec).
+
+A ModelShape names everything that decides the parameter count of a `megatron.core.models.gpt.GPTModel`:
+dense or MoE, GQA, SwiGLU, RMSNorm/LayerNorm, biases, tied embeddings. `param_counts(shape, layout)`
+returns what one rank of a (TP, PP, EP, ETP) layout holds, split into the groups Megatron's optimizer
+shards differently (dense parameters over DP x CP, expert parameters over the expert-data-parallel group).
+tests/test_plan.py checks these counts against real GPTModels built on CPU.
+"""
+from dataclasses import asdict, dataclass, field, replace
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    num_layers: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden: int              # dense MLP width (per gate: SwiGLU's fc1 is [2 * ffn_hidden, hidden])
+    vocab: int                   # tokenizer vocabulary (Megatron pads it, see padded_vocab)
+    tied_embeddings: bool = False
+    gated_mlp: bool = True       # SwiGLU / GeGLU
+    norm: str = "rmsnorm"        # "rmsnorm" (weight) or "layernorm" (weight + bias)
+    add_bias_linear: bool = False
+    add_qkv_bias: bool = False
+    qk_layernorm: bool = False
+    num_experts: int = 0         # 0: dense
+    moe_topk: int = 0
+    moe_ffn_hidden: int = 0      # per expert
+    moe_shared_ffn: int = 0      # shared expert width (0: none)
+    moe_layer_freq: int = 1      # every k-th layer is MoE (1: all), like Megatron's moe_layer_freq=int
+    learned_pos_emb: int = 0     # max positions of learned absolute position embeddings (0: RoPE)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def moe_layers(self) -> int:
+        if not self.is_moe:
+            return 0
+        return sum(1 for i in range(self.num_layers) if i % self.moe_layer_freq == 0)
+
+    def with_(self, **kw) -> "ModelShape":
+        return replace(self, **kw)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# Public architectures (shapes only: the benchmarks use random weights).
+PRESETS = {
+    "llama-3.2-1b": ModelShape("llama-3.2-1b", 16, 2048, 32, 8, 64, 8192, 128256, tied_embeddings=True),
+    "llama-3.2-3b": ModelShape("llama-3.2-3b", 28, 3072, 24, 8, 128, 8192, 128256, tied_embeddings=True),
+    "llama-3.1-8b": ModelShape("llama-3.1-8b", 32, 4096, 32, 8, 128, 14336, 128256),
+    "llama-3.1-70b": ModelShape("llama-3.1-70b", 80, 8192, 64, 8, 128, 28672, 128256),
+    # GPT-OSS: attention/router/expert biases; sinks and sliding windows are not modelled (64 params a layer)
+    "gpt-oss-20b": ModelShape("gpt-oss-20b", 24, 2880, 64, 8, 64, 2880, 201088, add_bias_linear=True,
+                              add_qkv_bias=True, num_experts=32, moe_topk=4, moe_ffn_hidden=2880),
+    "gpt-oss-120b": ModelShape("gpt-oss-120b", 36, 2880, 64, 8, 64, 2880, 201088, add_bias_linear=True,
+                               add_qkv_bias=True, num_experts=128, moe_topk=4, moe_ffn_hidden=2880),
+    "qwen3-30b-a3b": ModelShape("qwen3-30b-a3b", 48, 2048, 32, 4, 128, 6144, 151936, qk_layernorm=True,
+                                num_experts=128, moe_topk=8, moe_ffn_hidden=768),
+}
+ALIASES = {k.replace("-", "").replace(".", ""): k for k in PRESETS}
+ALIASES.update({k.replace("-", "_").replace(".", ""): k for k in PRESETS})
+ALIASES.update({"llama32_3b": "llama-3.2-3b", "llama3.2-3b": "llama-3.2-3b", "llama31_8b": "llama-3.1-8b",
+                "llama3.1-8b": "llama-3.1-8b", "gpt_oss_20b": "gpt-oss-20b", "gptoss20b": "gpt-oss-20b",
+                "gpt_oss_120b": "gpt-oss-120b", "llama32_1b": "llama-3.2-1b", "llama31_70b": "llama-3.1-70b"})
+
+
+def preset(name: str) -> ModelShape:
+    key = name.strip().lower()
+    if key in PRESETS:
+        return PRESETS[key]
+    key = ALIASES.get(key) or ALIASES.get(key.replace("-", "").replace(".", "").replace("_", ""))
+    if key is None:
+        raise KeyError(f"unknown model shape {name!r}; known: {', '.join(PRESETS)}")
+    return PRESETS[key]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One rank's view of the parallel layout. etp (expert TP) defaults to tp, as in Megatron."""
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    cp: int = 1
+    dp: int = 1
+    etp: int | None = None
+    sequence_parallel: bool | None = None   # default: on when tp > 1
+    vocab_divisible_by: int = 128           # Megatron-LM's --make-vocab-size-divisible-by
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def sp(self) -> bool:
+        return self.tp > 1 if self.sequence_parallel is None else bool(self.sequence_parallel) and self.tp > 1
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def dense_shard(self) -> int:
+        """Ranks the distributed optimizer shards dense parameters over (Megatron's intra DP x CP group)."""
+        return self.dp * self.cp
+
+    @property
+    def expert_dp(self) -> int:
+        """Expert-data-parallel size: world / (ETP x EP x PP)."""
+        denom = self.expert_tp * self.ep * self.pp
+        if self.world % denom:
+            raise ValueError(f"world size {self.world} (tp*pp*cp*dp) is not divisible by etp*ep*pp = {denom}")
+        return self.world // denom
+
+    def check(self, shape: ModelShape | None = None) -> None:
+        for k in ("tp", "pp", "ep", "cp", "dp"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"{k} must be >= 1")
+        self.expert_dp  # noqa: B018  (raises on an impossible expert layout)
+        if shape is None:
+            return
+        if shape.num_heads % self.tp or shape.num_kv_heads % self.tp:
+            raise ValueError(f"tp={self.tp} must divide the heads ({shape.num_heads}) and kv heads "
+                             f"({shape.num_kv_heads}) of {shape.name}")
+        if shape.num_layers % self.pp:
+            raise ValueError(f"pp={self.pp} must divide the {shape.num_layers} layers of {shape.name}")
+        if shape.is_moe:
+            if shape.num_experts % self.ep:
+                raise ValueError(f"ep={self.ep} must divide the {shape.num_experts} experts of {shape.name}")
+            if self.tp > 1 and not self.sp:
+                raise ValueError("Megatron requires sequence parallelism for MoE with tp > 1")
+        elif self.ep > 1:
+            raise ValueError(f"ep={self.ep} needs an MoE model; {shape.name} is dense")
+
+
+def padded_vocab(vocab: int, tp: int = 1, divisible_by: int = 128) -> int:
+    """Megatron-LM's padding: a multiple of divisible_by * tp (so every TP shard has the same width)."""
+    q = max(1, divisible_by) * tp
+    return -(-vocab // q) * q
+
+
+@dataclass
+class ParamCounts:
+    """Parameters held by one rank (elements), by how the optimizer shards them."""
+    dense: int = 0            # non-expert, sharded over DP x CP by the distributed optimizer
+    expert: int = 0           # expert weights, sharded over expert-DP
+    embedding: int = 0        # of dense: word (+ position) embeddings on the first stage
+    output: int = 0           # of dense: untied output layer (or the tied copy on the last stage, pp > 1)
+    largest_tensor: int = 0   # elements of the largest single parameter (bf16 grad transient)
+    largest_layer_tensor: int = 0  # of the transformer layers only
+    per_layer_dense: int = 0  # of dense: one transformer layer (attention, norms, router, dense/shared MLP)
+    per_layer_expert: int = 0
+    layers: int = 0
+    vocab_local: int = 0      # padded vocab / tp
+    detail: dict = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+
+def _norm(shape: ModelShape, width: int) -> int:
+    return width * (2 if shape.norm == "layernorm" else 1)
+
+
+def layer_params(shape: ModelShape, layout: Layout, moe: bool) -> dict:
+    """Elements of one transformer layer on one rank: {name: count}; keys ending in '@expert' are expert params."""
+    t, h, d = layout.tp, shape.hidden, shape.head_dim
+    qkv_out = (shape.num_heads + 2 * shape.num_kv_heads) * d
+    g = 2 if shape.gated_mlp else 1
+    out = {
+        "input_layernorm": _norm(shape, h),
+        "linear_qkv": h * qkv_out // t + (qkv_out // t if shape.add_qkv_bias else 0),
+        "linear_proj": shape.num_heads * d * h // t + (h if shape.add_bias_linear else 0),
+        "pre_mlp_layernorm": _norm(shape, h),
+    }
+    if shape.qk_layernorm:
+        out["qk_layernorm"] = 2 * _norm(shape, d)
+    if not moe:
+        f = shape.ffn_hidden
+        out["mlp.linear_fc1"] = h * g * f // t + (g * f // t if shape.add_bias_linear else 0)
+        out["mlp.linear_fc2"] = f * h // t + (h if shape.add_bias_linear else 0)
+        return out
+    e = shape.num_experts
+    out["router"] = e * h + (e if shape.add_bias_linear else 0)
+    if shape.moe_shared_ffn:
+        fs = shape.moe_shared_ffn
+        out["shared_expert"] = h * g * fs // t + fs * h // t + ((g * fs // t + h) if shape.add_bias_linear else 0)
+    et, fe = layout.expert_tp, shape.moe_ffn_hidden
+    one = h * g * fe // et + fe * h // et + ((g * fe // et + h) if shape.add_bias_linear else 0)
+    out["experts@expert"] = (e // layout.ep) * one
+    out["_one_expert_fc1"] = h * g * fe // et  # largest expert tensor (not a parameter group)
+    return out
+
+
+def param_counts(shape: ModelShape, layout: Layout = Layout(), stage: int = 0) -> ParamCounts:
+    """Exact parameter elements on one rank of pipeline stage `stage` (Megatron GPTModel, local/TE spec)."""
+    layout.check(shape)
+    t, h = layout.tp, shape.hidden
+    vloc = padded_vocab(shape.vocab, t, layout.vocab_divisible_by) // t
+    per = shape.num_layers // layout.pp
+    first, last = stage == 0, stage == layout.pp - 1
+    pc = ParamCounts(layers=per, vocab_local=vloc)
+    largest = 0
+    for i in range(stage * per, (stage + 1) * per):
+        moe = shape.is_moe and i % shape.moe_layer_freq == 0
+        lp = layer_params(shape, layout, moe)
+        one_fc1 = lp.pop("_one_expert_fc1", 0)
+        dense = sum(v for k, v in lp.items() if not k.endswith("@expert"))
+        expert = sum(v for k, v in lp.items() if k.endswith("@expert"))
+        pc.dense += dense
+        pc.expert += expert
+        pc.per_layer_dense = max(pc.per_layer_dense, dense)
+        pc.per_layer_expert = max(pc.per_layer_expert, expert)
+        g = 2 if shape.gated_mlp else 1
+        largest = max(largest, h * (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim // t,
+                      one_fc1, 0 if moe else h * g * shape.ffn_hidden // t)
+        for k, v in lp.items():
+            pc.detail[k] = pc.detail.get(k, 0) + v
+    pc.largest_layer_tensor = largest
+    if first:
+        pc.embedding = vloc * h + shape.learned_pos_emb * h
+        pc.detail["embedding"] = pc.embedding
+        largest = max(largest, vloc * h)
+    if last:
+        fin = _norm(shape, h)
+        pc.detail["final_layernorm"] = fin
+        pc.dense += fin
+        if not shape.tied_embeddings or layout.pp > 1:
+            pc.output = vloc * h
+            pc.detail["output_layer"] = pc.output
+            largest = max(largest, vloc * h)
+    pc.dense += pc.embedding + pc.output
+    pc.largest_tensor = largest
+    return pc
+
+
+def total_params(shape: ModelShape, padded: bool = False) -> int:
+    """Parameters of the whole model (unsharded); the tokenizer vocabulary unless padded=True."""
+    lay = Layout(vocab_divisible_by=128 if padded else 1)
+    return param_counts(shape, lay).total
+
+
+def active_params(shape: ModelShape) -> int:
+    """Parameters touched per token (MoE: top-k of the experts), tokenizer vocabulary, for FLOP counts."""
+    if not shape.is_moe:
+        return total_params(shape)
+    lay = Layout(vocab_divisible_by=1)
+    full = param_counts(shape, lay)
+    per_expert = full.per_layer_expert // shape.num_experts
+    return full.total - shape.moe_layers() * per_expert * (shape.num_experts - shape.moe_topk)

@@ -122,3 +122,11 @@ def test_megatron_teacher_tp1_tp2_dp2(tmp_path):
     assert (np.abs(lp_tp2 - lp_dp2) <= np.spacing(np.abs(lp_dp2).astype(np.float16)).astype(np.float32)).all()
     # DP=2 vs one process at TP=1: same model, same samples -> byte-identical caches (any micro-batch size).
     assert _files(tmp_path / "dp2") == _files(tmp_path / "tp1")
+
+
+def make_teacher(tp: int = 1):
+    """CLI factory: `megatron-kd cache build --teacher test_cache_megatron:make_teacher --teacher-args '{"tp": 2}'`
+    (run under torchrun with tp processes)."""
+    from megatron_kd.cache import MegatronTeacher
+    model, group = tiny_gpt(tp)
+    return MegatronTeacher(model, V, name="tiny-gpt", tp_group=group)

@@ -16,7 +16,7 @@ GPT_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 def _as_tensor(x, dtype):
     if torch.is_tensor(x):
         return x.to(dtype)
-    return torch.as_tensor(np.asarray(x), dtype=dtype)
+    return torch.as_tensor(np.array(x), dtype=dtype)  # a copy: memmap rows are read-only
 
 
 def split_sample(sample) -> dict:

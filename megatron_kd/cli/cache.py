@@ -102,7 +102,7 @@ def _fmt(info: dict) -> str:
         + ", ".join(f"{k}<={v:.2f}" for k, v in info["mass_covered_quantiles_upper_bound"].items()),
         "mass histogram  " + " ".join(f"{k}:{v}" for k, v in info["mass_covered_histogram"].items() if v),
         f"read speed      {info['read_samples_per_s']:.1f} samples/s, {info['read_tokens_per_s']:,.0f} tokens/s "
-        "(one process, page cache warm or not)",
+        "(one process, decode included)",
         f"teacher         {json.dumps(info['teacher'], sort_keys=True)}",
         f"tokenizer       {info['tokenizer']!r}; dataset {info['dataset']!r}",
     ]

@@ -4,7 +4,6 @@ import os
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from dist_utils import run_ranks
 

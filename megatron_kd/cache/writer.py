@@ -119,10 +119,9 @@ class CacheWriter:
                 try:
                     meta = read_json(p)
                 except ValueError:
-                    if name == MANIFEST:
-                        raise CacheError(f"{p} is unreadable; delete it and rerun the same build command "
-                                         "(finished shards are kept)") from None
-                    continue  # settings.json is rewritten atomically; unreadable only if edited by hand
+                    fix = ("delete it and rerun the same build command (finished shards are kept)" if name == MANIFEST
+                           else "restore it, or pass --overwrite (overwrite=True) to start this directory over")
+                    raise CacheError(f"{p} is unreadable; {fix}") from None
                 check_format(meta, p)
                 return {k: meta.get(k) for k in self.settings}
         return None

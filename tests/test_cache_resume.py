@@ -119,18 +119,18 @@ def test_external_sigkill_at_a_random_moment(tmp_path, reference):
     """A slow teacher, killed by the test once a shard is committed and the next is being written."""
     tokens, ref_files = reference
     out = tmp_path / "cache"
-    cmd = build_cmd(out, tokens, "--teacher-args", '{"seed": 0, "delay": 0.1}')
+    cmd = build_cmd(out, tokens, "--teacher-args", '{"seed": 0, "delay": 0.2}')
     env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
-        while not (out / "shards" / "000001.json").exists():
+        while not (out / "shards" / "000001.json").exists():  # then at least 3 batches (0.6 s) remain
             assert proc.poll() is None and time.monotonic() < deadline, "the build ended before it could be killed"
-            time.sleep(0.01)
-        time.sleep(0.1)
+            time.sleep(0.005)
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.wait()
+    assert proc.returncode == -signal.SIGKILL
     assert not (out / "manifest.json").exists()
     r = run(build_cmd(out, tokens, "--teacher-args", '{"seed": 0, "delay": 0.0}'))
     # delay is not part of the teacher's identity: same settings, so the restart resumes.

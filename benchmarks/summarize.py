@@ -11,12 +11,14 @@ def table(res):
     env = res["env"]
     lines = [f"GPU {env.get('gpu')}, torch {env.get('torch')}, triton {env.get('triton')}, "
              f"liger {env.get('liger_kernel')}, cce {env.get('cut_cross_entropy')}, run {env.get('date')}", "",
-             "| variant | tokens N | ms (median) | peak GiB (inputs incl.) | x GEMM floor |", "|---|---|---|---|---|"]
+             "| variant | tokens N | ms (median) | peak GiB (inputs incl.) | GiB above inputs | x GEMM floor |",
+             "|---|---|---|---|---|---|"]
     for r in res["rows"]:
         ms = "OOM" if r.get("error") == "OOM" else (f"{r['ms']:.1f}" if r.get("ms") else r.get("error", "")[:40])
         pk = f"{r['peak_gib']:.2f}" if r.get("peak_gib") else ""
+        ab = f"{r['above_inputs_gib']:.2f}" if r.get("above_inputs_gib") is not None else ""
         xf = f"{r['x_floor']:.2f}" if r.get("x_floor") else ""
-        lines.append(f"| {r['variant']} | {r['tokens']} | {ms} | {pk} | {xf} |")
+        lines.append(f"| {r['variant']} | {r['tokens']} | {ms} | {pk} | {ab} | {xf} |")
     return "\n".join(lines)
 
 

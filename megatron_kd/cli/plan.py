@@ -137,12 +137,13 @@ def layouts(shape: ModelShape, gpus: int, allow_cp: bool = False):
                 continue
             dp = gpus // (tp * pp * cp)
             for ep in (divs if shape.is_moe else [1]):
-                lay = Layout(tp=tp, pp=pp, ep=ep, cp=cp, dp=dp)
-                try:
-                    lay.check(shape)
-                except ValueError:
-                    continue
-                yield lay
+                for etp in (sorted({1, tp}) if shape.is_moe else [None]):
+                    lay = Layout(tp=tp, pp=pp, ep=ep, cp=cp, dp=dp, etp=etp)
+                    try:
+                        lay.check(shape)
+                    except ValueError:
+                        continue
+                    yield lay
 
 
 def search(shape, tr, counts, gpu_gib, reserve_gib):
@@ -169,13 +170,14 @@ def main(argv=None) -> int:
                                        fits=p.fits(a.gpu_gib, a.reserve_gib)) for n, l, p in rows], indent=1))
                 return 0
             print(f"{shape.name}, seq {tr.seq_len}, KD {tr.mode}, loss {tr.loss}, recompute {tr.recompute}")
-            print(f"{'gpus':>5} {'tp':>3} {'pp':>3} {'ep':>3} {'dp':>4} {'peak GiB':>9}  fits  phase")
+            print(f"{'gpus':>5} {'tp':>3} {'pp':>3} {'ep':>3} {'etp':>3} {'dp':>4} {'peak GiB':>9}  fits  phase")
             for n in counts:
                 sub = sorted([r for r in rows if r[0] == n], key=lambda r: (not r[2].fits(a.gpu_gib, a.reserve_gib),
                                                                             r[1].tp * r[1].pp, r[2].peak_bytes))
                 for _, lay, p in sub:
                     ok = "yes" if p.fits(a.gpu_gib, a.reserve_gib) else "no"
-                    print(f"{n:>5} {lay.tp:>3} {lay.pp:>3} {lay.ep:>3} {lay.dp:>4} {p.peak_gib:>9.1f}  {ok:<4}  "
+                    print(f"{n:>5} {lay.tp:>3} {lay.pp:>3} {lay.ep:>3} {lay.expert_tp:>3} {lay.dp:>4} "
+                          f"{p.peak_gib:>9.1f}  {ok:<4}  "
                           f"{p.peak_phase}")
                 fit = [r for r in sub if r[2].fits(a.gpu_gib, a.reserve_gib)]
                 print(f"  -> {n} GPUs: " + (f"{len(fit)} layouts fit" if fit else "nothing fits"))

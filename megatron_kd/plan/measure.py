@@ -41,6 +41,24 @@ def init_parallel(layout: Layout, seed: int = 1234) -> None:
         kw["expert_tensor_parallel_size"] = layout.etp
     ps.initialize_model_parallel(**kw)
     seed_model_parallel_rng(seed)
+    reset_moe_trackers()
+
+
+def reset_moe_trackers() -> None:
+    """Megatron's MoE aux-loss trackers are global and sized by the first model's depth; a deeper model
+    built later in the same process would index past them."""
+    try:  # megatron-core 0.16
+        from megatron.core.transformer.moe import moe_utils
+        get = getattr(moe_utils, "get_moe_layer_wise_logging_tracker", None)
+        if get is not None:
+            get().clear()
+    except Exception:
+        pass
+    try:  # megatron-core 0.19
+        from megatron.core.transformer.moe import moe_logging
+        moe_logging.destroy_moe_metrics_tracker()
+    except Exception:
+        pass
 
 
 def tp_group():

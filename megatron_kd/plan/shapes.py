@@ -133,6 +133,8 @@ class Layout:
                 raise ValueError(f"ep={self.ep} must divide the {shape.num_experts} experts of {shape.name}")
             if self.tp > 1 and not self.sp:
                 raise ValueError("Megatron requires sequence parallelism for MoE with tp > 1")
+            if shape.add_bias_linear and self.expert_tp > 1:
+                raise ValueError("Megatron supports MoE biases only with expert TP (etp) = 1")
         elif self.ep > 1:
             raise ValueError(f"ep={self.ep} needs an MoE model; {shape.name} is dense")
 

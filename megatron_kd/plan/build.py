@@ -37,7 +37,7 @@ def core_attention_class():
     """The project's SDPA core attention if megatron_kd.megatron has one, else sdpa_core_attention()."""
     try:  # the integration package's module, when it lands (name guesses kept tolerant on purpose)
         from megatron_kd.megatron import attention as _att  # type: ignore
-        for name in ("SDPACoreAttention", "SDPAAttention", "SdpaCoreAttention"):
+        for name in ("SDPAttention", "SDPACoreAttention", "SDPAAttention"):
             if hasattr(_att, name):
                 return getattr(_att, name)
     except Exception:

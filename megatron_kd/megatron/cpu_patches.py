@@ -2,6 +2,7 @@
 
 A: Megatron allocates its global memory buffer and gather buffers on torch.cuda.current_device().
 B: its CUDA RNG tracker asserts without CUDA; the inference tracker falls back to the CPU RNG.
+C: dist_checkpointing calls torch.cuda.synchronize() before writing; with nothing on a GPU it is a no-op.
 """
 import torch
 
@@ -13,6 +14,7 @@ def apply_cpu_patches() -> None:
     if _applied or torch.cuda.is_available():
         return
     torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda *args, **kwargs: None
     _applied = True
 
 

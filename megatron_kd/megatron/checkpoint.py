@@ -1,0 +1,156 @@
+"""Checkpoints with megatron-core's dist_checkpointing, laid out as Megatron-LM does.
+
+    <save>/iter_0000100/                  one dist_checkpointing directory per saved iteration
+    <save>/latest_checkpointed_iteration.txt   written last (atomically): a save is complete once it names it
+
+Sharded state: model ('model', or 'model0'.. under virtual pipeline), the Megatron optimizer's sharded state,
+and common state (iteration, consumed samples, LR scheduler, the recipe). dist_checkpointing reshards on
+load, so a run may resume (or a teacher load) under another TP/PP layout.
+"""
+import os
+import shutil
+
+import torch
+
+from .dist import barrier, is_rank0
+from .model import unwrap
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def _require_psutil():
+    try:
+        import psutil  # noqa: F401
+    except ImportError:
+        raise RuntimeError("megatron-core's dist_checkpointing writer needs psutil: pip install psutil") from None
+
+
+def iter_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def latest_iteration(root) -> int | None:
+    """The iteration the tracker names, None when `root` holds no complete checkpoint."""
+    if not root:
+        return None
+    p = os.path.join(root, TRACKER)
+    if not os.path.isfile(p):
+        return None
+    text = open(p).read().strip()
+    if text == "release":
+        return 0
+    try:
+        return int(text)
+    except ValueError:
+        raise RuntimeError(f"{p} holds {text!r}, not an iteration number; fix or delete it") from None
+
+
+def resolve(path: str) -> str:
+    """A save dir (uses its tracker) or an iter_* dir -> the dist_checkpointing directory."""
+    it = latest_iteration(path)
+    if it is not None:
+        d = iter_dir(path, it)
+        return d if os.path.isdir(d) else os.path.join(path, "release")
+    if os.path.isfile(os.path.join(path, "metadata.json")):
+        return path
+    raise FileNotFoundError(f"{path} is neither a checkpoint directory ({TRACKER}) nor a dist_checkpointing "
+                            "iteration directory (metadata.json)")
+
+
+def _model_state(chunks) -> dict:
+    if len(chunks) == 1:
+        return {"model": unwrap(chunks[0]).sharded_state_dict()}
+    return {f"model{i}": unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def _rng_state(layout: tuple):
+    from megatron.core import parallel_state as ps, tensor_parallel
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    state = {"torch": torch.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    shape = (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size())
+    offset = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank())
+    return ShardedObject("rng_state_tp{}_pp{}".format(*layout), state, shape, offset,
+                         replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
+
+
+def _layout() -> tuple:
+    from megatron.core import parallel_state as ps
+    return (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
+
+
+def save_checkpoint(root: str, iteration: int, chunks, optimizer, scheduler, common: dict) -> str:
+    """Write iteration's checkpoint under root; the tracker moves only after every rank finished."""
+    from megatron.core import dist_checkpointing
+    _require_psutil()
+    path = iter_dir(root, iteration)
+    if latest_iteration(root) == iteration and os.path.isdir(path):
+        return path  # already saved (e.g. the last interval save is also the final one)
+    if is_rank0():
+        os.makedirs(root, exist_ok=True)
+        if os.path.exists(path):  # left by a save that died before the tracker named it: incomplete
+            shutil.rmtree(path)
+        os.makedirs(path)
+    barrier()
+    sd = _model_state(chunks)
+    sd["optimizer"] = optimizer.sharded_state_dict(sd)
+    sd["scheduler"] = scheduler.state_dict()
+    sd["rng_state"] = _rng_state(_layout())
+    sd.update(common)
+    sd["iteration"] = iteration
+    sd["layout"] = list(_layout())
+    dist_checkpointing.save(sd, path)
+    barrier()
+    if is_rank0():
+        tmp = os.path.join(root, TRACKER + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(str(iteration))
+        os.replace(tmp, os.path.join(root, TRACKER))
+    barrier()
+    return path
+
+
+def load_checkpoint(root: str, chunks, optimizer, scheduler) -> dict | None:
+    """Resume from root's latest checkpoint: weights, optimizer, scheduler, RNG. Returns its common state."""
+    from megatron.core import dist_checkpointing
+    it = latest_iteration(root)
+    if it is None:
+        return None
+    path = iter_dir(root, it)
+    sd = _model_state(chunks)
+    sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=True)
+    common = dist_checkpointing.load_common_state_dict(path)
+    if tuple(common.get("layout", ())) == _layout():  # RNG streams only resume under the same TP/PP layout
+        sd["rng_state"] = _rng_state(_layout())
+    loaded = dist_checkpointing.load(sd, path)
+    for key, c in zip(sorted(k for k in loaded if k.startswith("model")), chunks):
+        unwrap(c).load_state_dict(loaded[key], strict=True)
+    optimizer.load_state_dict(loaded["optimizer"])
+    scheduler.load_state_dict(common["scheduler"])
+    rng = loaded.get("rng_state")
+    if rng:
+        from megatron.core import tensor_parallel
+        torch.set_rng_state(rng["torch"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    return common
+
+
+def load_weights(path: str, chunks) -> int:
+    """Model weights only (teacher, or a pretrained student) from a save dir or an iter_* dir; any layout."""
+    from megatron.core import dist_checkpointing
+    d = resolve(path)
+    sd = _model_state(chunks)
+    loaded = dist_checkpointing.load(sd, d)
+    for key, c in zip(sorted(k for k in loaded if k.startswith("model")), chunks):
+        unwrap(c).load_state_dict(loaded[key], strict=True)
+    common = dist_checkpointing.load_common_state_dict(d)
+    return int(common.get("iteration", 0))
+
+
+def read_common(path: str) -> dict:
+    from megatron.core import dist_checkpointing
+    return dist_checkpointing.load_common_state_dict(resolve(path))
+

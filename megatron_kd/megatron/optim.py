@@ -1,0 +1,119 @@
+"""Megatron DDP, optimizer and LR schedule.
+
+GPU: Megatron's DistributedDataParallel + get_megatron_optimizer (DistributedOptimizer when
+parallel.use_distributed_optimizer), as Megatron-LM sets them up.
+CPU: the same DDP (its grad buffers work on gloo) and Megatron's FP32Optimizer around torch AdamW; only the
+two CUDA-bound pieces of FP32Optimizer (a loss-scale tensor made on 'cuda' and the grad-norm kernels) are
+replaced. Both keep Megatron's sharded optimizer state, so checkpoints look the same on CPU and GPU.
+"""
+import torch
+import torch.distributed as dist
+
+from .config import ParallelConfig, TrainConfig
+
+
+def wrap_ddp(chunks, config, p: ParallelConfig, cuda: bool):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=config.bf16 or config.fp16, overlap_grad_reduce=p.overlap_grad_reduce and cuda,
+        overlap_param_gather=p.overlap_param_gather and cuda and p.use_distributed_optimizer,
+        use_distributed_optimizer=p.use_distributed_optimizer and cuda, check_for_nan_in_grad=False)
+    return [DistributedDataParallel(config, ddp_config, c, disable_bucketing=i > 0) for i, c in enumerate(chunks)]
+
+
+def optimizer_config(t: TrainConfig, p: ParallelConfig, cuda: bool):
+    from megatron.core.optimizer import OptimizerConfig
+    return OptimizerConfig(
+        optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad, bf16=t.precision == "bf16",
+        fp16=t.precision == "fp16", params_dtype=torch.float32 if t.precision == "fp32" else
+        (torch.bfloat16 if t.precision == "bf16" else torch.float16),
+        use_distributed_optimizer=p.use_distributed_optimizer and cuda)
+
+
+def build_optimizer(ddp_chunks, t: TrainConfig, p: ParallelConfig, cuda: bool):
+    cfg = optimizer_config(t, p, cuda)
+    if cuda:
+        from megatron.core.optimizer import get_megatron_optimizer
+        return get_megatron_optimizer(cfg, ddp_chunks)
+    return cpu_optimizer(ddp_chunks, cfg)
+
+
+def _param_groups(chunks):
+    """Megatron's default rule: no weight decay on biases and 1-D parameters (norms)."""
+    decay, no_decay = [], []
+    for c in chunks:
+        for name, prm in c.named_parameters():
+            if prm.requires_grad:
+                (no_decay if name.endswith(".bias") or prm.dim() == 1 else decay).append(prm)
+    keys = {"lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}  # Megatron's group identity
+    groups = [{"params": decay, "wd_mult": 1.0, **keys}, {"params": no_decay, "wd_mult": 0.0, **keys}]
+    return [g for g in groups if g["params"]]
+
+
+def cpu_optimizer(ddp_chunks, cfg):
+    from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer
+
+    class CPUFP32Optimizer(FP32Optimizer):
+        def __init__(self, optimizer, config, init_state_fn):
+            MegatronOptimizer.__init__(self, optimizer, config, init_state_fn)
+            self._scale = torch.ones(1)
+            self.is_stub_optimizer = optimizer is None
+
+        @torch.no_grad()
+        def clip_grad_norm(self, clip_grad: float) -> float:
+            grads = self.get_main_grads_for_grad_norm()  # TP duplicates and shared params counted once
+            sq = torch.zeros(1, dtype=torch.float64)
+            for g in grads:
+                sq += g.double().pow(2).sum()
+            group = self.get_grad_stats_parallel_group()
+            if dist.is_initialized() and dist.get_world_size(group) > 1:
+                dist.all_reduce(sq, group=group)
+            norm = float(sq.sqrt())
+            coef = clip_grad / (norm + 1.0e-6)
+            if coef < 1.0:
+                for prm in self.get_parameters():
+                    if prm.grad is not None:
+                        prm.grad.mul_(coef)
+            return norm
+
+    groups = _param_groups(ddp_chunks)
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                            eps=cfg.adam_eps)
+
+    def init_state_fn(o, config=None):
+        for group in o.param_groups:
+            for prm in group["params"]:
+                if len(o.state[prm]) == 0:
+                    o.state[prm]["exp_avg"] = torch.zeros_like(prm.data)
+                    o.state[prm]["exp_avg_sq"] = torch.zeros_like(prm.data)
+                    o.state[prm]["step"] = torch.zeros(())  # torch AdamW keeps a per-param step
+
+    return CPUFP32Optimizer(opt, cfg, init_state_fn)
+
+
+def build_scheduler(optimizer, t: TrainConfig):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    decay = t.lr_decay_iters or t.iters
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if t.lr_warmup_iters else t.lr, max_lr=t.lr, min_lr=t.min_lr,
+        lr_warmup_steps=t.lr_warmup_iters, lr_decay_steps=max(decay, t.lr_warmup_iters + 1),
+        lr_decay_style=t.lr_decay_style, start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=t.iters,
+        wd_incr_style="constant", wsd_decay_steps=max(1, decay // 10) if t.lr_decay_style == "WSD" else None,
+        lr_wsd_decay_style="linear" if t.lr_decay_style == "WSD" else None)
+
+
+def set_model_hooks(config, ddp_chunks, optimizer) -> None:
+    """What Megatron-LM's training loop sets on the model config for its schedules."""
+    from megatron.core.distributed import finalize_model_grads
+    config.no_sync_func = [c.no_sync for c in ddp_chunks] if len(ddp_chunks) > 1 else ddp_chunks[0].no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    if getattr(ddp_chunks[0].ddp_config, "overlap_grad_reduce", False):
+        config.grad_sync_func = [c.start_grad_sync for c in ddp_chunks]
+        if len(ddp_chunks) == 1:
+            config.grad_sync_func = config.grad_sync_func[0]
+    if getattr(ddp_chunks[0].ddp_config, "overlap_param_gather", False):
+        config.param_sync_func = [c.start_param_sync for c in ddp_chunks]
+        if len(ddp_chunks) == 1:
+            config.param_sync_func = config.param_sync_func[0]

@@ -1,0 +1,125 @@
+"""forward_step and loss_func in Megatron's convention, for the three modes.
+
+    offline  targets = the cache's top-K rows (in the batch, read by the data loader)
+    online   targets = a frozen teacher's top-K, computed on the fly with the cache builder's vocab-parallel top-K
+    ce       no teacher: cross-entropy on the labels
+
+`KDStep` is a forward_step_func for `get_forward_backward_func()` (GPU, any PP) and for the CPU driver in
+schedule.py. The student's output layer never makes logits: the head below computes per-position losses from
+the hidden states and the output weight (hook.py). loss_func returns (sum of masked per-token losses, token
+count, report) so Megatron divides by the global token count (calculate_per_token_loss=True).
+"""
+from functools import partial
+
+import torch
+
+from ..loss import topk_kl_loss
+from .config import KDConfig
+from .hook import forward_with_head, output_layout
+from .model import unwrap
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask", "topk_ids", "topk_logprobs")
+
+
+def loss_kwargs(kd: KDConfig) -> dict:
+    """topk_kl_loss options of a mode: ce mode is CE alone (weight 1)."""
+    if kd.mode == "ce":
+        return dict(kl_weight=0.0, ce_weight=1.0, temperature=1.0, tail="none", impl=kd.impl, chunk_size=kd.chunk_size)
+    return dict(kl_weight=kd.kl_weight, ce_weight=kd.ce_weight, temperature=kd.temperature, tail=kd.tail,
+                impl=kd.impl, chunk_size=kd.chunk_size)
+
+
+class KDHead:
+    """Output-layer replacement: per-position loss [s, b] from hidden [s(/tp), b, H] and weight [V/tp, H].
+
+    Targets come in the batch layout [b, s, ...] and are viewed as Megatron's [s, b, ...]. When `split` is
+    set the head also keeps per-position KL and CE (detached) for the report: one extra forward-only pass
+    over the output layer, only when the total does not already tell them apart.
+    """
+
+    def __init__(self, batch: dict, kd: KDConfig, valid_vocab_size: int, split: bool = True):
+        self.kd, self.kw, self.valid_vocab_size = kd, loss_kwargs(kd), valid_vocab_size
+        self.labels = batch["labels"]
+        self.ids, self.logp = batch.get("topk_ids"), batch.get("topk_logprobs")
+        self.split = split
+        self.kl = self.ce = None
+        self.tp_group, self.sequence_parallel = None, False
+
+    def bind(self, gpt) -> "KDHead":
+        self.tp_group, self.sequence_parallel = output_layout(gpt)
+        return self
+
+    def _loss(self, hidden, weight, ids, logp, **kw):
+        return topk_kl_loss(hidden, weight, ids, logp, reduction="none", tp_group=self.tp_group,
+                            sequence_parallel=self.sequence_parallel, valid_vocab_size=self.valid_vocab_size, **kw)
+
+    def __call__(self, hidden, weight):
+        labels = self.labels.transpose(0, 1)  # [s, b]
+        if self.ids is None:  # ce mode: no teacher slots
+            s, b = labels.shape
+            ids = torch.empty((s, b, 0), dtype=torch.int64, device=labels.device)
+            logp = torch.empty((s, b, 0), dtype=torch.float32, device=labels.device)
+        else:
+            ids, logp = self.ids.transpose(0, 1), self.logp.transpose(0, 1)
+        kw = self.kw
+        total = self._loss(hidden, weight, ids, logp, labels=labels if kw["ce_weight"] else None, **kw)
+        if not kw["kl_weight"]:
+            self.ce = total.detach() / kw["ce_weight"]
+            return total
+        if self.split:  # forward-only CE over the same hidden states ("chunked": no gradient work)
+            with torch.no_grad():
+                self.ce = self._loss(hidden.detach(), weight.detach(), ids[..., :0], logp[..., :0], labels=labels,
+                                     kl_weight=0.0, ce_weight=1.0, impl="chunked", chunk_size=kw["chunk_size"])
+        if self.ce is not None or not kw["ce_weight"]:
+            ce_part = kw["ce_weight"] * self.ce if kw["ce_weight"] else 0.0
+            self.kl = (total.detach() - ce_part) / (kw["temperature"] ** 2 * kw["kl_weight"])
+        return total
+
+
+def loss_func(loss_mask: torch.Tensor, head: KDHead, output_tensor: torch.Tensor):
+    """Megatron convention: (masked per-token loss sum, token count, {name: [sum, count]})."""
+    mask = loss_mask.reshape(-1).float()
+    loss = torch.sum(output_tensor.reshape(-1).float() * mask)
+    count = mask.sum()
+    report = {"total": torch.stack([loss.detach(), count])}
+    for name, per_pos in (("kl", head.kl), ("ce", head.ce)):
+        if per_pos is not None:
+            report[name] = torch.stack([torch.sum(per_pos.transpose(0, 1).reshape(-1).float() * mask), count])
+    return loss, count.detach().to(torch.int), report
+
+
+def next_batch(data_iterator, device, cp_group=None) -> dict:
+    """The next micro-batch on `device`, sliced for this context-parallel rank (cache rows like the tokens)."""
+    batch = next(data_iterator)
+    batch = {k: batch[k].to(device, non_blocking=True) for k in BATCH_KEYS if torch.is_tensor(batch.get(k))}
+    if cp_group is not None and cp_group.size() > 1:
+        from megatron.core.utils import get_batch_on_this_cp_rank
+        batch = get_batch_on_this_cp_rank(batch, cp_group=cp_group)
+    return batch
+
+
+class KDStep:
+    """forward_step_func(data_iterator, model) -> (output, partial(loss_func, ...)) for one micro-batch."""
+
+    def __init__(self, kd: KDConfig, valid_vocab_size: int, teacher=None, split_report: bool = True,
+                 device=None, cp_group=None):
+        if kd.mode == "online" and teacher is None:
+            raise ValueError("online mode needs a teacher (megatron_kd.megatron.teacher.OnlineTeacher)")
+        self.kd, self.valid_vocab_size, self.teacher = kd, valid_vocab_size, teacher
+        self.split_report, self.cp_group = split_report, cp_group
+        self.device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                                 else torch.device("cpu"))
+
+    def __call__(self, data_iterator, model, *unused):
+        batch = next_batch(data_iterator, self.device, self.cp_group)
+        if self.kd.mode == "online":
+            batch["topk_ids"], batch["topk_logprobs"] = self.teacher.topk(batch)
+        elif self.kd.mode == "ce":
+            batch.pop("topk_ids", None)
+            batch.pop("topk_logprobs", None)
+        elif "topk_ids" not in batch:
+            raise ValueError("offline mode: the batch has no topk_ids; wrap the dataset with the cache "
+                             "(megatron_kd.cache.TopKDataset)")
+        head = KDHead(batch, self.kd, self.valid_vocab_size, self.split_report).bind(unwrap(model))
+        output = forward_with_head(model, head, batch["tokens"], batch["position_ids"], batch.get("attention_mask"))
+        return output, partial(loss_func, batch["loss_mask"], head)

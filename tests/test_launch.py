@@ -102,14 +102,20 @@ def _train_available():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _train_available(), reason="megatron-kd train / recipes/tiny_cpu.yaml not in the tree yet")
-def test_two_cpu_workers_train_tiny_cpu_through_torchrun_sh(tmp_path):
-    out = run(["bash", str(TORCHRUN_SH), "train", "--config-name", "tiny_cpu", *TINY_TRAIN_OVERRIDES,
-               f"hydra.run.dir={tmp_path / 'hydra'}"],
-              env={**clean_env(), "NPROC_PER_NODE": "2"}, cwd=ROOT, timeout=240)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-
-
-TINY_TRAIN_OVERRIDES = ["train.iters=2"]
+def test_two_cpu_workers_train_stop_and_resume_through_torchrun_sh(tmp_path):
+    """What a Slurm requeue does: the job stops after a checkpoint, the same command runs again and resumes."""
+    save = tmp_path / "run"
+    cmd = ["bash", str(TORCHRUN_SH), "train", "--config-name", "tiny_cpu", "train.iters=3", f"train.save={save}",
+           f"train.load={save}", f"hydra.run.dir={tmp_path / 'hydra'}", "train.eval_interval=null",
+           "train.progress=false", "train.tensorboard=false"]
+    env = {**clean_env(), "NPROC_PER_NODE": "2", "PYTHONWARNINGS": "ignore"}
+    first = run(cmd + ["train.stop_at=2"], env=env, cwd=ROOT, timeout=240)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"  # what slurm.sbatch reports
+    second = run(cmd, env=env, cwd=ROOT, timeout=240)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    out = second.stdout + second.stderr
+    assert f"resuming from {save} at iteration 2" in out and "done: 3/3 iterations (offline)" in out
 
 
 # --- megatron-kd launch --------------------------------------------------------------------------------------
@@ -141,7 +147,8 @@ def test_launch_slurm_dry_run(capsys, monkeypatch, recipe, tmp_path):
     node_line = lines[2]
     assert "--nproc-per-node 8 --nnodes 4 --node-rank NODE_ID --master-addr FIRST_HOST" in node_line
     ckpt = run_dir / "checkpoints"
-    assert node_line.endswith(f"kd.top_k=64 {launch.CKPT_KEYS[0]}={ckpt} {launch.CKPT_KEYS[1]}={ckpt}")
+    assert node_line.endswith(f"kd.top_k=64 {launch.CKPT_KEYS[0]}={ckpt} {launch.CKPT_KEYS[1]}={ckpt} "
+                              f"hydra.run.dir={run_dir}")
 
 
 def test_launch_docker_dry_run(capsys, monkeypatch, recipe, tmp_path):
@@ -216,7 +223,7 @@ def test_sbatch_builds_srun_with_container_and_resume(fake_slurm, tmp_path):
     assert torchrun_line.startswith("NCCL_NVLS_ENABLE=1 ")  # the job's NCCL settings reach the workers
     assert ("--nproc-per-node 8 --nnodes 4 --node-rank 0 --master-addr gpu-07 --master-port 24242 -m megatron_kd "
             "train --config-name gpt_oss_20b_32k_4node_online kd.top_k=64 "
-            f"train.save={ckpt} train.load={ckpt}") in torchrun_line
+            f"train.save={ckpt} train.load={ckpt} hydra.run.dir={tmp_path / 'runs' / 'kdjob'}") in torchrun_line
 
 
 def test_sbatch_keys_match_launch():

@@ -127,15 +127,15 @@ def plan_docker(a) -> Plan:
             argv += ["-e", k]  # docker copies the value from this environment
     if a.gpus_per_node:
         argv += ["-e", f"NPROC_PER_NODE={a.gpus_per_node}"]
-    ckpt = f"{run_dir}/checkpoints"
-    targs = ["train", *recipe_args(a.recipe), *a.overrides, *ckpt_overrides(ckpt)]
+    targs = ["train", *recipe_args(a.recipe), *a.overrides, *ckpt_overrides(run_dir)]
     plan = Plan("docker", argv + [a.container, *targs])
     plan.notes.append("the image's entrypoint runs `train` through launch/torchrun.sh (one worker per GPU)")
     return plan
 
 
-def ckpt_overrides(ckpt_dir: str) -> list:
-    return [f"{k}={ckpt_dir}" for k in CKPT_KEYS]
+def ckpt_overrides(run_dir: str) -> list:
+    """Checkpoints under run_dir/checkpoints (saved and resumed from), Hydra's run dir = run_dir."""
+    return [f"{k}={run_dir}/checkpoints" for k in CKPT_KEYS] + [f"hydra.run.dir={run_dir}"]
 
 
 def plan_slurm(a) -> Plan:
@@ -151,7 +151,7 @@ def plan_slurm(a) -> Plan:
     plan = Plan("slurm", argv + [script(SLURM_SBATCH), recipe, *a.overrides], env)
     # What each node runs: torchrun.sh's own dry run, with the values slurm.sbatch derives there as words.
     ckpt = f"{run_dir}/checkpoints"
-    targs = ["train", *recipe_args(recipe), *a.overrides, *ckpt_overrides(ckpt)]
+    targs = ["train", *recipe_args(recipe), *a.overrides, *ckpt_overrides(run_dir)]
     node_env = {"NNODES": str(a.nodes), "NPROC_PER_NODE": str(gpus), "NODE_RANK": "NODE_ID",
                 "MASTER_ADDR": "FIRST_HOST", "MASTER_PORT": "JOB_PORT"}
     where = "inside the container " if a.container else ""

@@ -258,7 +258,7 @@ def main():
         guarded(f"timing N=32768 V={V} overlap", res, timing_case, 32768, V, H, K, overlap=True, baselines=())
         guarded(f"timing N=32768 V={V} main_grad", res, timing_case, 32768, V, H, K, main_grad=True,
                 baselines=())
-        for e_mib in (256, 1024):
+        for e_mib in (512, 2048):  # default E_MIB is 1024 (fused.DEFAULTS)
             guarded(f"timing N=32768 V={V} E_MIB={e_mib}", res, timing_case, 32768, V, H, K, e_mib=e_mib,
                     baselines=())
         guarded("timing N=32768 V=201088 H=2880", res, timing_case, 32768, 201088, 2880, K)

@@ -85,6 +85,39 @@ def test_fp64_matches_reference(tail, T, ce, red, two):
           kl_weight=0.8, reduction=red)
 
 
+def test_no_float_scalars_reach_the_kernels(monkeypatch):
+    """A compiled kernel types a Python float argument as fp32 (the interpreter keeps float64), so 1/T by
+    value broke the fp64 bar on the GPU at T=0.7 only. The scalars now travel as a tensor in the
+    accumulation dtype; this guards that no float is passed by value again."""
+    from megatron_kd.kernels.ops import rows
+    seen = []
+    real = rows._launch
+
+    def spy(raw, tuned, grid, block, *args, **kw):
+        seen.extend(type(a).__name__ for a in list(args) + list(kw.values()) if isinstance(a, float))
+        return real(raw, tuned, grid, block, *args, **kw)
+    monkeypatch.setattr(rows, "_launch", spy)
+    inp = make_inputs(n_shape=(13,), V=90, H=8, K=4, seed=11)
+    check(inp, 1e-9, temperature=0.7, ce_weight=0.5, tail="bucket")
+    check(inp, 1e-9, tune=dict(TUNE, force_two_pass=True), temperature=0.7)
+    assert not seen
+    p = rows._params(torch.device(DEV), torch.float64, 0.7, 20.0)
+    assert p.dtype == torch.float64 and p[0].item() == 1.0 / 0.7  # exact in fp64, not fp32-rounded
+
+
+@pytest.mark.parametrize("two", [False, True])
+def test_bf16_logits_option(two):
+    """logits="bf16": bf16 GEMM output into the sweep, statistics still fp32; ignored for fp32/fp64 inputs."""
+    inp = make_inputs(n_shape=(37,), V=300, H=24, K=9, dtype=torch.float32, seed=7)
+    check(inp, 1e-4, tune=dict(TUNE, force_two_pass=two, logits="bf16"), ce_weight=0.5)
+    inp["hidden"], inp["weight"] = inp["hidden"].bfloat16(), inp["weight"].bfloat16()
+    check(inp, 2e-2, tune=dict(TUNE, force_two_pass=two, logits="bf16"), ce_weight=0.5)
+    assert fused._logits_dtype("bf16", torch.bfloat16, torch.float32) == torch.bfloat16
+    assert fused._logits_dtype("bf16", torch.float64, torch.float64) == torch.float64
+    with pytest.raises(ValueError):
+        fused._logits_dtype("fp8", torch.bfloat16, torch.float32)
+
+
 def test_reduction_none_and_grad_output():
     inp = make_inputs(n_shape=(5, 7), V=60, H=8, K=4, seed=3)
     gout = torch.linspace(0.5, 1.5, 35, dtype=torch.float64).reshape(5, 7)

@@ -17,9 +17,17 @@ Two ways to get dz (both exact up to bf16 rounding of dz):
            global statistics are known.
 Slot columns (teacher ids, label) are masked in the sweep and get their finished values by one
 scatter_add; s_r >= A_r e^-(slack + log V) keeps those values in range.
-MEGATRON_KD_FUSED_OVERLAP=1 (or tuning overlap=True) runs the sweeps on a side stream under the next
-sub-chunk's GEMM (two fp32 logit buffers); off by default until measured on the GPU.
-Buffers: MEGATRON_KD_FUSED_Z_MIB (fp32 logits, default 256) and MEGATRON_KD_FUSED_E_MIB (bf16 dz, 512).
+Settings (DEFAULTS below; each overridable by an environment variable, ranked by benchmarks/kernel_tune.py):
+  Z_MIB    MEGATRON_KD_FUSED_Z_MIB     fp32 logits buffer of one sub-chunk (rows C = Z / 4V)
+  E_MIB    MEGATRON_KD_FUSED_E_MIB     bf16 dz buffer of one super-chunk (rows S = E / 2V). Each super-chunk
+           costs one fp32 read-modify-write of the weight-gradient accumulator (|W| x 8 bytes) and ~60 small
+           torch ops, so fewer, larger super-chunks are faster; the buffer is the price. 1024 (S=4096 at
+           V=128256) measured 129.6 ms against 136 ms for 512 on an H200 (N=32768).
+  OVERLAP  MEGATRON_KD_FUSED_OVERLAP   1: sweeps on a side stream under the next sub-chunk's GEMM (two fp32
+           logit buffers; or tuning overlap=True).
+  LOGITS   MEGATRON_KD_FUSED_LOGITS    "fp32" or "bf16": the logits GEMM writes bf16 (bf16/fp16 inputs only;
+           half the sweep's reads and the GEMM's writes). Rounding z to bf16 costs |z| 2^-9 per logit: fine
+           for soft logits, ~1.2e-2 gradient error at |z| ~ 30 (simulated), so not the default.
 
 Weight gradient: fp32 accumulator, or straight into weight.main_grad when the weight has one
 (Megatron's gradient-accumulation fusion: no extra memory). main_grad is written during forward
@@ -41,9 +49,13 @@ from .ops.rows import row_grad, row_sweep, slot_gather_mask
 from .sparse import combine_stats, grad_coefficients, prepare_slots
 
 MIB = 1 << 20
-Z_BYTES = int(os.environ.get("MEGATRON_KD_FUSED_Z_MIB", "256")) * MIB  # fp32 logits of one sub-chunk
-E_BYTES = int(os.environ.get("MEGATRON_KD_FUSED_E_MIB", "512")) * MIB  # bf16 dz of one super-chunk
-OVERLAP = os.environ.get("MEGATRON_KD_FUSED_OVERLAP", "0") == "1"  # sweep on a side stream (CUDA)
+# The defaults: the one line to edit after benchmarks/kernel_tune.py has ranked the alternatives.
+DEFAULTS = dict(Z_MIB=256, E_MIB=1024, OVERLAP="0", LOGITS="fp32")
+_env = lambda k: os.environ.get("MEGATRON_KD_FUSED_" + k, str(DEFAULTS[k]))  # noqa: E731
+Z_BYTES = int(_env("Z_MIB")) * MIB  # fp32 logits of one sub-chunk
+E_BYTES = int(_env("E_MIB")) * MIB  # bf16 dz of one super-chunk
+OVERLAP = _env("OVERLAP") == "1"  # sweep on a side stream (CUDA)
+LOGITS = _env("LOGITS")  # "fp32" | "bf16" (the logits GEMM's output dtype for bf16/fp16 inputs)
 SLACK = 20.0  # anchor slack (nats): E <= e^20, and rows are re-swept only beyond it
 GRAD_SCALE_ATTR = "megatron_kd_grad_scale"
 
@@ -87,11 +99,11 @@ class _Logits:
     kernels. With overlap (CUDA), the sweeps run on a side stream over two alternating buffers, so the
     memory-bound sweep of sub-chunk i runs under the compute-bound GEMM of sub-chunk i+1."""
 
-    def __init__(self, h, w, sl, C, mdt, overlap):
-        self.h, self.w, self.sl, self.C = h, w, sl, C
+    def __init__(self, h, w, sl, C, mdt, overlap, zdt=None):
+        self.h, self.w, self.sl, self.C, self.mdt = h, w, sl, C, mdt
         self.overlap = overlap and h.is_cuda
         rows_ = min(C, h.shape[0])
-        self.zbufs = [torch.empty((rows_, w.shape[0]), dtype=mdt, device=h.device)
+        self.zbufs = [torch.empty((rows_, w.shape[0]), dtype=zdt or mdt, device=h.device)
                       for _ in range(2 if self.overlap else 1)]
         self.free = [None] * len(self.zbufs)  # side-stream events: buffer i may be overwritten
         self.side = _side_stream(h.device) if self.overlap else None
@@ -99,7 +111,7 @@ class _Logits:
 
     def sweep(self, s0, s1, e, sweep_kw):
         """zg [s1-s0, K1] and stat [s1-s0, 3] for rows [s0, s1); e (rows s0..s1 of E) or None."""
-        mdt = self.zbufs[0].dtype
+        mdt = self.mdt  # statistics stay in the math dtype when the logits are bf16
         zg = torch.empty((s1 - s0, self.sl.k1), dtype=mdt, device=self.h.device)
         stat = torch.empty((s1 - s0, 3), dtype=mdt, device=self.h.device)
         if self.w.shape[0] == 0:  # this rank's shard is all padding
@@ -143,10 +155,21 @@ def _side_stream(device):
     return _SIDE[device]
 
 
+def _logits_dtype(logits, h_dtype, mdt):
+    logits = LOGITS if logits is None else logits
+    if logits not in ("fp32", "bf16"):
+        raise ValueError(f"fused logits dtype must be 'fp32' or 'bf16', got {logits!r}")
+    if logits == "bf16" and h_dtype in (torch.bfloat16, torch.float16) and mdt == torch.float32:
+        return h_dtype
+    return mdt
+
+
 def run(h, weight, t, opts, shard, *, grad_h=None, acc=None, wscale=1.0, sub=None, sup=None, block=None,
-        force_two_pass=False, overlap=None):
+        force_two_pass=False, overlap=None, logits=None, acc_fresh=False):
     """One pass over all tokens. Fills grad_h [N, H] (if given, unreduced over TP) and acc [V, H] += wscale
-    * dL/dW (if given) for grad_output = 1. Returns the per-position statistics (ChunkStats over N)."""
+    * dL/dW (if given) for grad_output = 1. Returns the per-position statistics (ChunkStats over N).
+    acc_fresh: acc holds garbage (torch.empty); the first weight-gradient GEMM overwrites instead of adding
+    (saves a memset of the fp32 accumulator), and rows never written are zeroed."""
     n = h.shape[0]
     v = shard.local_valid
     w = weight[:v]
@@ -158,7 +181,9 @@ def run(h, weight, t, opts, shard, *, grad_h=None, acc=None, wscale=1.0, sub=Non
     C, S = plan_chunks(n, shard.valid_size, opts, scaled, sub=sub, sup=sup)
     sl = prepare_slots(t, opts, shard)
     g = row_weights(t, opts)
-    logits = _Logits(h, w, sl, C, mdt, (OVERLAP if overlap is None else overlap) and S > C)
+    logits = _Logits(h, w, sl, C, mdt, (OVERLAP if overlap is None else overlap) and S > C,
+                     zdt=_logits_dtype(logits, h.dtype, mdt))
+    fresh = acc is not None and acc_fresh
     ebuf = torch.empty((min(S, n), v), dtype=h.dtype, device=h.device) if want else None
     sweep_kw = dict(temperature=T, need_s1=opts.needs_ce and T != 1.0, slack=SLACK, block=block)
     stats = []
@@ -194,7 +219,16 @@ def run(h, weight, t, opts, shard, *, grad_h=None, acc=None, wscale=1.0, sub=Non
         if acc is not None:
             if scaled:
                 hs = (hs.to(mdt) * scale[:, None]).to(h.dtype)
-            gemm.addmm_(acc[:v], e.t(), hs, alpha=wscale)
+            if fresh:  # first contribution: overwrite (acc came from torch.empty)
+                gemm.mm_into(e.t(), hs, acc[:v])
+                if wscale != 1.0:
+                    acc[:v].mul_(wscale)
+                acc[v:].zero_()
+                fresh = False
+            else:
+                gemm.addmm_(acc[:v], e.t(), hs, alpha=wscale)
+    if fresh:  # nothing was written (no rows on this shard)
+        acc.zero_()
     return ChunkStats.cat(stats)
 
 
@@ -208,9 +242,9 @@ class FusedTopKKL(torch.autograd.Function):
         grad_h = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_h else None
         acc = None
         if need_w:
-            acc = main if main is not None else torch.zeros(weight.shape, dtype=mdt, device=weight.device)
+            acc = main if main is not None else torch.empty(weight.shape, dtype=mdt, device=weight.device)
         st = run(hidden, weight, t, opts, shard, grad_h=grad_h, acc=acc,
-                 wscale=expect if main is not None else 1.0, **tuning)
+                 wscale=expect if main is not None else 1.0, acc_fresh=main is None, **tuning)
         out = reduce(chunk_loss(st, t, opts), t, opts)
         if grad_h is not None and reduce_grad_input:
             all_reduce_sum(grad_h, shard.group)
@@ -243,7 +277,8 @@ class FusedTopKKL(torch.autograd.Function):
 
 def fused_topk_kl(h, weight, t, opts, shard, reduce_grad_input=True, **tuning):
     """h [N, H] (hidden dtype), weight [V_local, H]; returns the reduced loss (scalar) or [N] for "none".
-    tuning (tests/benchmarks): sub / sup (chunk rows), block (Triton tile), force_two_pass, overlap."""
+    tuning (tests/benchmarks): sub / sup (chunk rows), block (Triton tile), force_two_pass, overlap,
+    logits ("fp32" / "bf16"); None or absent: the module settings (DEFAULTS / environment)."""
     if opts.reduction == "none" or h.shape[0] == 0:
         from ..loss.api import default_chunk_size
         chunk = int(opts.chunk_size or default_chunk_size(shard.local_valid))

@@ -10,6 +10,11 @@ row_sweep: sums exp(u - a) (and exp(z - aT) for CE at T != 1) relative to a per-
 row_grad: the second sweep of the two-pass path: dz = A exp(u - lse) + B exp(z - lse1), written in
     the output dtype (masked slot columns give 0; their values are added afterwards).
 The sweeps only read z, so on the GPU they are autotuned over tile size and warps (key: V and flags).
+
+Scalars (1/T, T, slack) reach the kernels through a small tensor in the accumulation dtype, never as
+Python floats: a compiled kernel types a float argument as fp32 (the interpreter keeps float64), so
+1/0.7 passed by value was off by ~3e-8 relative and the fp64 path missed its 1e-9 bar on the GPU.
+(tl.exp / tl.log on fp64 already lower to libdevice's __nv_exp / __nv_log; ex2.approx is fp32 only.)
 """
 import torch
 import triton
@@ -58,10 +63,13 @@ def _sweep(z_row, e_row, V, a, at, inv_t, BLOCK: tl.constexpr, WRITE_E: tl.const
 
 
 @triton.jit
-def _sweep_kernel(z_ptr, z_stride, e_ptr, e_stride, zg_ptr, stat_ptr, V, K1, inv_t, t, slack,
+def _sweep_kernel(z_ptr, z_stride, e_ptr, e_stride, zg_ptr, stat_ptr, V, K1, prm_ptr,
                   KP: tl.constexpr, WRITE_E: tl.constexpr, NEED_S1: tl.constexpr, ACC: tl.constexpr,
                   BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    inv_t = tl.load(prm_ptr).to(ACC)  # (1/T, T, slack) in ACC: no fp32 rounding of by-value floats
+    t = tl.load(prm_ptr + 1).to(ACC)
+    slack = tl.load(prm_ptr + 2).to(ACC)
     z_row = z_ptr + row * z_stride
     e_row = e_ptr + row * e_stride
     ks = tl.arange(0, KP)
@@ -80,9 +88,10 @@ def _sweep_kernel(z_ptr, z_stride, e_ptr, e_stride, zg_ptr, stat_ptr, V, K1, inv
 
 
 @triton.jit
-def _grad_kernel(z_ptr, z_stride, d_ptr, d_stride, coef_ptr, V, inv_t, NEED_B: tl.constexpr,
+def _grad_kernel(z_ptr, z_stride, d_ptr, d_stride, coef_ptr, V, prm_ptr, NEED_B: tl.constexpr,
                  ACC: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    inv_t = tl.load(prm_ptr).to(ACC)
     A = tl.load(coef_ptr + row * 4).to(ACC)
     lse = tl.load(coef_ptr + row * 4 + 1).to(ACC)
     B = tl.load(coef_ptr + row * 4 + 2).to(ACC)
@@ -104,6 +113,21 @@ _grad_tuned = triton.autotune(_CONFIGS, key=["V", "NEED_B", "ACC"])(_grad_kernel
 
 def _acc(dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+_PARAMS = {}
+
+
+def _params(device, acc_dtype, temperature: float, slack: float = 0.0) -> torch.Tensor:
+    """[1/T, T, slack] on device in the accumulation dtype; cached (no host-to-device copy per launch)."""
+    key = (str(device), acc_dtype, float(temperature), float(slack))
+    p = _PARAMS.get(key)
+    if p is None:
+        p = torch.tensor([1.0 / temperature, temperature, slack], dtype=torch.float64).to(acc_dtype).to(device)
+        if len(_PARAMS) > 256:
+            _PARAMS.clear()
+        _PARAMS[key] = p
+    return p
 
 
 def _launch(raw, tuned, grid, block, *args, **kw):
@@ -135,10 +159,11 @@ def row_sweep(z, e, zg, temperature: float, need_s1: bool, slack: float, block: 
         return stat
     assert z.stride(1) == 1 and zg.is_contiguous() and stat.is_contiguous() and (e is None or e.stride(1) == 1)
     k1 = zg.shape[1]
+    acc = torch.float64 if stat.dtype == torch.float64 else torch.float32  # z may be bf16 (bf16 logits)
     _launch(_sweep_kernel, _sweep_tuned, (c,), block,
             z, z.stride(0), z if e is None else e, 0 if e is None else e.stride(0), zg, stat, v, k1,
-            1.0 / temperature, float(temperature), float(slack), KP=max(2, triton.next_power_of_2(k1)),
-            WRITE_E=e is not None, NEED_S1=need_s1, ACC=_acc(z.dtype))
+            _params(z.device, acc, temperature, slack), KP=max(2, triton.next_power_of_2(k1)),
+            WRITE_E=e is not None, NEED_S1=need_s1, ACC=_acc(acc))
     return stat
 
 
@@ -147,7 +172,8 @@ def row_grad(z, d, coef, temperature: float, need_b: bool, block: int | None = N
     c, v = z.shape
     if c:
         assert z.stride(1) == 1 and d.stride(1) == 1 and coef.is_contiguous()
+        acc = torch.float64 if coef.dtype == torch.float64 else torch.float32
         _launch(_grad_kernel, _grad_tuned, (c,), block, z, z.stride(0), d, d.stride(0), coef, v,
-                1.0 / temperature, NEED_B=need_b, ACC=_acc(z.dtype))
+                _params(z.device, acc, temperature), NEED_B=need_b, ACC=_acc(acc))
     return d
 

@@ -2,7 +2,7 @@
 
     megatron-kd launch --dry-run llama31_8b_to_3b_32k_1xh200 kd.top_k=64
     megatron-kd launch gpt_oss_20b_32k_8xh200 --gpus-per-node 8
-    megatron-kd launch --dry-run gpt_oss_20b_32k_4node_online --nodes 4 --container nvcr.io#nvidia/nemo:26.08
+    megatron-kd launch --dry-run gpt_oss_20b_32k_4node_online --nodes 4 --container registry#org/megatron-kd:0.1.0
 
 One node without --container or --slurm runs launch/torchrun.sh here; --container on one node runs the
 image with docker; --nodes > 1 (or --slurm) submits launch/slurm.sbatch. The per-node torchrun line shown
@@ -31,7 +31,6 @@ PASS_ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "NVSHMEM_", "TORCH_SYMM_MEM_", "CUD
 @dataclass
 class Plan:
     """What to run: the user-facing command, its extra environment, and notes for a dry run."""
-    mode: str
     argv: list
     env: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
@@ -51,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, default=None,
                    help="workers per node (default: all visible GPUs locally, 8 on Slurm)")
     p.add_argument("--container", metavar="IMAGE", default=None,
-                   help="docker image (one node) or pyxis image (Slurm), e.g. nvcr.io#nvidia/nemo:26.08")
+                   help="image built from docker/Dockerfile: a docker tag (one node) or a pyxis image "
+                        "(Slurm), e.g. registry#org/megatron-kd:0.1.0 or a .sqsh file")
     p.add_argument("--mounts", default="", help="extra mounts src:dst[,src:dst]")
     p.add_argument("--slurm", action="store_true", help="submit with sbatch even for one node")
     p.add_argument("--partition", default=None)
@@ -108,7 +108,7 @@ def torchrun_line(args: list, env: dict) -> str:
 def plan_local(a) -> Plan:
     env = {"NPROC_PER_NODE": str(a.gpus_per_node)} if a.gpus_per_node else {}
     targs = ["train", *recipe_args(a.recipe), *a.overrides]
-    plan = Plan("local", ["bash", script(TORCHRUN_SH), *targs], env)
+    plan = Plan(["bash", script(TORCHRUN_SH), *targs], env)
     plan.notes.append("which runs: " + torchrun_line(targs, env))
     return plan
 
@@ -128,7 +128,7 @@ def plan_docker(a) -> Plan:
     if a.gpus_per_node:
         argv += ["-e", f"NPROC_PER_NODE={a.gpus_per_node}"]
     targs = ["train", *recipe_args(a.recipe), *a.overrides, *ckpt_overrides(run_dir)]
-    plan = Plan("docker", argv + [a.container, *targs])
+    plan = Plan(argv + [a.container, *targs])
     plan.notes.append("the image's entrypoint runs `train` through launch/torchrun.sh (one worker per GPU)")
     return plan
 
@@ -148,7 +148,7 @@ def plan_slurm(a) -> Plan:
         env["CONTAINER_MOUNTS"] = a.mounts
     argv = ["sbatch", f"--job-name={job}", f"--nodes={a.nodes}", f"--gpus-per-node={gpus}"]
     argv += [f"--{k}={v}" for k, v in (("partition", a.partition), ("account", a.account), ("time", a.time)) if v]
-    plan = Plan("slurm", argv + [script(SLURM_SBATCH), recipe, *a.overrides], env)
+    plan = Plan(argv + [script(SLURM_SBATCH), recipe, *a.overrides], env)
     # What each node runs: torchrun.sh's own dry run, with the values slurm.sbatch derives there as words.
     ckpt = f"{run_dir}/checkpoints"
     targs = ["train", *recipe_args(recipe), *a.overrides, *ckpt_overrides(run_dir)]

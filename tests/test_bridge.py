@@ -184,6 +184,10 @@ def test_dataset_provider_wraps_the_users_config(fake_bridge, cache_path):
     assert train[0]["topk_ids"].shape == (S, K) and fake_bridge.calls == [([3, 0, 0], base)]
     with pytest.raises(AttributeError):
         wrapped.no_such_field
+    import copy
+    clone = copy.deepcopy(wrapped)  # Bridge copies and serializes configs
+    assert clone.seq_length == S and clone.kd == wrapped.kd and clone.base is not base
+    assert type(wrapped).__module__ == "megatron_kd.bridge.provider"  # importable by Bridge's _target_
 
 
 def test_enable_offline_kd_checks_the_cache_first(fake_bridge, cache_path):

@@ -6,6 +6,7 @@ and data-parallel rank r takes the r-th micro_batch_size slice of each group. Th
 sample index, so every layout (TP, PP, CP, DP, micro-batch size) reads the rows of the tokens it trains on.
 """
 import hashlib
+import logging
 import os
 
 import torch
@@ -91,6 +92,8 @@ def build_datasets(d: DataConfig, tokenizer, train_samples: int, valid_samples: 
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
     mock = d.kind == "mock"
+    if mock:  # MockGPTDataset keeps its index in memory and says so once per split
+        logging.getLogger("megatron.core.datasets").setLevel(logging.ERROR)
     cache = d.index_cache
     if cache is None and not mock:
         first = d.path if isinstance(d.path, str) else [p for p in d.path if not _is_number(p)][0]
@@ -102,7 +105,28 @@ def build_datasets(d: DataConfig, tokenizer, train_samples: int, valid_samples: 
     cls = MockGPTDataset if mock else GPTDataset
     train, valid, _ = BlendedMegatronDatasetBuilder(cls, [train_samples, valid_samples, 0], lambda: True,
                                                     cfg).build()
-    return train, valid
+    if valid is not None and len(valid) >= valid_samples > 0:
+        valid = Head(valid, valid_samples)
+    return Head(train, train_samples), valid
+
+
+class Head(torch.utils.data.Dataset):
+    """The first n samples of a dataset (GPTDataset rounds up to whole epochs; a cache covers what is used)."""
+
+    def __init__(self, dataset, n: int):
+        if len(dataset) < n:
+            raise RecipeError(f"the dataset yields {len(dataset)} samples, the run needs {n}; add data (data.path) "
+                              "or lower train.iters / train.global_batch_size")
+        self.dataset, self.n = dataset, n
+        self.unique_description_hash = getattr(dataset, "unique_description_hash", "")
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if not 0 <= i < self.n:
+            raise IndexError(f"sample {i} outside the first {self.n}")
+        return self.dataset[i]
 
 
 def dataset_id(ds) -> str:

@@ -26,6 +26,9 @@ def use_cuda(device: str = "auto") -> bool:
     return torch.cuda.is_available()
 
 
+ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
 def init_process_group(cuda: bool) -> bool:
     """Join (or create, for a plain `python`/single process) the default group; True if we created it."""
     if dist.is_initialized():
@@ -68,6 +71,7 @@ def distributed(p: ParallelConfig, seed: int, device: str = "auto"):
     """Process group (if needed), Megatron groups and seeds for one job; torn down afterwards."""
     from megatron.core import parallel_state as ps
     cuda = use_cuda(device)
+    env = {k: os.environ.get(k) for k in ENV_KEYS}
     created = init_process_group(cuda)
     try:
         init_model_parallel(p, cuda)
@@ -78,6 +82,12 @@ def distributed(p: ParallelConfig, seed: int, device: str = "auto"):
             ps.destroy_model_parallel()
         if created and dist.is_initialized():
             dist.destroy_process_group()
+        if created:  # a single-process group we made up: leave the environment as we found it
+            for k, v in env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 def is_rank0() -> bool:

@@ -63,23 +63,20 @@ def cpu_optimizer(ddp_chunks, cfg):
         @torch.no_grad()
         def clip_grad_norm(self, clip_grad: float) -> float:
             grads = self.get_main_grads_for_grad_norm()  # TP duplicates and shared params counted once
-            sq = torch.zeros(1, dtype=torch.float64)
-            for g in grads:
-                sq += g.double().pow(2).sum()
+            norms = torch._foreach_norm(grads) if grads else []
+            sq = torch.stack(norms).double().pow(2).sum().reshape(1) if grads else torch.zeros(1, dtype=torch.float64)
             group = self.get_grad_stats_parallel_group()
             if dist.is_initialized() and dist.get_world_size(group) > 1:
                 dist.all_reduce(sq, group=group)
             norm = float(sq.sqrt())
             coef = clip_grad / (norm + 1.0e-6)
             if coef < 1.0:
-                for prm in self.get_parameters():
-                    if prm.grad is not None:
-                        prm.grad.mul_(coef)
+                torch._foreach_mul_([p.grad for p in self.get_parameters() if p.grad is not None], coef)
             return norm
 
     groups = _param_groups(ddp_chunks)
     opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                            eps=cfg.adam_eps)
+                            eps=cfg.adam_eps, foreach=True)
 
     def init_state_fn(o, config=None):
         for group in o.param_groups:

@@ -287,11 +287,12 @@ def build_teacher_cache(r: Recipe, tok, train_ds, num_samples: int) -> dict:
     if r.teacher.hf_path:
         teacher = HFTeacher(r.teacher.hf_path, device="cuda" if torch.cuda.is_available() else "cpu")
     else:
-        if not r.teacher.load:
-            raise RecipeError("kd.build_cache needs teacher.load (a `megatron-kd train` save dir) or "
-                              "teacher.hf_path")
         m = build_gpt(r.teacher, r.parallel, tok.vocab_size, r.data.seq_length, r.train.precision)
-        ckpt.load_weights(r.teacher.load, [m])
+        if r.teacher.load:
+            ckpt.load_weights(r.teacher.load, [m])
+        elif is_rank0():
+            print("note: teacher.load is null: the cache comes from a randomly initialized teacher (a pipeline "
+                  "check, not a distillation); set teacher.load to a trained teacher's save dir", flush=True)
         freeze(m)
         teacher = MegatronTeacher(m, tok.vocab_size, name=r.teacher.name,
                                   tp_group=ps.get_tensor_model_parallel_group())
@@ -305,3 +306,16 @@ def build_teacher_cache(r: Recipe, tok, train_ds, num_samples: int) -> dict:
     gc.collect()
     return manifest
 
+
+
+def build_cache_only(r: Recipe) -> dict:
+    """The offline recipe's cache (kd.cache) from its teacher over the run's training samples; no training."""
+    world = int(os.environ.get("WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
+    cuda = use_cuda(r.train.device)
+    check_recipe(r, world, cuda)
+    tok = load_tokenizer(r.data)
+    check_vocab(tok.vocab_size, r.teacher, "teacher", r.parallel.tp)
+    with distributed(r.parallel, r.train.seed, r.train.device):
+        train_n, valid_n = samples_needed(r.train, r.data)
+        train_ds, _ = build_datasets(r.data, tok, train_n, valid_n)
+        return build_teacher_cache(r, tok, train_ds, train_n)

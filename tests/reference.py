@@ -33,7 +33,7 @@ def reference_loss(hidden, weight, ids, logp, labels=None, loss_mask=None, kl_we
         raise AssertionError(tail)
     loss = temperature ** 2 * kl_weight * kl
     n = h.shape[0]
-    wgt = torch.ones(n, dtype=torch.float64) if loss_mask is None else loss_mask.reshape(-1).double()
+    wgt = torch.ones(n, dtype=torch.float64, device=h.device) if loss_mask is None else loss_mask.reshape(-1).double()
     if labels is not None:
         lab = labels.reshape(-1).long()
         cnt = lab != ignore_index

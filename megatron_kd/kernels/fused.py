@@ -37,7 +37,6 @@ backward returns no weight gradient (or a dummy one and sets grad_added_to_main_
 carries that attribute).
 reduction="none" needs per-position upstream grads, unknown in forward: it runs the torch "chunked" impl.
 """
-import os
 
 import torch
 
@@ -48,14 +47,7 @@ from .ops import gemm
 from .ops.rows import row_grad, row_sweep, slot_gather_mask
 from .sparse import combine_stats, grad_coefficients, prepare_slots
 
-MIB = 1 << 20
-# The defaults: the one line to edit after benchmarks/kernel_tune.py has ranked the alternatives.
-DEFAULTS = dict(Z_MIB=256, E_MIB=1024, OVERLAP="0", LOGITS="fp32")
-_env = lambda k: os.environ.get("MEGATRON_KD_FUSED_" + k, str(DEFAULTS[k]))  # noqa: E731
-Z_BYTES = int(_env("Z_MIB")) * MIB  # fp32 logits of one sub-chunk
-E_BYTES = int(_env("E_MIB")) * MIB  # bf16 dz of one super-chunk
-OVERLAP = _env("OVERLAP") == "1"  # sweep on a side stream (CUDA)
-LOGITS = _env("LOGITS")  # "fp32" | "bf16" (the logits GEMM's output dtype for bf16/fp16 inputs)
+from .settings import DEFAULTS, E_BYTES, LOGITS, MIB, OVERLAP, Z_BYTES  # noqa: F401  (re-exported)
 SLACK = 20.0  # anchor slack (nats): E <= e^20, and rows are re-swept only beyond it
 GRAD_SCALE_ATTR = "megatron_kd_grad_scale"
 

@@ -26,9 +26,9 @@ from .shapes import Layout, ModelShape, padded_vocab, param_counts
 GIB = float(1 << 30)
 RESERVE_GIB = 3.0          # CUDA context, NCCL buffers, allocator rounding: not in max_memory_allocated
 H200_GIB = 139.8           # usable HBM of one H200 (torch.cuda.mem_get_info total)
-LOSS_CHUNK_ELEMENTS = 1 << 26   # megatron_kd.loss.api.CHUNK_ELEMENTS (torch chunked impls)
-FUSED_Z_BYTES = 256 << 20       # megatron_kd.kernels.fused.Z_BYTES (fp32 logits of one sub-chunk)
-FUSED_E_BYTES = 512 << 20       # megatron_kd.kernels.fused.E_BYTES (bf16 dz of one super-chunk)
+from ..loss.api import CHUNK_ELEMENTS as LOSS_CHUNK_ELEMENTS  # noqa: E402  (torch chunked impls)
+from ..kernels.settings import E_BYTES as FUSED_E_BYTES  # noqa: E402  (bf16 dz of one super-chunk)
+from ..kernels.settings import Z_BYTES as FUSED_Z_BYTES  # noqa: E402  (fp32 logits of one sub-chunk)
 TOPK_CHUNK_ELEMENTS = 1 << 26   # teacher top-K on the fly: logits of one chunk
 
 RECOMPUTE = ("full", "selective", "none")

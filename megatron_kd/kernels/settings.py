@@ -1,0 +1,20 @@
+"""Buffer sizes and switches of the fused impl, without importing Triton (the memory planner reads them too).
+
+DEFAULTS is the one line to edit after benchmarks/kernel_tune.py has ranked the alternatives on a GPU;
+each key can be overridden by the environment variable MEGATRON_KD_FUSED_<KEY>.
+"""
+import os
+
+MIB = 1 << 20
+# Ranked first by kernel_tune.py on an H200, 2026-11-29 (benchmarks/results/kernel_tune_h200.json).
+DEFAULTS = dict(Z_MIB=512, E_MIB=2048, OVERLAP="0", LOGITS="fp32")
+
+
+def _env(key: str) -> str:
+    return os.environ.get("MEGATRON_KD_FUSED_" + key, str(DEFAULTS[key]))
+
+
+Z_BYTES = int(_env("Z_MIB")) * MIB  # fp32 logits of one sub-chunk
+E_BYTES = int(_env("E_MIB")) * MIB  # bf16 dz of one super-chunk
+OVERLAP = _env("OVERLAP") == "1"  # sweep on a side stream (CUDA)
+LOGITS = _env("LOGITS")  # "fp32" | "bf16": the logits GEMM's output dtype for bf16/fp16 inputs

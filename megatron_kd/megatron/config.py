@@ -215,22 +215,38 @@ def padded_vocab_size(vocab_size: int, m: ModelConfig, tp: int) -> int:
 
 
 def check_vocab(vocab_size: int, m: ModelConfig, section: str, tp: int) -> int:
+    if m.make_vocab_size_divisible_by == 1 and vocab_size % tp:
+        raise RecipeError(f"the vocabulary ({vocab_size} ids: data.tokenizer / data.vocab_size) does not divide by "
+                          f"parallel.tp={tp}, and {section}.make_vocab_size_divisible_by=1 asks for no padding; set "
+                          f"{section}.make_vocab_size_divisible_by (e.g. 128): Megatron pads the vocabulary and the "
+                          "padding rows stay out of the loss")
     padded = padded_vocab_size(vocab_size, m, tp)
     _need(padded % tp == 0, f"the padded vocabulary {padded} ({section}.make_vocab_size_divisible_by="
           f"{m.make_vocab_size_divisible_by}) must divide by parallel.tp={tp}")
     return padded
 
 
-def check_recipe(r: Recipe, world_size: int = 1, cuda: bool = False) -> None:
-    """Cross-section checks that need no data or model; raise RecipeError naming the key."""
+def check_world(r: Recipe, world_size: int) -> int:
+    """The data-parallel size of the recipe's layout on world_size ranks."""
+    p, t = r.parallel, r.train
+    model_parallel = p.tp * p.pp * p.cp
+    _need(world_size % model_parallel == 0,
+          f"{world_size} processes do not divide into parallel.tp x parallel.pp x parallel.cp = {model_parallel}; "
+          f"launch a multiple of {model_parallel} processes (torchrun --nproc-per-node)")
+    dp = world_size // model_parallel
+    _need(t.global_batch_size % (t.micro_batch_size * dp) == 0,
+          f"train.global_batch_size={t.global_batch_size} must divide by train.micro_batch_size x data-parallel "
+          f"size = {t.micro_batch_size} x {dp}")
+    return dp
+
+
+def check_recipe(r: Recipe, world_size: int | None = 1, cuda: bool = False) -> None:
+    """Cross-section checks that need no data or model; raise RecipeError naming the key.
+    The world-size check comes last (world_size=None skips it)."""
     p, t, kd, d = r.parallel, r.train, r.kd, r.data
     for k in ("tp", "pp", "cp", "ep"):
         _need(getattr(p, k) >= 1, f"parallel.{k}={getattr(p, k)} must be >= 1")
     check_model(r.model, "model", p.tp)
-    model_parallel = p.tp * p.pp * p.cp
-    _need(world_size % model_parallel == 0,
-          f"the world size {world_size} must divide by parallel.tp x parallel.pp x parallel.cp = {model_parallel}")
-    dp = world_size // model_parallel
     _need(kd.mode in MODES, f"kd.mode={kd.mode!r}: use one of {MODES}")
     if kd.mode != "ce":
         _need(kd.top_k >= 1, f"kd.top_k={kd.top_k} must be >= 1")
@@ -264,9 +280,6 @@ def check_recipe(r: Recipe, world_size: int = 1, cuda: bool = False) -> None:
               "with parallel.sequence_parallel")
     _need(t.iters >= 1, f"train.iters={t.iters} must be >= 1")
     _need(t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size} must be >= 1")
-    _need(t.global_batch_size % (t.micro_batch_size * dp) == 0,
-          f"train.global_batch_size={t.global_batch_size} must divide by train.micro_batch_size x data-parallel "
-          f"size = {t.micro_batch_size} x {dp}")
     _need(t.precision in PRECISIONS, f"train.precision={t.precision!r}: use one of {PRECISIONS}")
     _need(t.device in ("auto", "cuda", "cpu"), f"train.device={t.device!r}: use auto, cuda or cpu")
     if not cuda:
@@ -276,6 +289,9 @@ def check_recipe(r: Recipe, world_size: int = 1, cuda: bool = False) -> None:
               "use parallel.cp=1 on CPU")
         _need(not p.sequence_parallel, "parallel.sequence_parallel=true needs GPUs (Megatron's norms refuse it "
               "without TE/apex); set it false on CPU")
-        _need(t.precision != "fp16", "train.precision=fp16 needs GPUs; use fp32 or bf16 on CPU")
+        _need(t.precision == "fp32", f"train.precision={t.precision} needs GPUs (Megatron's mixed-precision "
+              "optimizer is CUDA-only); use train.precision=fp32 on CPU")
     if t.stop_at is not None:
         _need(1 <= t.stop_at <= t.iters, f"train.stop_at={t.stop_at} must be in [1, train.iters={t.iters}]")
+    if world_size is not None:
+        check_world(r, world_size)

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint as ckpt
-from .config import KDConfig, Recipe, RecipeError, check_model, check_recipe, check_vocab
+from .config import KDConfig, Recipe, RecipeError, check_model, check_recipe, check_vocab, check_world
 from .data import (build_datasets, check_cache, dataset_id, load_tokenizer, loader, samples_needed, with_cache)
-from .dist import barrier, distributed, is_rank0, use_cuda
+from .dist import barrier, distributed, is_rank0, set_seed, use_cuda
 from .metrics import Sink, forward_flops_per_step, peak_memory_gib, train_flops_per_step
 from .model import build_gpt, build_model_chunks, wrap_float16
 from .optim import build_optimizer, build_scheduler, set_model_hooks, wrap_ddp
@@ -38,7 +38,7 @@ def recipe_dict(r: Recipe) -> dict:
 
 def preflight(r: Recipe, world_size: int, cuda: bool):
     """Checks that need neither a process group nor a model; returns the tokenizer."""
-    check_recipe(r, world_size, cuda)
+    check_recipe(r, None, cuda)
     tok = load_tokenizer(r.data)
     check_vocab(tok.vocab_size, r.model, "model", r.parallel.tp)
     if r.kd.mode == "online" or (r.kd.mode == "offline" and r.kd.build_cache):
@@ -50,9 +50,10 @@ def preflight(r: Recipe, world_size: int, cuda: bool):
             if not r.teacher.load:
                 raise RecipeError("kd.mode=online needs teacher.load: the teacher's checkpoint directory (a "
                                   "`megatron-kd train` save dir)")
-    if r.kd.mode == "ce" or r.kd.top_k <= tok.vocab_size:
-        return tok
-    raise RecipeError(f"kd.top_k={r.kd.top_k} exceeds the vocabulary ({tok.vocab_size} ids)")
+    if r.kd.mode != "ce" and r.kd.top_k > tok.vocab_size:
+        raise RecipeError(f"kd.top_k={r.kd.top_k} exceeds the vocabulary ({tok.vocab_size} ids)")
+    check_world(r, world_size)
+    return tok
 
 
 def run(r: Recipe, save: str) -> dict:
@@ -86,6 +87,7 @@ class Trainer:
         self.train_set = self.train_ds
         if r.kd.mode == "offline":
             self.train_set = self._offline_data()
+        set_seed(t.seed)  # the student's init must not depend on what ran before (e.g. a cache build)
         self.chunks, self.config = build_model_chunks(r.model, r.parallel, self.vocab, r.data.seq_length,
                                                       t.precision)
         self.chunks = wrap_ddp(wrap_float16(self.chunks, self.config), self.config, r.parallel, cuda)

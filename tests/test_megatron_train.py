@@ -1,0 +1,80 @@
+"""`megatron-kd train` end to end on CPU (one gloo process, in this process):
+offline mode with a cache built from the teacher equals online mode with that teacher, step for step;
+resuming from a checkpoint reproduces the uninterrupted run; a save dir of another run is not reused.
+"""
+import json
+
+import pytest
+
+from megatron_kd.megatron.config import RecipeError, to_recipe
+from megatron_kd.megatron.recipes import compose
+from megatron_kd.megatron.train import run
+
+SMALL_ARCH = ["num_layers=1", "hidden_size=32", "ffn_hidden_size=64", "num_attention_heads=4", "num_query_groups=2",
+              "make_vocab_size_divisible_by=8"]
+BASE = ["data=mock", "data.vocab_size=250", "data.seq_length=32", "train.global_batch_size=4",
+        "train.micro_batch_size=2", "train.log_interval=1", "train.progress=false", "train.eval_interval=null",
+        "train.eval_iters=1", "train.tensorboard=false", "train.lr_warmup_iters=1", "kd.top_k=8",
+        *[f"model.{a}" for a in SMALL_ARCH]]
+TEACHER_ARCH = [f"teacher.{a}" for a in ["num_layers=2", "hidden_size=48", "ffn_hidden_size=96",
+                                          "num_attention_heads=4", "num_query_groups=4",
+                                          "make_vocab_size_divisible_by=8"]]
+
+
+def train(save, *overrides):
+    r = to_recipe(compose("tiny_cpu", [*BASE, *overrides, f"train.save={save}"]))
+    return run(r, str(save))
+
+
+def losses(save) -> dict:
+    out = {}
+    for line in open(save / "metrics.jsonl"):
+        rec = json.loads(line)
+        if rec["kind"] == "train":
+            out[rec["iteration"]] = rec  # a resumed run's record wins
+    return out
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    """A briefly trained teacher (CE on mock data), saved like any `megatron-kd train` run."""
+    d = tmp_path_factory.mktemp("teacher")
+    arch = [f"model.{a.split('.', 1)[1]}" for a in TEACHER_ARCH]
+    train(d, "kd=ce", "train.iters=3", "train.lr=1e-2", *arch)
+    return d
+
+
+def test_offline_cache_equals_online_teacher_step_for_step(tmp_path, teacher):
+    common = ["train.iters=4", f"teacher.load={teacher}", *TEACHER_ARCH]
+    train(tmp_path / "offline", "kd=offline", f"kd.cache={tmp_path / 'cache'}", "kd.build_cache=true", *common)
+    train(tmp_path / "online", "kd=online", *common)
+    off, on = losses(tmp_path / "offline"), losses(tmp_path / "online")
+    assert sorted(off) == sorted(on) == [1, 2, 3, 4]
+    for it in off:
+        for key in ("loss", "kl", "ce"):
+            a, b = off[it][key], on[it][key]
+            # the cache stores log-probs in fp16 (relative error 2^-11): that is all that differs
+            assert abs(a - b) <= 2e-3 * max(1.0, abs(b)), (it, key, a, b)
+    assert off[1]["kl"] > 0
+
+
+def test_resume_reproduces_the_uninterrupted_run(tmp_path):
+    cache = ["kd=offline", f"kd.cache={tmp_path / 'cache'}", "kd.build_cache=true", *TEACHER_ARCH]
+    train(tmp_path / "whole", "train.iters=6", *cache)
+    train(tmp_path / "parts", "train.iters=6", "train.stop_at=3", *cache)
+    assert max(losses(tmp_path / "parts")) == 3
+    s = train(tmp_path / "parts", "train.iters=6", *cache)  # same command without stop_at: resumes at 3
+    assert s["iteration"] == 6
+    whole, parts = losses(tmp_path / "whole"), losses(tmp_path / "parts")
+    assert sorted(parts) == sorted(whole) == list(range(1, 7))
+    for it in whole:
+        assert parts[it]["loss"] == pytest.approx(whole[it]["loss"], rel=1e-6, abs=1e-7), it
+        assert parts[it]["lr"] == pytest.approx(whole[it]["lr"], rel=1e-9), it
+    again = train(tmp_path / "parts", "train.iters=6", *cache)  # finished: nothing to do
+    assert again["iteration"] == 6 and again["step_s"] is None
+
+
+def test_a_save_dir_of_another_run_is_not_reused(tmp_path):
+    train(tmp_path / "a", "kd=ce", "train.iters=1")
+    with pytest.raises(RecipeError, match="train.save=.* already holds checkpoints"):
+        train(tmp_path / "a", "kd=ce", "train.iters=2", f"train.load={tmp_path / 'elsewhere'}")

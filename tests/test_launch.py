@@ -268,3 +268,33 @@ def test_sbatch_stops_requeueing_after_max(fake_slurm, tmp_path):
     _, err = proc.communicate(timeout=20)
     assert "scontrol requeue" not in log.read_text()
     assert "not requeueing" in err
+
+
+# --- the large recipes: compose, pass the schema checks at their world size, dry-run ------------------------
+
+LARGE_RECIPES = {  # name: (nodes, GPUs per node, overrides for the paths a user must give)
+    "llama31_8b_to_3b_32k_1xh200": (1, 1, ["data.path=/data/x_text_document", "kd.cache=/data/kd"]),
+    "gpt_oss_20b_32k_8xh200": (1, 8, ["data.path=/data/x_text_document", "kd.cache=/data/kd"]),
+    "gpt_oss_20b_32k_4node_online": (4, 8, ["data.path=/data/x_text_document", "teacher.load=/ckpt/t"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LARGE_RECIPES))
+def test_large_recipe_checks_at_its_world_size(name):
+    config = pytest.importorskip("megatron_kd.megatron.config")
+    recipes = pytest.importorskip("megatron_kd.megatron.recipes")
+    nodes, gpus, overrides = LARGE_RECIPES[name]
+    cfg = recipes.compose(name, overrides, save="/tmp/unused")
+    r = config.to_recipe(cfg)
+    config.check_recipe(r, world_size=nodes * gpus, cuda=True)
+    assert r.data.seq_length == 32768 and r.train.precision == "bf16"
+    assert r.kd.top_k == 100 and r.kd.mode == ("online" if "online" in name else "offline")
+
+
+@pytest.mark.parametrize("name", sorted(LARGE_RECIPES))
+def test_large_recipe_dry_run(name, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    nodes, gpus, overrides = LARGE_RECIPES[name]
+    out = launch_dry(capsys, name, *overrides, "--nodes", str(nodes), "--gpus-per-node", str(gpus))
+    assert f"--config-name {name} " + " ".join(overrides) in out
+    assert f"--nproc-per-node {gpus} " in out

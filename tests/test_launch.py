@@ -298,3 +298,20 @@ def test_large_recipe_dry_run(name, capsys, monkeypatch):
     out = launch_dry(capsys, name, *overrides, "--nodes", str(nodes), "--gpus-per-node", str(gpus))
     assert f"--config-name {name} " + " ".join(overrides) in out
     assert f"--nproc-per-node {gpus} " in out
+
+
+def doc_commands(prefix: str) -> list:
+    """Commands in docs/running.md's code blocks that start with `prefix` (backslash continuations joined)."""
+    text = (ROOT / "docs" / "running.md").read_text().replace("\\\n", " ")
+    return [" ".join(line.split()) for line in text.splitlines() if line.strip().startswith(prefix)]
+
+
+def test_docs_launch_commands_dry_run(capsys, monkeypatch):
+    import shlex
+    monkeypatch.chdir(ROOT)
+    cmds = doc_commands("megatron-kd launch ")
+    assert len(cmds) >= 3
+    for cmd in cmds:
+        argv = shlex.split(cmd)[2:]
+        assert launch.main(["--dry-run", *argv]) == 0, cmd
+        assert "torch.distributed.run" in capsys.readouterr().out, cmd

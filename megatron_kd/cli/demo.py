@@ -74,6 +74,8 @@ def settings_from(args) -> Settings:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    from ..megatron import quiet_megatron_warnings
+    quiet_megatron_warnings()
     s = settings_from(args)
     out = os.path.abspath(args.out)
     try:
@@ -180,7 +182,6 @@ class Demo:
         t = time.time()
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                                  "MASTER_PORT")}
-        env["PYTHONWARNINGS"] = "ignore"
         rc = subprocess.call([sys.executable, "-m", "megatron_kd", "train", *overrides], env=env)
         self.times[stage] = time.time() - t
         if rc:

@@ -11,6 +11,7 @@ finds a checkpoint there resumes from it. recipes/README.md documents every key.
 """
 import sys
 
+from ..megatron import quiet_megatron_warnings
 from ..megatron.recipes import recipes_dir
 
 USAGE_ERROR = 2
@@ -18,6 +19,7 @@ USAGE_ERROR = 2
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    quiet_megatron_warnings()
     if any(a == "--cfg" or a.startswith("--cfg=") or a == "-c" for a in argv) and "--resolve" not in argv:
         argv.append("--resolve")  # print values, not interpolations
     if any(a in ("-h", "--help") for a in argv):

@@ -1,7 +1,7 @@
 """The recipe schema (what `recipes/` may contain) and the checks run before any work.
 
 A recipe is composed by Hydra from the groups model, teacher, parallel, data, kd, train (recipes/README.md).
-`check_recipe` merges it into the dataclasses below, so a misspelt or unknown key fails at once with its full
+`to_recipe` merges it into the dataclasses below, so a misspelt or unknown key fails at once with its full
 name, then checks what depends on several sections (TP dividing heads, batch sizes, mode-specific keys).
 """
 from dataclasses import dataclass, field, fields
@@ -79,6 +79,7 @@ class DataConfig:
     eod_id: Optional[int] = None                 # None: the tokenizer's <|endoftext|> (mock: vocab_size - 1)
     eod_mask_loss: bool = False
     index_cache: Optional[str] = None            # where GPTDataset writes its index .npy files
+    num_workers: int = 0                         # DataLoader worker processes per rank
     eval_samples: Optional[int] = None           # None: train.eval_iters x global_batch_size
 
 

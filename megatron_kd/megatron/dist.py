@@ -91,7 +91,9 @@ def distributed(p: ParallelConfig, seed: int, device: str = "auto"):
 
 
 def is_rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
+    if dist.is_initialized():
+        return dist.get_rank() == 0
+    return int(os.environ.get("RANK", "0")) == 0  # after the group is gone (torchrun still names the rank)
 
 
 def barrier() -> None:

@@ -12,11 +12,12 @@ import torch
 
 def forward_backward(step_fn, data_iterator, chunks, num_microbatches: int, seq_length: int,
                      micro_batch_size: int, forward_only: bool = False) -> list:
-    """Returns the loss_func reports of this rank's last-stage micro-batches (empty on other stages)."""
+    """Returns the loss_func reports of this rank's last-stage micro-batches (empty on other stages).
+    data_iterator: one iterator, or a list with one per model chunk (virtual pipeline)."""
     if torch.cuda.is_available():
         from megatron.core.pipeline_parallel import get_forward_backward_func
         return get_forward_backward_func()(
-            forward_step_func=step_fn, data_iterator=data_iterator if len(chunks) == 1 else [data_iterator] * len(chunks),
+            forward_step_func=step_fn, data_iterator=data_iterator,
             model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=num_microbatches,
             seq_length=seq_length, micro_batch_size=micro_batch_size, forward_only=forward_only)
     return _cpu_forward_backward(step_fn, data_iterator, chunks, num_microbatches, forward_only)

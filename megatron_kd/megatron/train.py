@@ -158,7 +158,7 @@ class Trainer:
         if start:
             sink.print(f"resuming from {self.load} at iteration {start} ({consumed} samples consumed)")
             sink.log({"kind": "resume", "iteration": start})
-        data = loader(self.train_set, self.train_n, consumed, t.micro_batch_size, self.dp_rank, self.dp)
+        data = self._iterators(self.train_set, self.train_n, consumed)
         times, last_eval, losses = [], {}, {}
         stop = t.stop_at or t.iters
         for it in range(start + 1, stop + 1):
@@ -197,6 +197,14 @@ class Trainer:
         sink.close()
         return self._summary(stop, times, last_eval, losses=losses, sink=sink)
 
+    def _iterators(self, dataset, total: int, start: int):
+        """One micro-batch iterator, or one per model chunk under virtual pipeline (each chunk's forward_step
+        draws every micro-batch once, as in Megatron-LM)."""
+        t = self.r.train
+        its = [loader(dataset, total, start, t.micro_batch_size, self.dp_rank, self.dp, self.r.data.num_workers)
+               for _ in self.chunks]
+        return its[0] if len(its) == 1 else its
+
     def _save(self, it: int, consumed: int) -> None:
         common = {"consumed_samples": consumed, "recipe": recipe_dict(self.r)}
         ckpt.save_checkpoint(self.save, it, self.chunks, self.optimizer, self.scheduler, common)
@@ -212,7 +220,7 @@ class Trainer:
             return {}
         for c in self.chunks:
             c.eval()
-        data = loader(self.valid_ds, n, 0, t.micro_batch_size, self.dp_rank, self.dp)
+        data = self._iterators(self.valid_ds, n, 0)
         reports = []
         for _ in range(n // per_batch):
             reports += forward_backward(self.eval_fn, data, self.chunks, self.num_micro, self.r.data.seq_length,
@@ -220,7 +228,9 @@ class Trainer:
         for c in self.chunks:
             c.train()
         out = reduce_reports(reports)
-        rec = {"kind": "eval", "iteration": it, **{k: v for k, v in out.items()}}
+        if "ce" in out and out.get("total") == out["ce"]:
+            out.pop("total")  # CE-only evaluation: one number
+        rec = {"kind": "eval", "iteration": it, **out}
         sink.log(rec)
         sink.print(f"eval @ {it}: " + ", ".join(f"{k} {v:.4f}" for k, v in out.items()))
         return out

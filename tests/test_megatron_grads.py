@@ -59,6 +59,7 @@ def _worker(rank, world, tp):
     from megatron_kd.megatron.step import KDStep
     from megatron_kd.megatron.train import reduce_reports
 
+    torch.set_num_threads(1)  # two ranks on a 2-core runner
     m, p = student_cfg(tp)
     init_model_parallel(p, cuda=False)
     set_seed(1234)

@@ -182,6 +182,9 @@ class Demo:
         t = time.time()
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                                  "MASTER_PORT")}
+        # OpenMP threads that spin while waiting make small CPU steps many times slower whenever another
+        # process wants the cores; sleeping waiters cost almost nothing on an idle machine.
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         rc = subprocess.call([sys.executable, "-m", "megatron_kd", "train", *overrides], env=env)
         self.times[stage] = time.time() - t
         if rc:

@@ -40,9 +40,19 @@ def init_process_group(cuda: bool) -> bool:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    else:
+        share_cpu_cores()
     dist.init_process_group("nccl" if cuda else "gloo", rank=int(os.environ["RANK"]),
                             world_size=int(os.environ["WORLD_SIZE"]))
     return True
+
+
+def share_cpu_cores() -> None:
+    """CPU ranks on one host split its cores (torchrun sets OMP_NUM_THREADS; a plain spawn does not): oversubscribed
+    OpenMP pools spin against each other and run many times slower."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    if local > 1 and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
 
 
 def init_model_parallel(p: ParallelConfig, cuda: bool) -> None:

@@ -96,7 +96,7 @@ class Trainer:
         set_model_hooks(self.config, self.chunks, self.optimizer)
         self.teacher = self._online_teacher() if r.kd.mode == "online" else None
         cp_group = ps.get_context_parallel_group()
-        self.step_fn = KDStep(r.kd, self.vocab, self.teacher, cp_group=cp_group)
+        self.step_fn = KDStep(r.kd, self.vocab, self.teacher, split_report=r.kd.log_ce, cp_group=cp_group)
         eval_kd = r.kd if r.kd.mode == "online" else KDConfig(mode="ce", impl=r.kd.impl, chunk_size=r.kd.chunk_size)
         self.eval_fn = KDStep(eval_kd, self.vocab, self.teacher, cp_group=cp_group)
         self.flops = train_flops_per_step(r.model, self.vocab, r.data.seq_length, t.global_batch_size)

@@ -112,6 +112,9 @@ class KDStep:
 
     def __call__(self, data_iterator, model, *unused):
         batch = next_batch(data_iterator, self.device, self.cp_group)
+        if not unwrap(model).post_process:  # an earlier pipeline stage: hidden states out, no loss here
+            out = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"))
+            return out, partial(loss_func, batch["loss_mask"], None)
         if self.kd.mode == "online":
             batch["topk_ids"], batch["topk_logprobs"] = self.teacher.topk(batch)
         elif self.kd.mode == "ce":

@@ -114,7 +114,10 @@ class Trainer:
             reader = CacheReader(r.kd.cache)
         except CacheError as e:
             raise RecipeError(f"kd.cache={r.kd.cache}: {e}") from None
-        self.notes += check_cache(reader, r.kd, r.data, self.train_ds, self.vocab, self.train_n)
+        self.notes += check_cache(reader, r.kd, r.data, self.train_ds, self.vocab, self.train_n)  # on every rank
+        from megatron.core import parallel_state as ps
+        if not ps.is_pipeline_last_stage(ignore_virtual=True):
+            return self.train_ds  # the loss, and so the cache rows, live on the last pipeline stage
         return with_cache(self.train_ds, reader, r.kd)
 
     def _online_teacher(self):

@@ -36,13 +36,18 @@ def test_unknown_key_in_a_recipe_file(tmp_path):
         to_recipe(cfg)
 
 
-def test_unknown_key_on_the_command_line(tmp_path, capsys):
-    # Hydra itself refuses `kd.topk=3` (not in the recipe); an appended `+kd.topk=3` reaches our schema
-    rc = train_cli.main(["+kd.topk=3", f"train.save={tmp_path / 'run'}", f"hydra.run.dir={tmp_path / 'run'}"])
+@pytest.mark.parametrize("typo", ["kd.topk=3", "+kd.topk=3"])
+def test_unknown_key_on_the_command_line(tmp_path, capsys, typo):
+    rc = train_cli.main([typo, f"train.save={tmp_path / 'run'}", f"hydra.run.dir={tmp_path / 'run'}"])
     assert rc == 2
     err = capsys.readouterr().err
-    assert "unknown recipe key 'kd.topk'" in err
+    assert "unknown recipe key 'kd.topk'" in err and "top_k" in err
     assert not (tmp_path / "run" / "latest_checkpointed_iteration.txt").exists()
+
+
+def test_a_schema_key_the_group_file_leaves_out_can_be_set(tmp_path):
+    cfg = compose("tiny_cpu", ["train.save=x", "model.megatron.apply_query_key_layer_scaling=true"])
+    assert to_recipe(cfg).model.megatron == {"apply_query_key_layer_scaling": True}
 
 
 def test_wrong_type_names_the_key(tmp_path):
@@ -108,3 +113,13 @@ def test_a_good_cache_passes(tmp_path, cache):
     s = run(recipe(tmp_path, f"kd.cache={cache}", "kd.build_cache=false", "train.eval_interval=null"),
             str(tmp_path / "run"))
     assert s["iteration"] == 2
+
+
+def _recipe_names():
+    return sorted(p.stem for p in recipes_dir().glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", _recipe_names())
+def test_every_recipe_composes_and_passes_the_schema(name):
+    from megatron_kd.megatron.config import Recipe
+    assert isinstance(to_recipe(compose(name, ["train.save=x"])), Recipe)

@@ -12,7 +12,7 @@ finds a checkpoint there resumes from it. recipes/README.md documents every key.
 import sys
 
 from ..megatron import quiet_megatron_warnings
-from ..megatron.recipes import recipes_dir
+from ..megatron.recipes import recipes_dir, schema_overrides
 
 USAGE_ERROR = 2
 
@@ -33,7 +33,7 @@ def main(argv=None) -> int:
         box["rc"] = run_config(cfg)
 
     saved = sys.argv
-    sys.argv = ["megatron-kd train"] + argv
+    sys.argv = ["megatron-kd train"] + schema_overrides(argv)
     try:
         app()
     finally:

@@ -11,6 +11,22 @@ def recipes_dir() -> Path:
     return Path(env).resolve() if env else ROOT / "recipes"
 
 
+SECTIONS = ("model", "teacher", "parallel", "data", "kd", "train")
+
+
+def schema_overrides(overrides) -> list:
+    """`section.key=value` -> `++section.key=value`: a schema key can be set even when the recipe's group file
+    leaves it out (its schema default applies otherwise). Misspelt keys still fail, in the schema check, by name."""
+    out = []
+    for o in overrides:
+        key = o.split("=", 1)[0]
+        if "=" in o and not o.startswith(("+", "~")) and "@" not in key and key.split(".")[0] in SECTIONS \
+                and "." in key:
+            o = "++" + o
+        out.append(o)
+    return out
+
+
 def compose(name: str = "tiny_cpu", overrides=(), save: str | None = None):
     """The recipe `name` with Hydra overrides, as `megatron-kd train --config-name name ...` sees it.
 
@@ -18,7 +34,7 @@ def compose(name: str = "tiny_cpu", overrides=(), save: str | None = None):
     """
     from hydra import compose as hydra_compose, initialize_config_dir
     from omegaconf import OmegaConf, open_dict
-    overrides = list(overrides)
+    overrides = schema_overrides(overrides)
     path = Path(name)
     cfg_dir, cfg_name = (path.parent.resolve(), path.stem) if path.suffix in (".yaml", ".yml") else \
         (recipes_dir(), name)

@@ -1,0 +1,134 @@
+"""GPU check of `megatron-kd train` (issue 6): the code paths the CPU tests cannot reach, with timings.
+
+Runs the real CLI (Hydra recipe tiny_cpu + overrides, mock data, a random teacher whose top-K cache is built
+first) on the GPUs of this machine:
+  1gpu_offline   bf16, Float16Module + Megatron DDP + DistributedOptimizer, get_forward_backward_func,
+                 our hook (no logits) + topk_kl_loss impl auto (fused when the Triton kernel is there)
+  1gpu_resume    the same run stopped at iteration 10 and resumed (dist_checkpointing on GPU): losses vs 1gpu_offline
+  1gpu_online    the teacher in memory, top-K on the fly: losses vs 1gpu_offline (fp16 cache rounding apart)
+  1gpu_ce        CE only (the throughput baseline of the same student)
+  2gpu_tp2 / 2gpu_pp2 / 2gpu_dp2   (two or more GPUs) TP=2, PP=2 (1F1B, 4 micro-batches), DP=2 with the
+                 distributed optimizer: all offline on the same cache
+Writes one JSON (summaries from each run's summary.json, per-iteration losses, checks).
+
+    PYTHONPATH=/tmp/site:$PWD python benchmarks/e2e_megatron_train.py --out benchmarks/results/e2e_megatron_train.json
+    (needs megatron-core, hydra-core, omegaconf, antlr4 as wheels on the device; about 5 minutes)
+CPU smoke (tiny shapes, fp32, one process): python benchmarks/e2e_megatron_train.py --smoke --out /tmp/e2e_train.json
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def arch(prefix, layers, hidden, heads, groups, ffn):
+    return [f"{prefix}.num_layers={layers}", f"{prefix}.hidden_size={hidden}", f"{prefix}.num_attention_heads={heads}",
+            f"{prefix}.num_query_groups={groups}", f"{prefix}.ffn_hidden_size={ffn}",
+            f"{prefix}.make_vocab_size_divisible_by=128", f"{prefix}.attention_backend=auto"]
+
+
+def settings(smoke: bool):
+    if smoke:
+        return dict(student=arch("model", 2, 64, 4, 2, 192), teacher=arch("teacher", 2, 96, 4, 4, 256), vocab=2048,
+                    seq=128, mbs=2, gbs=4, iters=12, k=16, precision="fp32")
+    return dict(student=arch("model", 12, 1024, 16, 8, 4096), teacher=arch("teacher", 16, 1536, 16, 8, 6144),
+                vocab=32000, seq=4096, mbs=1, gbs=8, iters=30, k=100, precision="bf16")
+
+
+def overrides(s, save, *extra):
+    return ["--config-name", "tiny_cpu", "data=mock", f"data.vocab_size={s['vocab']}", f"data.seq_length={s['seq']}",
+            f"train.micro_batch_size={s['mbs']}", f"train.global_batch_size={s['gbs']}", f"train.iters={s['iters']}",
+            f"train.precision={s['precision']}", "train.progress=false", "train.log_interval=1",
+            "train.eval_interval=null", "train.save_interval=null", "train.lr_warmup_iters=2",
+            f"kd.top_k={s['k']}", *s["student"], *s["teacher"], f"train.save={save}", f"hydra.run.dir={save}", *extra]
+
+
+def run(nproc, args, log):
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "megatron_kd", "train", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "megatron_kd", "train", *args]
+    t = time.time()
+    with open(log, "w") as f:
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+    return rc, time.time() - t
+
+
+def losses(save):
+    out = {}
+    p = os.path.join(save, "metrics.jsonl")
+    if os.path.exists(p):
+        for line in open(p):
+            r = json.loads(line)
+            if r.get("kind") == "train":
+                out[r["iteration"]] = r["loss"]
+    return out
+
+
+def max_rel(a, b):
+    common = sorted(set(a) & set(b))
+    return max((abs(a[i] - b[i]) / max(1e-6, abs(b[i])) for i in common), default=None)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--workdir", default=None)
+    a = ap.parse_args()
+    import torch
+    gpus = torch.cuda.device_count()
+    s = settings(a.smoke)
+    work = a.workdir or tempfile.mkdtemp(prefix="e2e_train_")
+    cache = os.path.join(work, "cache")
+    plan = [("1gpu_offline", 1, ["kd=offline", f"kd.cache={cache}", "kd.build_cache=true"]),
+            ("1gpu_resume_part", 1, ["kd=offline", f"kd.cache={cache}", "train.stop_at=10"]),
+            ("1gpu_resume", 1, ["kd=offline", f"kd.cache={cache}"]),
+            ("1gpu_online", 1, ["kd=online", f"teacher.load={os.path.join(work, 'teacher_ckpt')}"]),
+            ("1gpu_ce", 1, ["kd=ce"])]
+    if gpus >= 2:
+        plan += [("2gpu_tp2", 2, ["kd=offline", f"kd.cache={cache}", "parallel.tp=2"]),
+                 ("2gpu_pp2", 2, ["kd=offline", f"kd.cache={cache}", "parallel.pp=2"]),
+                 ("2gpu_dp2", 2, ["kd=offline", f"kd.cache={cache}"])]
+    results = {"gpus": gpus, "settings": {k: v for k, v in s.items()}, "runs": {}}
+    # The random teacher the cache came from, saved once so the online run uses the same weights: train it 1 step
+    # at lr 0 (a CE run) with the teacher's architecture as the model.
+    teacher_model = [o.replace("teacher.", "model.", 1) for o in s["teacher"]]
+    t_save = os.path.join(work, "teacher_ckpt")
+    rc, dt = run(1, overrides({**s, "iters": 1}, t_save, "kd=ce", "train.lr=0", "train.min_lr=0", *teacher_model),
+                 os.path.join(work, "teacher.log"))
+    results["runs"]["teacher_ckpt"] = {"rc": rc, "wall_s": dt}
+    for name, nproc, extra in plan:
+        save = os.path.join(work, name.replace("_part", ""))
+        if name.startswith("1gpu_offline") or name.startswith("1gpu_resume") or name.startswith("2gpu"):
+            extra = extra + [f"teacher.load={t_save}"]
+        rc, dt = run(nproc, overrides(s, save, *extra), os.path.join(work, name + ".log"))
+        summary = json.load(open(os.path.join(save, "summary.json"))) if os.path.exists(
+            os.path.join(save, "summary.json")) else None
+        results["runs"][name] = {"rc": rc, "wall_s": dt, "summary": summary, "losses": losses(save),
+                                 "log": os.path.join(work, name + ".log")}
+        print(f"{name}: rc={rc} {dt:.0f}s " + ("" if not summary else
+              f"{summary['tokens_per_s']:.0f} tok/s {summary['tflops_per_gpu']:.1f} TFLOP/s/GPU "
+              f"peak {summary['peak_mem_gib']:.1f} GiB loss {summary['loss']:.4f}"), flush=True)
+    r = results["runs"]
+    ref = r["1gpu_offline"]["losses"]
+    results["checks"] = {
+        "resume_max_rel_loss_diff": max_rel(r["1gpu_resume"]["losses"], ref),
+        "online_vs_offline_max_rel_loss_diff": max_rel(r["1gpu_online"]["losses"], ref),
+        **{f"{n}_vs_1gpu_max_rel_loss_diff": max_rel(r[n]["losses"], ref) for n in r if n.startswith("2gpu")},
+    }
+    print(json.dumps(results["checks"], indent=2))
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(results, f, indent=2)
+    return 0 if all(v["rc"] == 0 for v in r.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -15,8 +15,7 @@ from megatron_kd.bridge import OfflineKDConfig, apply_kd_overrides, bridge_avail
 from megatron_kd.bridge import data as kd_data
 from megatron_kd.bridge.api import enable_offline_kd
 from megatron_kd.bridge.run import read_config_file
-from megatron_kd.bridge.step import (OfflineKDForwardStep, kd_loss_func, kd_output_processor,
-                                     slice_for_context_parallel)
+from megatron_kd.bridge.step import OfflineKDForwardStep, kd_loss_func, kd_settings, slice_for_context_parallel
 
 ROOT = Path(__file__).resolve().parents[1]
 B, S, H, V, K = 2, 8, 16, 40, 5
@@ -211,25 +210,28 @@ def test_enable_offline_kd_checks_the_cache_first(fake_bridge, cache_path):
 # --- forward step glue ---------------------------------------------------------------------------------------
 
 class FakeGPT(torch.nn.Module):
-    """GPTModel's contract for this adapter: [s, b, h] hidden states into the output_processor hook, or per-token
-    CE [b, s] when given labels and no hook."""
+    """GPTModel's contract for this adapter (megatron-core 0.19): [s, b, h] hidden states into the
+    output_processor hook on the last stage, or per-token CE [b, s] when given labels and no hook."""
 
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
         self.embedding = torch.nn.Embedding(V + 8, H)
         self.output_layer = torch.nn.Linear(H, V, bias=False)
-        self.config = SimpleNamespace(sequence_parallel=False)
+        self.output_layer.tp_group = SimpleNamespace(size=lambda: 1)  # ColumnParallelLinear's, at TP=1
+        self.output_layer.sequence_parallel = False
+        self.config = SimpleNamespace(sequence_parallel=False, mtp_num_layers=None)
+        self.post_process = True
         self.seen = {}
 
-    def forward(self, input_ids, position_ids, attention_mask, labels=None, loss_mask=None,
-                output_processor=None, output_processor_context=None):
+    def forward(self, input_ids, position_ids, attention_mask, labels=None, output_processor=None):
         hidden = self.embedding(input_ids).transpose(0, 1)  # Megatron's [s, b, h]
-        self.seen = dict(hidden=hidden, loss_mask=loss_mask)
+        self.seen = dict(hidden=hidden)
+        if not self.post_process:  # an earlier pipeline stage: hidden states go to the next one
+            return hidden
         if output_processor is not None:
             return output_processor(hidden_states=hidden, output_layer=self.output_layer, output_weight=None,
-                                    labels=labels, loss_mask=loss_mask, context=output_processor_context,
-                                    config=self.config, runtime_gather_output=None)
+                                    labels=labels, config=self.config)
         logits = self.output_layer(hidden).float()
         return torch.nn.functional.cross_entropy(logits.permute(1, 2, 0), labels, reduction="none")
 
@@ -242,39 +244,35 @@ def make_batch(cache_path=None):
     return batch
 
 
-def test_output_processor_matches_the_loss_on_batch_major_inputs(cache_path):
-    model = FakeGPT()
-    batch = make_batch(cache_path)
-    hidden = model.embedding(batch["tokens"]).transpose(0, 1)
-    ctx = {"topk_ids": batch["topk_ids"], "topk_logprobs": batch["topk_logprobs"], "labels": batch["labels"],
-           "valid_vocab_size": V, "loss_kwargs": OfflineKDConfig(cache_path="/c", ce_weight=0.3).loss_kwargs()}
-    out = kd_output_processor(hidden_states=hidden, output_layer=model.output_layer, output_weight=None,
-                              context=ctx, config=model.config, labels=None)
-    ref = topk_kl_loss(hidden.transpose(0, 1), model.output_layer.weight, batch["topk_ids"], batch["topk_logprobs"],
-                       labels=batch["labels"], ce_weight=0.3, reduction="none")
-    assert out.shape == (B, S)
-    torch.testing.assert_close(out, ref)
+def test_settings_map_onto_the_recipe_kd_section():
+    kd = kd_settings(OfflineKDConfig(cache_path="/c", top_k=64, ce_weight=0.5, temperature=2.0, log_ce=True))
+    assert (kd.mode, kd.cache, kd.top_k, kd.ce_weight, kd.temperature, kd.log_ce) == \
+        ("offline", "/c", 64, 0.5, 2.0, True)
 
 
 def test_loss_func_masks_sums_and_reports():
     losses = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     mask = torch.tensor([[1, 0, 1], [1, 1, 0]])
-    loss, n, report = kd_loss_func(mask, losses)
+    loss, n, report = kd_loss_func(mask, None, losses)
     assert loss.item() == 13.0 and n.item() == 4
     torch.testing.assert_close(report["kd loss"], torch.tensor([13.0, 4.0]))
 
 
-def test_forward_step_trains_on_kd_loss(cache_path):
+@pytest.mark.parametrize("log_ce", [False, True])
+def test_forward_step_trains_on_kd_loss(cache_path, log_ce):
     model = FakeGPT()
     batch = make_batch(cache_path)
-    step = OfflineKDForwardStep(OfflineKDConfig(cache_path="/c"), valid_vocab_size=V)
+    step = OfflineKDForwardStep(OfflineKDConfig(cache_path=cache_path, ce_weight=0.25, log_ce=log_ce),
+                                valid_vocab_size=V)
     output, loss_func = step.step(batch, model)
     loss, n, report = loss_func(output)
     hidden = model.seen["hidden"].transpose(0, 1)
     ref = topk_kl_loss(hidden, model.output_layer.weight, batch["topk_ids"], batch["topk_logprobs"],
-                       reduction="none")
+                       labels=batch["labels"], ce_weight=0.25, reduction="none")
+    assert output.shape == (B, S)
     torch.testing.assert_close(loss, (ref * batch["loss_mask"]).sum())
-    assert n.item() == B * S - 3 and "kd loss" in report
+    assert n.item() == B * S - 3
+    assert set(report) == ({"kd loss", "kd kl", "kd ce"} if log_ce else {"kd loss"})
     loss.backward()
     assert model.output_layer.weight.grad is not None and model.output_layer.weight.grad.abs().sum() > 0
 
@@ -283,10 +281,17 @@ def test_forward_step_eval_batches_use_the_lm_loss():
     model = FakeGPT()
     output, loss_func = OfflineKDForwardStep(OfflineKDConfig(cache_path="/c")).step(make_batch(), model)
     _, _, report = loss_func(output)
-    assert "lm loss" in report and output.shape == (B, S)
+    assert set(report) == {"lm loss"} and output.shape == (B, S)
     strict = OfflineKDForwardStep(OfflineKDConfig(cache_path="/c", eval_with_lm_loss=False))
     with pytest.raises(ValueError, match="without cache rows"):
         strict.step(make_batch(), model)
+
+
+def test_earlier_pipeline_stages_send_hidden_states(cache_path):
+    model = FakeGPT()
+    model.post_process = False
+    output, _ = OfflineKDForwardStep(OfflineKDConfig(cache_path=cache_path)).step(make_batch(cache_path), model)
+    assert output.shape == (S, B, H)  # hidden states for the next stage; the loss runs on the last
 
 
 class Timers:

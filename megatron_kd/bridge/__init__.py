@@ -22,7 +22,6 @@ from .config import OfflineKDConfig, apply_kd_overrides, split_kd_overrides
 _LAZY = {
     "enable_offline_kd": ".api",
     "OfflineKDForwardStep": ".step",
-    "kd_output_processor": ".step",
     "kd_loss_func": ".step",
 }
 

@@ -21,6 +21,9 @@ class OfflineKDConfig:
     chunk_size: int | None = None
     check_tokens: bool = True
     """Compare each sample's token hash with the cache's: catches a cache built for other data."""
+    log_ce: bool = False
+    """Also report the student's CE and KL apart: one extra forward-only pass over the output layer per
+    micro-batch (off by default: at 32K x 128K vocab that pass is not free)."""
     eval_with_lm_loss: bool = True
     """Validation batches (no cache rows) use the plain LM loss instead of failing."""
 
@@ -30,16 +33,11 @@ class OfflineKDConfig:
         if self.top_k is not None and int(self.top_k) < 1:
             raise ValueError(f"kd.top_k={self.top_k} must be a positive integer (or null: the cache's K)")
         try:
-            LossOptions(**self.loss_kwargs())  # the loss's own checks, before any work
+            LossOptions(kl_weight=float(self.kl_weight), ce_weight=float(self.ce_weight), tail=self.tail,
+                        temperature=float(self.temperature), impl=self.impl, chunk_size=self.chunk_size)
         except ValueError as e:
             raise ValueError(f"kd: {e}") from None
         return self
-
-    def loss_kwargs(self) -> dict:
-        """Keyword arguments for topk_kl_loss (per-position losses: Bridge's loss_func masks and sums)."""
-        return dict(kl_weight=float(self.kl_weight), ce_weight=float(self.ce_weight),
-                    temperature=float(self.temperature), tail=self.tail, reduction="none", impl=self.impl,
-                    chunk_size=self.chunk_size)
 
     @classmethod
     def from_dict(cls, values: dict | None) -> "OfflineKDConfig":

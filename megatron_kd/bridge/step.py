@@ -1,33 +1,35 @@
 """A forward_step for `megatron.bridge.training.pretrain`: the student runs up to the hidden states entering its
-output layer; the sparse top-K KL consumes them with the output weight. No [s, b, V] logits on any rank.
+output layer and megatron-kd's KD head (megatron_kd.megatron.step.KDHead, the one `megatron-kd train` uses)
+turns them into per-position losses with the output weight. No [s, b, V] logits on any rank.
 
-Needs megatron-core's `GPTModel.forward(..., output_processor=...)` hook (0.19+, as in nvcr.io/nvidia/nemo:26.08).
-Nothing here imports Bridge; megatron-core is imported only where a step runs.
+Bridge-specific here: its call convention (GlobalState first, timers), its NaN checks, validation batches
+without cache rows, and the CP split called the way megatron-core 0.16 and 0.19 both accept. Nothing here
+imports Bridge; megatron-core is imported only where a step runs.
 """
 import inspect
 from functools import partial
+from types import SimpleNamespace
 
 import torch
 
-from ..loss import topk_kl_loss
+from ..megatron.config import KDConfig
+from ..megatron.hook import forward_with_head, supports_output_processor
+from ..megatron.model import unwrap
+from ..megatron.step import KDHead, loss_func
 from .config import OfflineKDConfig
 
 KD_KEYS = ("topk_ids", "topk_logprobs")
 MODEL_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
 PACKED_KEYS = ("cu_seqlens", "cu_seqlens_q")
+_NO_PARTS = SimpleNamespace(kl=None, ce=None)  # a loss with no KL / CE split to report
 
 
-def unwrap(model):
-    """The GPTModel inside DDP / Float16Module wrappers (a list of model chunks: the first)."""
-    if isinstance(model, (list, tuple)):
-        model = model[0]
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
-def supports_output_processor(model) -> bool:
-    return "output_processor" in inspect.signature(unwrap(model).forward).parameters
+def kd_settings(kd: OfflineKDConfig) -> KDConfig:
+    """The `kd` section of megatron-kd's own recipes that this Bridge section stands for."""
+    extra = {} if kd.top_k is None else {"top_k": int(kd.top_k)}
+    return KDConfig(mode="offline", cache=kd.cache_path, temperature=kd.temperature, tail=kd.tail,
+                    kl_weight=kd.kl_weight, ce_weight=kd.ce_weight, impl=kd.impl, chunk_size=kd.chunk_size,
+                    check_tokens=kd.check_tokens, log_ce=kd.log_ce, **extra)
 
 
 def next_batch(data_iterator, device) -> dict:
@@ -50,49 +52,24 @@ def slice_for_context_parallel(batch: dict, cp_group) -> dict:
         return batch
     from megatron.core.utils import get_batch_on_this_cp_rank
 
+    # 0.19 added a required `is_hybrid_cp` argument; 0.16 does not know it
     extra = {"is_hybrid_cp": False} if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters \
         else {}
     return get_batch_on_this_cp_rank(dict(batch), cp_group=cp_group, **extra)
 
 
-def kd_output_processor(*, hidden_states, output_layer, output_weight, context, config, **_unused):
-    """megatron-core's output_processor hook: per-position KD loss [b, s] from hidden states [s(/tp), b, h].
-
-    `context` holds the batch's topk_ids / topk_logprobs / labels as [b, s, ...] and the loss settings.
-    """
-    if getattr(config, "use_mup", False):
-        raise ValueError("offline KD does not apply MuP logit scaling; disable use_mup for the student")
-    weight = output_weight if output_weight is not None else output_layer.weight
-    tp_group = getattr(output_layer, "tp_group", None)
-    if tp_group is None:
-        from megatron.core import parallel_state
-        if parallel_state.model_parallel_is_initialized():
-            tp_group = parallel_state.get_tensor_model_parallel_group()
-    labels = context.get("labels")
-    losses = topk_kl_loss(
-        hidden_states, weight,
-        context["topk_ids"].transpose(0, 1), context["topk_logprobs"].transpose(0, 1),  # to Megatron's [s, b, K]
-        labels=None if labels is None else labels.transpose(0, 1),
-        tp_group=tp_group, sequence_parallel=bool(getattr(config, "sequence_parallel", False)),
-        valid_vocab_size=context.get("valid_vocab_size"), **context["loss_kwargs"])
-    return losses.transpose(0, 1).contiguous()  # [b, s], as Bridge's masked loss expects
-
-
-def kd_loss_func(loss_mask, output_tensor, *, name="kd loss", check_for_nan=False):
-    """Megatron's loss_func convention: (sum of masked per-token losses, token count, {name: [sum, count]})."""
-    losses = output_tensor.reshape(-1).float()
-    mask = loss_mask.reshape(-1).float()
-    loss = torch.sum(losses * mask)
+def kd_loss_func(loss_mask, head, output_tensor, *, prefix="kd", check_for_nan=False):
+    """Megatron's loss_func convention (masked per-token loss sum, token count, report) plus Bridge's NaN/Inf
+    checks; report keys '<prefix> loss' and, when the head split them, '<prefix> kl' / '<prefix> ce'."""
+    loss, count, report = loss_func(loss_mask, head or _NO_PARTS, output_tensor)
     if check_for_nan:
         from megatron.core.rerun_state_machine import get_rerun_state_machine
         rsm = get_rerun_state_machine()
-        rsm.validate_result(result=loss, rejection_func=torch.isnan, message="found NaN in local KD loss",
-                            tolerance=0.0, fatal=True)
-        rsm.validate_result(result=loss, rejection_func=torch.isinf, message="found Inf in local KD loss",
-                            tolerance=0.0, fatal=True)
-    num_tokens = mask.sum().detach().to(torch.int)
-    report = torch.cat([loss.detach().view(1), num_tokens.view(1).to(loss.dtype)])
-    return loss, num_tokens, {name: report}
+        for reject, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+            rsm.validate_result(result=loss, rejection_func=reject, message=f"found {what} in local KD loss",
+                                tolerance=0.0, fatal=True)
+    names = {"total": "loss"}
+    return loss, count, {f"{prefix} {names.get(k, k)}": v for k, v in report.items()}
 
 
 class OfflineKDForwardStep:
@@ -104,12 +81,13 @@ class OfflineKDForwardStep:
 
     def __init__(self, kd: OfflineKDConfig, valid_vocab_size: int | None = None):
         self.kd = kd.validate()
+        self.settings = kd_settings(self.kd)
         self.valid_vocab_size = valid_vocab_size
         self._checked = False
 
     def __call__(self, state, data_iterator, model, return_schedule_plan: bool = False):
         if not self._checked:
-            if not supports_output_processor(model):
+            if not supports_output_processor(unwrap(model)):
                 raise RuntimeError("megatron_kd.bridge needs megatron-core >= 0.19 (GPTModel.forward("
                                    "output_processor=...)); use the NeMo 26.08 container or newer")
             self._checked = True
@@ -128,18 +106,19 @@ class OfflineKDForwardStep:
 
     def step(self, batch: dict, model, return_schedule_plan: bool = False, check_for_nan: bool = False):
         """Forward on one prepared batch; returns (output, loss_func) in Megatron's forward_step convention."""
-        loss_mask = batch.get("loss_mask")
+        if return_schedule_plan:
+            raise NotImplementedError("offline KD builds no MoE schedule plans: set "
+                                      "model.overlap_moe_expert_parallel_comm=False")
         args = (batch.get("tokens"), batch.get("position_ids"), batch.get("attention_mask"))
-        kwargs = dict(labels=batch.get("labels"), loss_mask=loss_mask)
-        if batch.get("topk_ids") is not None:
-            kwargs.update(output_processor=kd_output_processor, output_processor_context={
-                "topk_ids": batch["topk_ids"], "topk_logprobs": batch["topk_logprobs"], "labels": batch.get("labels"),
-                "valid_vocab_size": self.valid_vocab_size, "loss_kwargs": self.kd.loss_kwargs()})
-            name = "kd loss"
-        elif batch.get("labels") is not None and not self.kd.eval_with_lm_loss:
-            raise ValueError("batch without cache rows (topk_ids): wrap the dataset with enable_offline_kd")
-        else:
-            name = "lm loss"  # Megatron computes per-token CE itself when given labels
-        # The schedule plan (MoE expert-parallel comm overlap) takes the same hook in megatron-core 0.19.
-        output = model.build_schedule_plan(*args, **kwargs) if return_schedule_plan else model(*args, **kwargs)
-        return output, partial(kd_loss_func, loss_mask, name=name, check_for_nan=check_for_nan)
+        if batch.get("topk_ids") is None:
+            if batch.get("labels") is not None and not self.kd.eval_with_lm_loss:
+                raise ValueError("batch without cache rows (topk_ids): wrap the dataset with enable_offline_kd")
+            output = model(*args, labels=batch.get("labels"))  # Megatron's own per-token CE
+            return output, partial(kd_loss_func, batch.get("loss_mask"), None, prefix="lm",
+                                   check_for_nan=check_for_nan)
+        gpt = unwrap(model)
+        # earlier pipeline stages have no output layer: they send hidden states on, the head runs on the last
+        head = KDHead(batch, self.settings, self.valid_vocab_size, split=self.kd.log_ce).bind(gpt) \
+            if gpt.post_process else None
+        output = forward_with_head(model, head, *args)
+        return output, partial(kd_loss_func, batch["loss_mask"], head, check_for_nan=check_for_nan)

@@ -315,13 +315,36 @@ def test_forward_step_call_convention(cache_path):
     assert state.timers.log == [("start", "batch-generator"), ("stop", "batch-generator")]
 
 
-def test_forward_step_refuses_models_without_the_hook():
-    class Old(torch.nn.Module):
-        def forward(self, input_ids, position_ids, attention_mask, labels=None):
-            return input_ids
+class ColumnLinear(torch.nn.Linear):
+    """Megatron's ColumnParallelLinear returns (output, bias)."""
 
-    with pytest.raises(RuntimeError, match="megatron-core >= 0.19"):
-        OfflineKDForwardStep(OfflineKDConfig(cache_path="/c"))(SimpleNamespace(), iter([make_batch()]), Old())
+    def forward(self, x, weight=None):
+        return torch.nn.functional.linear(x, self.weight if weight is None else weight), None
+
+
+class OldGPT(FakeGPT):
+    """megatron-core 0.16's GPTModel: no output_processor; logits [b, s, V] from the output layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.output_layer = ColumnLinear(H, V, bias=False)
+        self.output_layer.tp_group, self.output_layer.sequence_parallel = SimpleNamespace(size=lambda: 1), False
+
+    def forward(self, input_ids, position_ids, attention_mask, labels=None):
+        hidden = self.embedding(input_ids).transpose(0, 1)
+        self.seen = dict(hidden=hidden)
+        logits, _ = self.output_layer(hidden)
+        return logits.transpose(0, 1).contiguous()
+
+
+def test_forward_step_on_megatron_core_without_output_processor(cache_path):
+    model, batch = OldGPT(), make_batch(cache_path)
+    output, loss_func = OfflineKDForwardStep(OfflineKDConfig(cache_path=cache_path), V).step(batch, model)
+    hidden = model.seen["hidden"].transpose(0, 1)
+    ref = topk_kl_loss(hidden, model.output_layer.weight, batch["topk_ids"], batch["topk_logprobs"],
+                       reduction="none")
+    torch.testing.assert_close(loss_func(output)[0], (ref * batch["loss_mask"]).sum())
+    assert "forward" not in vars(model.output_layer)  # the swap is undone after the call
 
 
 def test_packed_batches_are_refused(cache_path):

@@ -1,6 +1,8 @@
 """A forward_step for `megatron.bridge.training.pretrain`: the student runs up to the hidden states entering its
 output layer and megatron-kd's KD head (megatron_kd.megatron.step.KDHead, the one `megatron-kd train` uses)
-turns them into per-position losses with the output weight. No [s, b, V] logits on any rank.
+turns them into per-position losses with the output weight. No [s, b, V] logits on any rank. The hook is
+megatron-core's output_processor (0.19+, the NeMo 26.08 container) or, on older versions, megatron-kd's
+output-layer swap (megatron_kd.megatron.hook).
 
 Bridge-specific here: its call convention (GlobalState first, timers), its NaN checks, validation batches
 without cache rows, and the CP split called the way megatron-core 0.16 and 0.19 both accept. Nothing here
@@ -13,7 +15,7 @@ from types import SimpleNamespace
 import torch
 
 from ..megatron.config import KDConfig
-from ..megatron.hook import forward_with_head, supports_output_processor
+from ..megatron.hook import forward_with_head
 from ..megatron.model import unwrap
 from ..megatron.step import KDHead, loss_func
 from .config import OfflineKDConfig
@@ -83,14 +85,8 @@ class OfflineKDForwardStep:
         self.kd = kd.validate()
         self.settings = kd_settings(self.kd)
         self.valid_vocab_size = valid_vocab_size
-        self._checked = False
 
     def __call__(self, state, data_iterator, model, return_schedule_plan: bool = False):
-        if not self._checked:
-            if not supports_output_processor(unwrap(model)):
-                raise RuntimeError("megatron_kd.bridge needs megatron-core >= 0.19 (GPTModel.forward("
-                                   "output_processor=...)); use the NeMo 26.08 container or newer")
-            self._checked = True
         timers = getattr(state, "timers", None)
         if timers is not None:
             timers("batch-generator", log_level=2).start()

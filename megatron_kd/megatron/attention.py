@@ -52,9 +52,12 @@ class SDPAttention(MegatronModule):
             else:
                 rep = self.heads // self.groups
                 k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        # An explicit mask (e.g. documents reset at EOD) wins; otherwise plain causal, never an [s, s] tensor.
-        mask = None if attention_mask is None else ~attention_mask  # Megatron: True = masked; SDPA: True = attend
-        causal = mask is None and (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
+        # Causal layers ignore attention_mask, as TE's attention does (GPT layers are causal): the flash kernel
+        # needs no [s, s] tensor, even when a caller builds one. Other mask types use the mask given.
+        causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
+        mask = None if causal or attention_mask is None else ~attention_mask  # Megatron: True = masked
+        if causal and q.shape[2] != k.shape[2]:
+            raise ValueError("SDPA attention runs training/prefill (queries = keys); KV-cache decoding needs TE")
         p = self.dropout if self.training else 0.0
         if p > 0:
             with tensor_parallel.get_cuda_rng_tracker().fork():

@@ -207,14 +207,85 @@ def test_cli_table_json_and_search():
 
 def test_cli_reads_a_recipe(tmp_path):
     r = tmp_path / "my_recipe.yaml"
-    r.write_text("model:\n  preset: gpt-oss-20b\nteacher:\n  preset: gpt-oss-120b\n"
-                 "parallel:\n  tp: 1\n  ep: 8\n  dp: 8\ntrain:\n  seq_length: 32768\n  micro_batch_size: 1\n"
-                 "kd:\n  mode: offline\n  top_k: 64\n")
+    r.write_text("model:\n  name: my-moe\n  num_layers: 4\n  hidden_size: 256\n  num_attention_heads: 8\n"
+                 "  num_moe_experts: 8\n  recompute_granularity: selective\n"
+                 "parallel:\n  ep: 8\ndata:\n  vocab_size: 1000\n  seq_length: 4096\n"
+                 "kd:\n  mode: offline\n  cache: ???\n  top_k: 64\ntrain:\n  micro_batch_size: 1\n"
+                 "  global_batch_size: 16\n  save: ${hydra:run.dir}\n")
     rc, out = _cli(str(r), "--json")
     d = json.loads(out)
-    assert rc == 0 and d["layout"]["ep"] == 8 and d["training"]["seq_len"] == 32768 and d["training"]["topk"] == 64
-    rc, out = _cli(str(r), "kd.mode=online", "--json")
-    assert json.loads(out)["training"]["mode"] == "online"
+    assert rc == 0 and d["layout"]["ep"] == 8 and d["layout"]["dp"] == 8 and d["training"]["seq_len"] == 4096
+    assert d["training"]["topk"] == 64 and d["training"]["recompute"] == "selective"
+    assert d["training"]["num_microbatches"] == 2 and d["shape"]["ffn_hidden"] == 1024
+    assert d["shape"]["moe_ffn_hidden"] == 1024 and d["shape"]["tied_embeddings"] is True
+    rc, out = _cli(str(r), "kd.mode=ce", "--json")
+    assert json.loads(out)["training"]["mode"] == "ce"
+
+
+# ------------------------------------------------------------------------------------- the real recipes
+
+RECIPES = {  # what each file says (recipe file over its group files); world = the smallest the layout runs on
+    "tiny_cpu": dict(shape="tiny-student", tp=1, pp=1, cp=1, ep=1, etp=1, dp=1, sp=False, recompute="none",
+                     layers=None, seq=128, mbs=4, micro_batches=2, mode="offline", topk=16),
+    "llama31_8b_to_3b_32k_1xh200": dict(shape="llama-3.2-3b", tp=1, pp=1, cp=1, ep=1, etp=1, dp=1, sp=False,
+                                        recompute="full", layers=16, seq=32768, mbs=1, micro_batches=32,
+                                        mode="offline", topk=100),
+    "gpt_oss_20b_32k_8xh200": dict(shape="gpt-oss-20b", tp=1, pp=1, cp=2, ep=8, etp=1, dp=4, sp=False,
+                                   recompute="full", layers=8, seq=32768, mbs=1, micro_batches=16,
+                                   mode="offline", topk=100),
+    "gpt_oss_20b_32k_4node_online": dict(shape="gpt-oss-20b", tp=1, pp=1, cp=4, ep=8, etp=1, dp=2, sp=False,
+                                         recompute="none", layers=None, seq=32768, mbs=1, micro_batches=32,
+                                         mode="online", topk=100),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_real_recipes_are_read_as_training_reads_them(name):
+    from megatron_kd.megatron.recipes import compose
+    from megatron_kd.plan.recipe import from_recipe, load_recipe
+    want = RECIPES[name]
+    rp = from_recipe(load_recipe(name))
+    cfg = compose(name)  # what `megatron-kd train` gets (independent of the plan's reading)
+    for k in ("tp", "pp", "cp", "ep"):
+        assert getattr(rp.layout, k) == cfg.parallel[k] == want[k], (name, k)
+    assert rp.layout.expert_tp == (cfg.parallel.etp or cfg.parallel.tp) == want["etp"]
+    assert rp.layout.sp is want["sp"] and rp.layout.vocab_divisible_by == cfg.model.make_vocab_size_divisible_by
+    assert (cfg.model.recompute_granularity or "none") == rp.training.recompute == want["recompute"]
+    assert rp.training.recompute_layers == want["layers"]
+    if want["layers"] is not None:
+        assert cfg.model.recompute_method == "block" and cfg.model.recompute_num_layers == want["layers"]
+    assert rp.shape.name == want["shape"] and rp.shape.vocab == cfg.data.vocab_size
+    assert rp.training.seq_len == cfg.data.seq_length == want["seq"]
+    assert rp.training.micro_batch == want["mbs"] and rp.training.mode == want["mode"] == cfg.kd.mode
+    assert rp.training.topk == want["topk"] == cfg.kd.top_k
+    if want["shape"] in ("gpt-oss-20b", "llama-3.2-3b"):
+        assert rp.shape == preset(want["shape"])  # the model file is the published shape
+    if want["mode"] == "online":
+        assert rp.teacher == preset("gpt-oss-120b") and rp.training.teacher == rp.teacher
+    rc, out = _cli(name, "--json")
+    d = json.loads(out)
+    assert rc == 0, out
+    assert {k: d["layout"][k] for k in ("tp", "pp", "cp", "ep", "dp", "etp")} == \
+        {k: want[k] for k in ("tp", "pp", "cp", "ep", "dp", "etp")}
+    assert d["training"]["recompute"] == want["recompute"] and d["training"]["recompute_layers"] == want["layers"]
+    assert d["training"]["num_microbatches"] == want["micro_batches"] and d["peak_gib"] > 0
+
+
+def test_recipe_by_path_overrides_and_gpus():
+    path = os.path.join(ROOT, "recipes", "gpt_oss_20b_32k_8xh200.yaml")
+    rc, out = _cli(path)
+    assert rc == 0 and "recompute full (8 of 24 layers, block)" in out and "peak" in out
+    base = json.loads(_cli(path, "--json")[1])
+    ep4 = json.loads(_cli("gpt_oss_20b_32k_8xh200", "parallel.ep=4", "--json")[1])
+    assert ep4["layout"]["ep"] == 4 and ep4["layout"]["dp"] == 2 and ep4["training"]["num_microbatches"] == 32
+    assert ep4["peak_gib"] > base["peak_gib"] + 1
+    none = json.loads(_cli("gpt_oss_20b_32k_8xh200", "model.recompute_granularity=null", "--json")[1])
+    assert none["training"]["recompute"] == "none" and none["peak_gib"] > base["peak_gib"] + 10
+    # --gpus sets dp first, then the micro-batches are counted: 64 / (1 x 8)
+    d = json.loads(_cli("gpt_oss_20b_32k_4node_online", "--gpus", "32", "--json")[1])
+    assert d["layout"]["dp"] == 8 and d["training"]["num_microbatches"] == 8 and d["fits"] is True
+    assert _cli("llama31_8b_to_3b_32k_1xh200", "--gpus", "3")[0] == 2      # 32 does not divide by 3
+    assert _cli("tiny_cpu", "kd.topk=3")[0] == 2                             # the schema names the typo
 
 
 @pytest.mark.slow

@@ -5,7 +5,11 @@
     megatron-kd plan gpt-oss-20b --seq 32768 --search 8          # every layout of 8 GPUs, fitting ones first
     megatron-kd plan gpt-oss-20b --seq 32768 --online gpt-oss-120b --teacher-loss dense --search 8,16,32,64
     megatron-kd plan gpt_oss_20b_32k_8xh200 parallel.ep=4       # a recipe in recipes/, Hydra overrides
+    megatron-kd plan recipes/gpt_oss_20b_32k_4node_online.yaml --gpus 32
 
+A recipe is composed as `megatron-kd train` composes it and read as training reads it (megatron_kd.plan.recipe).
+The world size is not a recipe key: --gpus gives it (default: the smallest world the layout runs on), and the
+micro-batches per step are train.global_batch_size / (micro_batch_size x dp) at that size.
 Flags override the recipe. The table is one rank of the worst pipeline stage; `fits` leaves RESERVE_GIB for
 the CUDA context and allocator slack (torch.cuda.max_memory_allocated excludes them).
 """
@@ -58,9 +62,13 @@ def build_parser():
 
 
 def resolve(a):
-    """(shape, layout, training) from the target and flags."""
+    """(shape, layout, training) from the target and flags; recipe notes go to stderr."""
+    rp = None
     if recipe_path(a.target) is not None:
-        shape, layout, tr, teacher = from_recipe(load_recipe(a.target, a.overrides))
+        rp = from_recipe(load_recipe(a.target, a.overrides))
+        shape, layout, tr, teacher = rp.shape, rp.layout, rp.training, rp.teacher
+        for n in rp.notes:
+            print(f"megatron-kd plan: note: {n}", file=sys.stderr)
     else:
         if a.overrides:
             raise SystemExit(f"megatron-kd plan: overrides {a.overrides} need a recipe, not a shape")
@@ -76,13 +84,24 @@ def resolve(a):
     if a.no_sp:
         layout = replace(layout, sequence_parallel=False)
     if a.gpus:
-        layout = replace(layout, dp=max(1, a.gpus // (layout.tp * layout.pp * layout.cp)))
+        mp = layout.tp * layout.pp * layout.cp
+        if a.gpus % mp:
+            raise ValueError(f"--gpus {a.gpus} does not divide into tp x pp x cp = {mp}")
+        layout = replace(layout, dp=a.gpus // mp)
+    elif rp is not None and a.dp is None:
+        # the world size is not a recipe key (torchrun's): take the smallest one the layout runs on
+        layout = replace(layout, dp=replace(rp, layout=layout).min_world() // (layout.tp * layout.pp * layout.cp))
+    if rp is not None and a.micro_batches is None:
+        # micro-batches per step = global batch / (micro-batch x dp): counted once dp is final
+        tr = replace(rp, training=replace(tr, micro_batch=a.mbs or tr.micro_batch)).training_for(layout)
     tk = {}
     for k, f in (("seq", "seq_len"), ("mbs", "micro_batch"), ("micro_batches", "num_microbatches"),
                  ("recompute", "recompute"), ("recompute_layers", "recompute_layers"), ("loss", "loss"),
                  ("topk", "topk"), ("teacher_loss", "teacher_loss"), ("adam", "adam_impl")):
         if getattr(a, k) is not None:
             tk[f] = getattr(a, k)
+    if a.recompute is not None and a.recompute != "full" and a.recompute_layers is None:
+        tk["recompute_layers"] = None
     if a.ce:
         tk["mode"] = "ce"
     if a.online is not None:
@@ -101,6 +120,9 @@ def resolve(a):
 
 def format_plan(p, gpu_gib=H200_GIB, reserve_gib=RESERVE_GIB) -> str:
     s, lay, tr = p.shape, p.layout, p.training
+    rc = tr.recompute + (f" ({min(tr.recompute_layers, s.num_layers // lay.pp)} of {s.num_layers // lay.pp} layers"
+                         f"{' per stage' if lay.pp > 1 else ''}, block)"
+                         if tr.recompute == "full" and tr.recompute_layers is not None else "")
     mode = tr.mode + (f" (teacher {tr.teacher.name}, {tr.teacher_loss})" if tr.mode == "online" else "")
     lines = [
         f"model     {s.name}: {total_params(s) / 1e9:.3f} B params ({active_params(s) / 1e9:.3f} B active), "
@@ -108,7 +130,7 @@ def format_plan(p, gpu_gib=H200_GIB, reserve_gib=RESERVE_GIB) -> str:
         f"layout    tp={lay.tp} pp={lay.pp} ep={lay.ep} etp={lay.expert_tp} cp={lay.cp} dp={lay.dp} "
         f"(world {lay.world}, sp={'on' if lay.sp else 'off'}), stage {p.stage}",
         f"step      seq {tr.seq_len} x mbs {tr.micro_batch} ({p.tokens_local} tokens/rank), {tr.num_microbatches} "
-        f"micro-batches, recompute {tr.recompute}, KD {mode}, loss {tr.loss}, top-{tr.topk}",
+        f"micro-batches, recompute {rc}, KD {mode}, loss {tr.loss}, top-{tr.topk}",
         f"optimizer Megatron {'distributed ' if tr.distributed_optimizer else ''}Adam ({tr.adam_impl}), grads "
         f"{'fp32' if tr.grad_fp32 else 'bf16'}, bf16 params + fp32 main params",
         "",
@@ -158,6 +180,16 @@ def search(shape, tr, counts, gpu_gib, reserve_gib):
     return rows
 
 
+def _config_errors() -> tuple:
+    """Hydra / OmegaConf errors of a bad recipe or override (reported like any other plan error)."""
+    try:
+        from hydra.errors import HydraException
+        from omegaconf.errors import OmegaConfBaseException
+        return HydraException, OmegaConfBaseException
+    except ImportError:
+        return ()
+
+
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     try:
@@ -183,7 +215,7 @@ def main(argv=None) -> int:
                 print(f"  -> {n} GPUs: " + (f"{len(fit)} layouts fit" if fit else "nothing fits"))
             return 0
         p = plan_memory(shape, layout, tr, stage=a.stage)
-    except (ValueError, KeyError, FileNotFoundError) as e:
+    except (ValueError, KeyError, FileNotFoundError, *_config_errors()) as e:
         print(f"megatron-kd plan: {e}", file=sys.stderr)
         return 2
     if a.json:

@@ -1,167 +1,190 @@
-"""Read a recipe (recipes/NAME.yaml, Hydra-composed when Hydra is present) into (shape, layout, training).
+"""Read a `megatron-kd train` recipe (recipes/NAME.yaml, the schema of recipes/README.md) into what the plan needs.
 
-Recipes are read tolerantly: the student/teacher shape comes from a preset name (`model.preset`,
-`student.name`, ...) and/or Megatron-style fields (num_layers, hidden_size, ...); the layout from
-`parallel.tp` / `tensor_model_parallel_size` / ...; the step from `train.seq_length`, `train.micro_batch_size`,
-`model.recompute_granularity`, `kd.mode`, `kd.top_k`, `kd.loss_impl`. Unknown keys are ignored.
+The recipe is composed exactly as training composes it (megatron_kd.megatron.recipes.compose: Hydra's compose API,
+`section.key=value` overrides as `++section.key=value`, train.save set so `${hydra:run.dir}` never resolves), its
+`???` placeholders (kd.cache, data.path: irrelevant to memory) become null, and it is merged into the schema
+dataclasses of megatron_kd.megatron.config (to_recipe: schema defaults for missing keys, unknown keys refused).
+Every key is then read as megatron_kd/megatron/{model,optim}.py read it:
+
+  model / teacher    a ModelShape: ffn_hidden_size null = 4 x hidden, num_query_groups null = one per head,
+                     kv_channels null = hidden / heads, swiglu = gated MLP, tie_embeddings (default true),
+                     moe_ffn_hidden_size null = ffn_hidden_size (Megatron's default), learned_absolute positions
+                     = data.seq_length rows; vocabulary = data.vocab_size (else the data.tokenizer file's)
+  model.recompute_*  granularity null = no recompute; selective; full + method block = recompute_num_layers
+                     layers per stage; full + uniform (or no method) = every layer
+  parallel           tp, pp, cp, ep, etp (null = tp), sequence_parallel (only with tp > 1, as in model.py),
+                     use_distributed_optimizer; data parallel = world size / (tp x pp x cp), the world size
+                     coming from `--gpus` (not a recipe key; default: the smallest world the layout runs on)
+  train              micro_batch_size; global_batch_size / (micro_batch_size x dp) micro-batches per step
+                     (counted once dp is known, see RecipePlan.training_for); precision bf16/fp16 -> fp32 grads
+  data.seq_length    tokens per sample
+  kd                 mode, top_k, impl (auto = what auto picks on a GPU: fused)
 """
+import math
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .memory import Training
-from .shapes import Layout, ModelShape, preset
+from .memory import LOSSES, Training
+from .shapes import Layout, ModelShape
 
-ROOT = Path(__file__).resolve().parents[2]
-RECIPES = ROOT / "recipes"
+
+def recipes_dir() -> Path:
+    from megatron_kd.megatron.recipes import recipes_dir as _dir
+    return _dir()
 
 
 def recipe_path(name: str) -> Path | None:
+    """recipes/NAME.yaml for a bare name, or the file itself for a path ending in .yaml/.yml."""
     p = Path(name)
-    if p.suffix in (".yaml", ".yml") and p.is_file():
-        return p
-    cand = RECIPES / f"{name}.yaml"
+    if p.suffix in (".yaml", ".yml"):
+        return p if p.is_file() else None
+    if "/" in name or "\\" in name:
+        return None
+    cand = recipes_dir() / f"{name}.yaml"
     return cand if cand.is_file() else None
 
 
-def load_recipe(name: str, overrides=()) -> dict:
+def _missing_to_none(cfg) -> None:
+    """Replace `???` (mandatory values the plan does not need: kd.cache, data.path) by null, in place."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+    if isinstance(cfg, DictConfig):
+        for k in list(cfg.keys()):
+            if OmegaConf.is_missing(cfg, k):
+                cfg[k] = None
+            else:
+                _missing_to_none(cfg._get_node(k))
+    elif isinstance(cfg, ListConfig):
+        for i in range(len(cfg)):
+            if OmegaConf.is_missing(cfg, i):
+                cfg[i] = None
+            else:
+                _missing_to_none(cfg._get_node(i))
+
+
+def load_recipe(name: str, overrides=()):
+    """The recipe as megatron_kd.megatron.config.Recipe dataclasses (composed as `megatron-kd train` does)."""
+    from omegaconf import OmegaConf, open_dict
+    from megatron_kd.megatron.config import to_recipe
+    from megatron_kd.megatron.recipes import compose
     path = recipe_path(name)
     if path is None:
-        raise FileNotFoundError(name)
-    try:
-        from hydra import compose, initialize_config_dir
-        from omegaconf import OmegaConf
-        with initialize_config_dir(config_dir=str(path.parent.absolute()), version_base=None):
-            cfg = compose(config_name=path.stem, overrides=list(overrides))
-        return OmegaConf.to_container(cfg, resolve=True)
-    except ImportError:
-        pass
-    except Exception:
-        if overrides:
-            raise
-    from omegaconf import OmegaConf
-    cfg = OmegaConf.load(path)
-    if overrides:
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
-    return OmegaConf.to_container(cfg, resolve=True)
+        raise FileNotFoundError(f"no recipe {name!r} (recipes/NAME or a .yaml path)")
+    target = str(path.resolve()) if Path(name).suffix in (".yaml", ".yml") or path.parent != recipes_dir() \
+        else path.stem
+    cfg = compose(target, list(overrides), save="runs/plan")
+    with open_dict(cfg):
+        _missing_to_none(cfg)
+        if "hydra" in cfg:
+            del cfg["hydra"]
+    return to_recipe(OmegaConf.create(OmegaConf.to_container(cfg, resolve=False)))
 
 
-def _flatten(d, prefix=""):
-    out = {}
-    if isinstance(d, dict):
-        for k, v in d.items():
-            key = f"{prefix}.{k}" if prefix else str(k)
-            if isinstance(v, dict):
-                out.update(_flatten(v, key))
-            else:
-                out[key] = v
-    return out
+def vocab_size(r) -> int:
+    """The unpadded vocabulary: data.vocab_size, else the data.tokenizer file's (as megatron_kd.megatron.data)."""
+    d = r.data
+    if d.vocab_size is not None:
+        return int(d.vocab_size)
+    if d.tokenizer:
+        try:
+            from tokenizers import Tokenizer
+            return Tokenizer.from_file(str(d.tokenizer)).get_vocab_size()
+        except Exception as e:
+            raise ValueError(f"data.vocab_size is null and data.tokenizer={d.tokenizer!r} cannot be read ({e}); "
+                             "give data.vocab_size=N") from None
+    raise ValueError("the recipe gives no vocabulary: set data.vocab_size (or data.tokenizer)")
 
 
-def _pick(flat: dict, aliases, sections=None):
-    """First value whose dotted key equals an alias or ends with '.alias' (within `sections` if given)."""
-    for a in aliases:
-        for k, v in flat.items():
-            if sections is not None and not any(k == s or k.startswith(s + ".") for s in sections):
-                continue
-            if (k == a or k.endswith("." + a)) and v is not None:
-                return v
-    return None
+def shape_from_config(m, vocab: int, seq_length: int) -> ModelShape:
+    """ModelShape of a ModelConfig/TeacherConfig, with model.py's defaults for its null keys."""
+    mg = dict(m.megatron or {})
+    heads = m.num_attention_heads
+    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    experts = int(m.num_moe_experts or 0)
+    freq = mg.get("moe_layer_freq", 1)
+    if not isinstance(freq, int):
+        raise ValueError(f"model.megatron.moe_layer_freq={freq!r}: the plan models an integer frequency only")
+    return ModelShape(
+        name=m.name, num_layers=m.num_layers, hidden=m.hidden_size, num_heads=heads,
+        num_kv_heads=m.num_query_groups or heads, head_dim=m.kv_channels or m.hidden_size // heads,
+        ffn_hidden=ffn, vocab=vocab, tied_embeddings=bool(m.tie_embeddings),
+        gated_mlp=m.activation == "swiglu", norm="rmsnorm" if m.normalization == "RMSNorm" else "layernorm",
+        add_bias_linear=bool(m.add_bias_linear), add_qkv_bias=bool(m.add_qkv_bias),
+        qk_layernorm=bool(m.qk_layernorm), num_experts=experts,
+        moe_topk=int(m.moe_router_topk) if experts else 0,
+        moe_ffn_hidden=int(m.moe_ffn_hidden_size or ffn) if experts else 0,
+        moe_shared_ffn=int(mg.get("moe_shared_expert_intermediate_size") or 0) if experts else 0,
+        moe_layer_freq=freq if experts else 1,
+        learned_pos_emb=seq_length if m.position_embedding_type == "learned_absolute" else 0)
 
 
-SHAPE_FIELDS = {
-    "num_layers": ("num_layers",), "hidden": ("hidden_size", "hidden"),
-    "num_heads": ("num_attention_heads", "num_heads"), "num_kv_heads": ("num_query_groups", "num_kv_heads"),
-    "head_dim": ("kv_channels", "head_dim"), "ffn_hidden": ("ffn_hidden_size", "ffn_hidden"),
-    "vocab": ("vocab_size", "padded_vocab_size", "vocab"),
-    "num_experts": ("num_moe_experts", "num_experts"), "moe_topk": ("moe_router_topk", "moe_topk"),
-    "moe_ffn_hidden": ("moe_ffn_hidden_size", "moe_ffn_hidden"),
-}
+def recompute_of(m) -> tuple:
+    """(recompute, recompute_layers) of model.recompute_granularity / _method / _num_layers, as Megatron runs it."""
+    g = m.recompute_granularity
+    if g is None:
+        return "none", None
+    if g == "selective":
+        return "selective", None
+    if g == "full":
+        if m.recompute_method == "block":
+            if m.recompute_num_layers is None:
+                raise ValueError("model.recompute_method=block needs model.recompute_num_layers")
+            return "full", int(m.recompute_num_layers)
+        if m.recompute_method not in (None, "uniform"):
+            raise ValueError(f"model.recompute_method={m.recompute_method!r}: use uniform or block")
+        return "full", None   # uniform: every layer, in groups of recompute_num_layers
+    raise ValueError(f"model.recompute_granularity={g!r}: use null, full or selective")
 
 
-def shape_from(flat: dict, sections) -> ModelShape | None:
-    name = _pick(flat, ("preset", "shape", "arch", "name", "hf_name", "model_name"), sections)
-    base = None
-    if isinstance(name, str):
-        for cand in (name, name.split("/")[-1]):
-            try:
-                base = preset(cand)
-                break
-            except KeyError:
-                continue
-    kw = {}
-    for f, aliases in SHAPE_FIELDS.items():
-        v = _pick(flat, aliases, sections)
-        if v is not None:
-            kw[f] = int(v)
-    tied = _pick(flat, ("share_embeddings_and_output_weights", "tied_embeddings", "tie_word_embeddings"), sections)
-    untie = _pick(flat, ("untie_embeddings_and_output_weights",), sections)
-    if tied is not None:
-        kw["tied_embeddings"] = bool(tied)
-    elif untie is not None:
-        kw["tied_embeddings"] = not bool(untie)
-    if base is None:
-        need = ("num_layers", "hidden", "num_heads", "ffn_hidden", "vocab")
-        if not all(k in kw for k in need):
-            return None
-        kw.setdefault("num_kv_heads", kw["num_heads"])
-        kw.setdefault("head_dim", kw["hidden"] // kw["num_heads"])
-        return ModelShape(name=str(name or "recipe-model"), **kw)
-    return base.with_(**kw)
+@dataclass
+class RecipePlan:
+    """What the plan reads from a recipe; dp (the world size) and the micro-batch count come later."""
+    shape: ModelShape
+    layout: Layout              # dp=1 until the world size is known (with_world)
+    training: Training          # num_microbatches=1 until then (training_for)
+    teacher: ModelShape | None
+    global_batch_size: int
+    precision: str
+    vpp: int | None = None
+    notes: list = field(default_factory=list)
+
+    def min_world(self) -> int:
+        """The smallest world size the layout runs on: a multiple of tp*pp*cp and of etp*ep*pp."""
+        lay = self.layout
+        return math.lcm(lay.tp * lay.pp * lay.cp, lay.expert_tp * lay.ep * lay.pp)
+
+    def training_for(self, layout: Layout) -> Training:
+        """The step at data-parallel size layout.dp: global_batch / (micro_batch x dp) micro-batches."""
+        mbs, dp = self.training.micro_batch, layout.dp
+        if self.global_batch_size % (mbs * dp):
+            raise ValueError(f"train.global_batch_size={self.global_batch_size} must divide by "
+                             f"train.micro_batch_size x data-parallel size = {mbs} x {dp}")
+        return replace(self.training, num_microbatches=self.global_batch_size // (mbs * dp))
 
 
-def from_recipe(cfg: dict):
-    """(student shape, layout, training) of a composed recipe (a plain dict)."""
-    flat = _flatten(cfg)
-    student = shape_from(flat, ["student", "model"]) or shape_from(flat, None)
-    if student is None:
-        raise ValueError("recipe names no student shape (model.preset / student.name or Megatron shape fields)")
-    teacher = shape_from(flat, ["teacher"])
-    par = ["parallel", "distributed", "model", "train", "student"]
-    lay = dict(
-        tp=_pick(flat, ("tp", "tensor_model_parallel_size"), par),
-        pp=_pick(flat, ("pp", "pipeline_model_parallel_size"), par),
-        ep=_pick(flat, ("ep", "expert_model_parallel_size"), par),
-        etp=_pick(flat, ("etp", "expert_tensor_parallel_size"), par),
-        cp=_pick(flat, ("cp", "context_parallel_size"), par),
-        dp=_pick(flat, ("dp", "data_parallel_size"), par),
-    )
-    lay = {k: int(v) for k, v in lay.items() if v is not None}
-    sp = _pick(flat, ("sequence_parallel", "sp"), par)
-    world = _pick(flat, ("gpus", "world_size", "num_gpus", "nproc_per_node"), None)
-    nodes = _pick(flat, ("nodes", "num_nodes"), None)
-    if "dp" not in lay and world:
-        w = int(world) * int(nodes or 1)
-        lay["dp"] = max(1, w // (lay.get("tp", 1) * lay.get("pp", 1) * lay.get("cp", 1)))
-    layout = Layout(sequence_parallel=None if sp is None else bool(sp), **lay)
-    tr = {}
-    seq = _pick(flat, ("seq_length", "seq_len", "sequence_length", "max_seq_length"), None)
-    if seq:
-        tr["seq_len"] = int(seq)
-    mbs = _pick(flat, ("micro_batch_size", "micro_batch", "mbs"), None)
-    if mbs:
-        tr["micro_batch"] = int(mbs)
-    gbs = _pick(flat, ("global_batch_size", "gbs"), None)
-    if gbs and mbs:
-        tr["num_microbatches"] = max(1, int(gbs) // (int(mbs) * layout.dp))
-    rc = _pick(flat, ("recompute_granularity", "recompute"), None)
-    if rc is not None:
-        tr["recompute"] = "none" if rc in (None, False, "none", "null", "") else str(rc)
-        if tr["recompute"] not in ("full", "selective", "none"):
-            tr["recompute"] = "full"
-    rn = _pick(flat, ("recompute_num_layers",), None)
-    rm = _pick(flat, ("recompute_method",), None)
-    if rn is not None and rm == "block":
-        tr["recompute_layers"] = int(rn)
-    mode = _pick(flat, ("mode",), ["kd", "distill", "distillation", "train"])
-    if mode in ("offline", "online", "ce"):
-        tr["mode"] = mode
-    k = _pick(flat, ("top_k", "topk"), None)
-    if k:
-        tr["topk"] = int(k)
-    impl = _pick(flat, ("loss_impl", "impl"), ["kd", "loss"])
-    if impl in ("fused", "chunked", "forward_chunked", "dense"):
-        tr["loss"] = impl
-    if tr.get("mode") == "online":
-        if teacher is None:
-            raise ValueError("online recipe names no teacher shape (teacher.preset / teacher.name)")
+def from_recipe(r) -> RecipePlan:
+    """RecipePlan of a megatron_kd.megatron.config.Recipe."""
+    m, p, t, kd, d = r.model, r.parallel, r.train, r.kd, r.data
+    vocab = vocab_size(r)
+    shape = shape_from_config(m, vocab, d.seq_length)
+    teacher = shape_from_config(r.teacher, vocab, d.seq_length) if kd.mode == "online" else None
+    layout = Layout(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp, dp=1,
+                    sequence_parallel=bool(p.sequence_parallel),
+                    vocab_divisible_by=m.make_vocab_size_divisible_by)
+    rc, rc_layers = recompute_of(m)
+    notes = []
+    tr = dict(seq_len=d.seq_length, micro_batch=t.micro_batch_size, recompute=rc, recompute_layers=rc_layers,
+              distributed_optimizer=bool(p.use_distributed_optimizer), grad_fp32=True,
+              mode=kd.mode, topk=kd.top_k)
+    if kd.impl in LOSSES:
+        tr["loss"] = kd.impl
+    elif kd.impl != "auto":
+        raise ValueError(f"kd.impl={kd.impl!r}: use auto or one of {LOSSES}")
+    if teacher is not None:
         tr["teacher"] = teacher
-    return student, layout, Training(**tr), teacher
+    if t.precision == "fp32":
+        notes.append("train.precision=fp32: the plan counts bf16 mixed precision (fp32 runs hold 4-byte weights "
+                     "and no separate main params)")
+    if p.vpp:
+        notes.append(f"parallel.vpp={p.vpp}: interleaved pipeline stages are not modelled (1F1B counted)")
+    return RecipePlan(shape=shape, layout=layout, training=Training(**tr), teacher=teacher,
+                      global_batch_size=t.global_batch_size, precision=t.precision, vpp=p.vpp, notes=notes)

@@ -23,6 +23,16 @@ def te_available() -> bool:
         return False
 
 
+def apex_available() -> bool:
+    """NVIDIA apex's fused norms (not the unrelated PyPI package named apex)."""
+    if not torch.cuda.is_available() or importlib.util.find_spec("apex") is None:
+        return False
+    try:
+        return importlib.util.find_spec("apex.normalization") is not None
+    except Exception:
+        return False
+
+
 def _activation(name: str):
     if name == "swiglu":
         return F.silu, True

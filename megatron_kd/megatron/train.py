@@ -21,7 +21,7 @@ from .config import KDConfig, Recipe, RecipeError, check_model, check_recipe, ch
 from .data import (build_datasets, check_cache, dataset_id, load_tokenizer, loader, samples_needed, with_cache)
 from .dist import barrier, distributed, is_rank0, set_seed, use_cuda
 from .metrics import Sink, forward_flops_per_step, peak_memory_gib, train_flops_per_step
-from .model import build_gpt, build_model_chunks, wrap_float16
+from .model import apex_available, build_gpt, build_model_chunks, te_available, wrap_float16
 from .optim import build_optimizer, build_scheduler, set_model_hooks, wrap_ddp
 from .schedule import forward_backward
 from .step import KDStep
@@ -50,6 +50,13 @@ def preflight(r: Recipe, world_size: int, cuda: bool):
             if not r.teacher.load:
                 raise RecipeError("kd.mode=online needs teacher.load: the teacher's checkpoint directory (a "
                                   "`megatron-kd train` save dir)")
+    p = r.parallel
+    if cuda and p.cp > 1 and not te_available():
+        raise RecipeError(f"parallel.cp={p.cp} needs Transformer Engine attention, which does not import here; use "
+                          "parallel.cp=1 or a container with TE")
+    if cuda and p.sequence_parallel and p.tp > 1 and not (te_available() or apex_available()):
+        raise RecipeError("parallel.sequence_parallel=true needs Transformer Engine or apex norms (Megatron's torch "
+                          "norms refuse it); set it false or run where TE/apex import")
     if r.kd.mode != "ce" and r.kd.top_k > tok.vocab_size:
         raise RecipeError(f"kd.top_k={r.kd.top_k} exceeds the vocabulary ({tok.vocab_size} ids)")
     check_world(r, world_size)

@@ -8,7 +8,6 @@ Bridge-specific here: its call convention (GlobalState first, timers), its NaN c
 without cache rows, and the CP split called the way megatron-core 0.16 and 0.19 both accept. Nothing here
 imports Bridge; megatron-core is imported only where a step runs.
 """
-import inspect
 from functools import partial
 from types import SimpleNamespace
 
@@ -17,7 +16,7 @@ import torch
 from ..megatron.config import KDConfig
 from ..megatron.hook import forward_with_head
 from ..megatron.model import unwrap
-from ..megatron.step import KDHead, loss_func
+from ..megatron.step import KDHead, loss_func, slice_for_context_parallel
 from .config import OfflineKDConfig
 
 KD_KEYS = ("topk_ids", "topk_logprobs")
@@ -45,19 +44,6 @@ def next_batch(data_iterator, device) -> dict:
                          "one row per position of an unpacked sample")
     return {k: batch[k].to(device, non_blocking=True) for k in MODEL_KEYS + KD_KEYS
             if torch.is_tensor(batch.get(k))}
-
-
-def slice_for_context_parallel(batch: dict, cp_group) -> dict:
-    """This CP rank's part of every [b, s, ...] tensor, by Megatron's own load-balanced split (2*cp chunks, rank r
-    keeps chunks r and 2*cp-1-r), so cache rows follow their tokens. A no-op without CP."""
-    if cp_group is None or cp_group.size() == 1:
-        return batch
-    from megatron.core.utils import get_batch_on_this_cp_rank
-
-    # 0.19 added a required `is_hybrid_cp` argument; 0.16 does not know it
-    extra = {"is_hybrid_cp": False} if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters \
-        else {}
-    return get_batch_on_this_cp_rank(dict(batch), cp_group=cp_group, **extra)
 
 
 def kd_loss_func(loss_mask, head, output_tensor, *, prefix="kd", check_for_nan=False):

@@ -43,6 +43,7 @@ class ModelConfig:
     recompute_method: Optional[str] = None       # uniform | block (with full)
     recompute_num_layers: Optional[int] = None
     megatron: dict = field(default_factory=dict)  # any other TransformerConfig field, passed through as is
+    hf_weights: Optional[str] = None             # local HF model dir loaded via Megatron-Bridge's AutoBridge
 
 
 @dataclass
@@ -203,6 +204,10 @@ def check_model(m: ModelConfig, section: str, tp: int) -> None:
     _need(m.attention_backend in ATTENTION_BACKENDS,
           f"{section}.attention_backend={m.attention_backend!r}: use one of {ATTENTION_BACKENDS}")
     _need(m.make_vocab_size_divisible_by >= 1, f"{section}.make_vocab_size_divisible_by must be >= 1")
+    if m.hf_weights:
+        from ..bridge.weights import check_hf_dir, require_bridge
+        check_hf_dir(m.hf_weights, f"{section}.hf_weights")
+        require_bridge(f"{section}.hf_weights")
     if m.megatron:
         from megatron.core.transformer.transformer_config import TransformerConfig
         known = {f.name for f in fields(TransformerConfig)}

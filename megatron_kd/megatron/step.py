@@ -92,10 +92,20 @@ def next_batch(data_iterator, device, cp_group=None) -> dict:
     """The next micro-batch on `device`, sliced for this context-parallel rank (cache rows like the tokens)."""
     batch = next(data_iterator)
     batch = {k: batch[k].to(device, non_blocking=True) for k in BATCH_KEYS if torch.is_tensor(batch.get(k))}
-    if cp_group is not None and cp_group.size() > 1:
-        from megatron.core.utils import get_batch_on_this_cp_rank
-        batch = get_batch_on_this_cp_rank(batch, cp_group=cp_group)
-    return batch
+    return slice_for_context_parallel(batch, cp_group)
+
+
+def slice_for_context_parallel(batch: dict, cp_group) -> dict:
+    """This CP rank's part of every [b, s, ...] tensor, by Megatron's own load-balanced split (2*cp chunks, rank r
+    keeps chunks r and 2*cp-1-r), so cache rows follow their tokens. A no-op without CP."""
+    if cp_group is None or cp_group.size() == 1:
+        return batch
+    import inspect
+    from megatron.core.utils import get_batch_on_this_cp_rank
+    # 0.19 added a required `is_hybrid_cp` argument; 0.16 does not know it
+    extra = {"is_hybrid_cp": False} if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters \
+        else {}
+    return get_batch_on_this_cp_rank(dict(batch), cp_group=cp_group, **extra)
 
 
 class KDStep:

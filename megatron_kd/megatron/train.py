@@ -97,6 +97,9 @@ class Trainer:
         set_seed(t.seed)  # the student's init must not depend on what ran before (e.g. a cache build)
         self.chunks, self.config = build_model_chunks(r.model, r.parallel, self.vocab, r.data.seq_length,
                                                       t.precision)
+        if r.model.hf_weights:  # real weights instead of random init (a resume below still wins)
+            from ..bridge.weights import load_hf_weights
+            load_hf_weights(self.chunks, r.model.hf_weights)
         self.chunks = wrap_ddp(wrap_float16(self.chunks, self.config), self.config, r.parallel, cuda)
         self.optimizer = build_optimizer(self.chunks, t, r.parallel, cuda)
         self.scheduler = build_scheduler(self.optimizer, t)

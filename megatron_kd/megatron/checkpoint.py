@@ -18,6 +18,11 @@ from .model import unwrap
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
+# DistributedOptimizer state layout: one ShardedTensor per buffer, resharded across DP only, as Megatron-LM
+# saves by default. Explicit because megatron-core 0.19 defaults to a layout its own saver no longer
+# supports ("ShardedTensor.flattened_range is not supported"); other optimizers ignore it.
+OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
 def _require_psutil():
     try:
         import psutil  # noqa: F401
@@ -94,7 +99,7 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, scheduler, com
         os.makedirs(path)
     barrier()
     sd = _model_state(chunks)
-    sd["optimizer"] = optimizer.sharded_state_dict(sd)
+    sd["optimizer"] = optimizer.sharded_state_dict(sd, metadata=OPTIM_METADATA)
     sd["scheduler"] = scheduler.state_dict()
     sd["rng_state"] = _rng_state(_layout())
     sd.update(common)
@@ -119,7 +124,7 @@ def load_checkpoint(root: str, chunks, optimizer, scheduler) -> dict | None:
         return None
     path = iter_dir(root, it)
     sd = _model_state(chunks)
-    sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=True)
+    sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=True, metadata=OPTIM_METADATA)
     common = dist_checkpointing.load_common_state_dict(path)
     if tuple(common.get("layout", ())) == _layout():  # RNG streams only resume under the same TP/PP layout
         sd["rng_state"] = _rng_state(_layout())

@@ -1,7 +1,9 @@
 """build_cache: run a teacher over a token dataset's samples and write its top-K, resumably.
 
 Layout: shards are fixed ranges of sample indices; data-parallel rank r computes shards r, r + dp, ...;
-within a TP group every rank runs the teacher and the vocab-parallel top-K, and TP rank 0 writes.
+within a TP group every rank runs the teacher and the vocab-parallel top-K, and TP rank 0 writes. A pipelined
+teacher (teacher.pp_group, see pipeline.py) runs its stages on every rank of the pipeline; only the last stage's
+ranks compute the top-K, and its TP rank 0 writes.
 Global rank 0 writes settings.json before anyone computes and manifest.json after everyone is done.
 Micro-batches never cross a shard boundary, so a shard's bytes do not depend on where a previous run died.
 """
@@ -30,12 +32,15 @@ def _barrier():
         dist.barrier()
 
 
-def _data_parallel(tp_group, dp_rank, dp_size):
+def _data_parallel(tp_group, pp_group, dp_rank, dp_size):
     if dp_rank is not None and dp_size is not None:
         return int(dp_rank), int(dp_size)
     ps = sys.modules.get("megatron.core.parallel_state")  # only if a Megatron teacher already imported it
     if ps is not None and ps.model_parallel_is_initialized():
         return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    if group_size(pp_group) > 1:
+        raise CacheError("a pipelined teacher outside Megatron's parallel_state: pass dp_rank= and dp_size= "
+                         "(this rank's data-parallel replica and their number)")
     if _dist_on():
         tp = group_size(tp_group)
         return dist.get_rank() // tp, dist.get_world_size() // tp
@@ -48,6 +53,8 @@ def _tokens(dataset, i) -> torch.Tensor:
 
 def _teacher_topk(teacher, tokens, k, temperature, chunk_size, tp_group):
     out = teacher(tokens)
+    if out is None:  # an earlier pipeline stage: its hidden states went to the next stage
+        return None, None
     b, s = tokens.shape
     if out.logits is not None:
         logits = out.logits.reshape(b * s, -1)
@@ -62,12 +69,13 @@ def _teacher_topk(teacher, tokens, k, temperature, chunk_size, tp_group):
     return ids.reshape(b, s, k), lp.reshape(b, s, k)
 
 
-def _broadcast_list(obj: list, tp_group) -> list:
-    """TP rank 0's list on every rank of the group: all ranks of a TP group must run the same shards."""
-    if group_size(tp_group) == 1:
+def _broadcast_list(obj: list, group) -> list:
+    """Rank 0's list on every rank of the group: all ranks of a TP group (and of a pipeline) must run the same
+    shards, in the same order."""
+    if group_size(group) == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(tp_group, 0), group=tp_group)
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     return box[0]
 
 
@@ -91,8 +99,9 @@ def build_cache(teacher, dataset, out_dir, *, top_k: int = 100, encoding: str = 
     teacher_id: overrides teacher.identity() (a dict, or a string used as the name).
     """
     tp_group = tp_group if tp_group is not None else getattr(teacher, "tp_group", None)
-    dp_rank, dp_size = _data_parallel(tp_group, dp_rank, dp_size)
-    writes = group_rank(tp_group) == 0
+    pp_group = getattr(teacher, "pp_group", None)
+    dp_rank, dp_size = _data_parallel(tp_group, pp_group, dp_rank, dp_size)
+    writes = group_rank(tp_group) == 0 and getattr(teacher, "is_last_stage", True)
     is_root = not _dist_on() or dist.get_rank() == 0
     n = len(dataset) if num_samples is None else int(num_samples)
     if n > len(dataset):
@@ -112,7 +121,7 @@ def build_cache(teacher, dataset, out_dir, *, top_k: int = 100, encoding: str = 
         writer = CacheWriter(out_dir, settings)
     finished = os.path.exists(os.path.join(writer.path, MANIFEST))  # and nothing pending: the writer checked
     mine = [j for j in writer.pending_shards() if j % dp_size == dp_rank]
-    mine = _broadcast_list(mine, tp_group)
+    mine = _broadcast_list(_broadcast_list(mine, tp_group), pp_group)  # stage 0's list on every stage
     _barrier()  # every rank has listed its shards before any rank writes one
 
     todo = sum(writer.shard_range(j)[1] - writer.shard_range(j)[0] for j in mine)
@@ -127,6 +136,7 @@ def build_cache(teacher, dataset, out_dir, *, top_k: int = 100, encoding: str = 
                 if tokens.shape[1] != seq:
                     raise CacheError(f"sample {a} has {tokens.shape[1]} tokens, sample 0 has {seq}: the cache needs "
                                      "a dataset of fixed sequence length")
+                # (None, None) on ranks of an earlier pipeline stage; they do not write
                 ids, lp = _teacher_topk(teacher, tokens, top_k, temperature, chunk_size, tp_group)
                 if sw is not None:
                     sw.add(ids, lp, tokens)
@@ -137,6 +147,8 @@ def build_cache(teacher, dataset, out_dir, *, top_k: int = 100, encoding: str = 
             if sw is not None:
                 sw.abort()
             raise
+    if hasattr(teacher, "flush"):
+        teacher.flush()  # a pipeline stage's last sends
     bar.close()
     _barrier()
     if is_root and not finished:

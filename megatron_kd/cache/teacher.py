@@ -2,7 +2,8 @@
 
 A teacher is called with tokens [b, s] (int64) and returns a TeacherOutput holding either this rank's
 final hidden states plus output-layer rows (the builder then computes logits chunk by chunk) or this rank's
-logits shard. It also names its valid (unpadded) vocabulary size, its TP group and its identity.
+logits shard (or None on a rank that holds an earlier pipeline stage: the teacher's `is_last_stage` is False).
+It also names its valid (unpadded) vocabulary size, its TP group (and `pp_group`, if pipelined) and its identity.
 """
 import contextlib
 import hashlib
@@ -14,6 +15,7 @@ import torch
 
 from ..parallel.comm import all_reduce_sum, group_rank, group_size
 from .hashing import config_hash
+from .pipeline import PipelineStage, global_layer_names
 
 
 @dataclass
@@ -65,40 +67,81 @@ def _plain(v):
     return getattr(v, "__name__", None) or str(v)
 
 
-def megatron_weights_hash(model, tp_group) -> str:
-    """A TP-layout-invariant fingerprint: exact int64 sums of each tensor's bit patterns (and their squares).
+def megatron_weights_hash(model, tp_group, pp_group=None) -> str:
+    """A TP/PP-layout-invariant fingerprint: exact int64 sums of each tensor's bit patterns (and their squares).
 
     Integer sums do not depend on summation order, so TP shards summed over the TP group give the TP=1 value.
-    Zero padding rows of the vocabulary add nothing. Not cryptographic: it tells checkpoints apart.
+    Zero padding rows of the vocabulary add nothing. Under PP each stage's tensors are named by global layer
+    number and the stages' entries are gathered, so PP=2 gives the PP=1 value; the last stage's copy of tied
+    embeddings is left out (the first stage holds the original). Not cryptographic: it tells checkpoints apart.
     """
-    h = hashlib.sha256()
-    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+    names = global_layer_names(model) if hasattr(model, "decoder") else {}
+    skip_tied_copy = (getattr(model, "share_embeddings_and_output_weights", False)
+                      and not getattr(model, "pre_process", True))
+    entries = []
+    for name, p in model.named_parameters():
+        if skip_tied_copy and name.endswith("output_layer.weight"):
+            continue
         t = p.detach()
         bits = t.view(torch.int16 if t.element_size() == 2 else torch.int32).to(torch.int64).reshape(-1)
         sums = torch.stack([bits.sum(), (bits * bits).sum()])
         if getattr(p, "tensor_model_parallel", False):
             sums = all_reduce_sum(sums, tp_group)
-        h.update(f"{name}:{t.dtype}:{sums[0].item()}:{sums[1].item()};".encode())
+        entries.append((names.get(name, name), str(t.dtype), int(sums[0].item()), int(sums[1].item())))
+    if group_size(pp_group) > 1:
+        gathered = [None] * group_size(pp_group)
+        torch.distributed.all_gather_object(gathered, entries, group=pp_group)
+        entries = [e for stage in gathered for e in stage]
+    h = hashlib.sha256()
+    for name, dtype, s1, s2 in sorted(entries, key=lambda e: e[0]):
+        h.update(f"{name}:{dtype}:{s1}:{s2};".encode())
     return h.hexdigest()[:16]
 
 
 class MegatronTeacher:
-    """A Megatron-Core GPTModel (post_process=True) as a teacher: hidden states + its output-layer shard.
+    """A Megatron-Core GPTModel as a teacher: hidden states + its output-layer shard, at any TP and PP.
 
     The output layer is bypassed during the forward, so no [s, b, V/tp] logits tensor is ever made.
     vocab_size is the tokenizer's (unpadded) size; the model's padded rows never enter the top-K.
+
+    Pipeline parallel: pass this rank's stage (a GPTModel built with pre_process / post_process for its stage after
+    parallel_state.initialize_model_parallel(..., pipeline_model_parallel_size=pp)); the stage-to-stage flow is
+    megatron_kd.cache.pipeline's plain send/recv. pp_group defaults to Megatron's pipeline group when the model is
+    a stage (pre_process or post_process False). On ranks without the last stage `__call__` returns None
+    (`is_last_stage` False): only last-stage ranks compute the top-K and write.
     """
 
-    def __init__(self, model, vocab_size: int, *, name: str = "megatron-gpt", tp_group=None):
+    def __init__(self, model, vocab_size: int, *, name: str = "megatron-gpt", tp_group=None, pp_group=None):
+        if isinstance(model, (list, tuple)):
+            if len(model) != 1:
+                raise ValueError("MegatronTeacher takes one model chunk per rank; virtual pipeline stages "
+                                 f"(got {len(model)} chunks) are not supported: build the teacher with vpp=None")
+            model = model[0]
         self.model, self.vocab_size, self.name, self.tp_group = model, int(vocab_size), name, tp_group
         self.model.eval()
+        is_stage = not (getattr(model, "pre_process", True) and getattr(model, "post_process", True))
+        if pp_group is None and is_stage:
+            from megatron.core import parallel_state as ps
+            pp_group = ps.get_pipeline_model_parallel_group()
+        self.pp_group = pp_group if group_size(pp_group) > 1 else None
+        if self.pp_group is None and is_stage:
+            raise ValueError("the model is a pipeline stage (pre_process/post_process False) but the pipeline "
+                             "group has one rank; initialize Megatron with pipeline_model_parallel_size > 1")
+        self.pipeline = PipelineStage(model, self.pp_group) if self.pp_group is not None else None
+        self.is_last_stage = self.pipeline is None or self.pipeline.is_last
 
     def identity(self) -> dict:
+        """Same value at any TP/PP layout of the same weights. Collective: every rank of the model calls it."""
         cfg = {k: _plain(getattr(self.model.config, k, None)) for k in _CONFIG_FIELDS}
         cfg["position_embedding_type"] = getattr(self.model, "position_embedding_type", None)
         cfg["share_embeddings_and_output_weights"] = getattr(self.model, "share_embeddings_and_output_weights", None)
         return {"name": self.name, "config_hash": config_hash(cfg),
-                "weights_hash": megatron_weights_hash(self.model, self.tp_group)}
+                "weights_hash": megatron_weights_hash(self.model, self.tp_group, self.pp_group)}
+
+    def flush(self) -> None:
+        """Wait for this stage's outstanding sends (the builder calls it after its last micro-batch)."""
+        if self.pipeline is not None:
+            self.pipeline.flush()
 
     def _output_weight(self):
         m = self.model
@@ -124,15 +167,31 @@ class MegatronTeacher:
         finally:
             del layer.forward  # back to the class's forward
 
+    def _hidden_shape(self, b, s):
+        cfg = self.model.config
+        if getattr(cfg, "sequence_parallel", False):
+            s //= group_size(self.tp_group)
+        dtype = getattr(cfg, "pipeline_dtype", None) or cfg.params_dtype
+        return (s, b, cfg.hidden_size), dtype
+
     @torch.no_grad()
-    def __call__(self, tokens) -> TeacherOutput:
+    def __call__(self, tokens) -> TeacherOutput | None:
         tokens = tokens.to(next(self.model.parameters()).device)
         b, s = tokens.shape
         pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
         mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=tokens.device), diagonal=1)[None, None]
         box = []
-        with self._hidden_only(box):
-            self.model(tokens, pos, mask)
+        if self.pipeline is None:
+            with self._hidden_only(box):
+                self.model(tokens, pos, mask)
+        elif self.pipeline.is_last:
+            shape, dtype = self._hidden_shape(b, s)
+            with self._hidden_only(box):
+                self.pipeline.run(lambda: self.model(tokens, pos, mask), shape, dtype)
+        else:
+            shape, dtype = self._hidden_shape(b, s)
+            self.pipeline.run(lambda: self.model(tokens, pos, mask), shape, dtype)
+            return None  # the hidden states went on to the next stage
         hidden = box[0].transpose(0, 1)  # [s, b, H] -> [b, s, H]
         w = self._output_weight()
         return TeacherOutput(hidden=hidden, weight=w, vocab_start_index=group_rank(self.tp_group) * w.shape[0])

@@ -4,6 +4,7 @@ on the layout. The PP=1 cache is checked against topk(log_softmax(dense logits))
 import os
 
 import numpy as np
+import pytest
 import torch
 
 from dist_utils import run_ranks
@@ -113,6 +114,7 @@ def _files(path):
     return out
 
 
+@pytest.mark.slow
 def test_pipeline_teacher_pp2_tp2pp2(tmp_path):
     run_ranks(4, _layouts, str(tmp_path))
     ids1, lp1 = _read_all(tmp_path / "pp1")

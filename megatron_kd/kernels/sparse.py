@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..loss.core import ChunkStats, chunk_grad, local_columns
+from ..loss.core import ChunkStats, chunk_grad, local_columns, unpack_stats
 from ..loss.inputs import Targets
 from ..loss.options import LossOptions
 from ..parallel.comm import all_reduce_max, all_reduce_sum
@@ -77,19 +77,7 @@ def combine_stats(zg, stat, sl: Slots, opts: LossOptions, shard: VocabShard) -> 
         cols.append(torch.where(sl.own[:, sl.k], zg[:, sl.k], zero))
     uk = torch.where(sl.own[:, :sl.k], u[:, :sl.k], zero)
     packed = all_reduce_sum(torch.cat([torch.stack(cols, 1), uk], 1), shard.group)
-    st = ChunkStats(lse=m + torch.log(packed[:, 0]), uk=packed[:, len(cols):])
-    j = 1
-    if opts.tail == "bucket":
-        st.rest_lse = m + torch.log(packed[:, j])
-        j += 1
-    if opts.needs_ce:
-        if T != 1.0:
-            st.lse1 = m * T + torch.log(packed[:, j])
-            j += 1
-        else:
-            st.lse1 = st.lse
-        st.zy = packed[:, j]
-    return st
+    return unpack_stats(packed, m, len(cols), opts)
 
 
 def _compact_grad(zg, probe, st, t: Targets, sl: Slots, opts: LossOptions, g):

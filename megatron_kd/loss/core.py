@@ -67,10 +67,15 @@ def chunk_stats(z: torch.Tensor, t: Targets, opts: LossOptions, shard: VocabShar
         lab_own, lab_idx = local_columns(t.labels[:, None], t.labels[:, None] >= 0, shard)
         cols.append(_gather(z, lab_idx, lab_own)[:, 0])
     packed = torch.cat([torch.stack(cols, dim=1), _gather(u, idx, own)], dim=1)
-    packed = all_reduce_sum(packed, shard.group)
-    lse = m + torch.log(packed[:, 0])
+    return unpack_stats(all_reduce_sum(packed, shard.group), m, len(cols), opts)
+
+
+def unpack_stats(packed: torch.Tensor, m: torch.Tensor, n_cols: int, opts: LossOptions) -> ChunkStats:
+    """packed [C, n_cols + K] after the SUM: sum-exp columns (total, [rest], [T=1 total], [z at label]), then u at
+    the K ids; m is the global max of u. Shared with the fused kernels, which fill the same layout."""
+    T = float(opts.temperature)
+    st = ChunkStats(lse=m + torch.log(packed[:, 0]), uk=packed[:, n_cols:])
     j = 1
-    st = ChunkStats(lse=lse, uk=packed[:, -t.ids.shape[1]:] if t.ids.shape[1] else packed[:, :0])
     if opts.tail == "bucket":
         st.rest_lse = m + torch.log(packed[:, j])
         j += 1
@@ -79,7 +84,7 @@ def chunk_stats(z: torch.Tensor, t: Targets, opts: LossOptions, shard: VocabShar
             st.lse1 = m * T + torch.log(packed[:, j])
             j += 1
         else:
-            st.lse1 = lse
+            st.lse1 = st.lse
         st.zy = packed[:, j]
     return st
 

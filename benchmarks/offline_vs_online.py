@@ -1,0 +1,296 @@
+"""Offline top-K KD equals online full-vocabulary KD (issue 8, part 3), on real text, on a CPU.
+
+Reuses the demo's pipeline (megatron_kd.cli.demo): CPython's documentation (pydoc_data) tokenized with a byte-level
+BPE into Megatron indexed data, a tiny teacher GPT trained with CE (`megatron-kd train`), its top-100 cache over the
+students' training samples. Then the demo's 2-layer student is trained on the same samples, steps and seed, five
+ways, each a `megatron-kd train` process (printed as it starts):
+
+    offline_k100   offline KD from the cache, K = 100, tail none
+    offline_k20    offline KD from the same cache, K = 20 (its 20 most probable entries), tail none
+    online_full    online KD, teacher in memory, K = the whole vocabulary, tail none: the exact full KL
+    ce             labels only (reference)
+
+Every `--eval-every` steps each run saves a checkpoint; afterwards megatron_kd.megatron.evaluate.compare scores
+every checkpoint on the same held-out samples: cross-entropy and full-vocabulary KL(teacher || student). Before
+training, the script proves that online_full's targets are the full distribution (the teacher's top-V holds
+probability mass 1 at every position) and that our loss with K = V, tail none equals a dense full-softmax KL.
+
+    python benchmarks/offline_vs_online.py                  # ~5-7 min on 2 CPU cores; runs/offline_vs_online
+    python benchmarks/offline_vs_online.py --small          # smoke test (~2 min)
+
+Writes benchmarks/results/offline_vs_online_cpu.json (settings, curves, finals, gaps, checks, environment) and
+offline_vs_online_cpu.png (held-out CE and KL vs step, one line per mode); prints the table of final numbers and the
+relative gaps of K=100 and K=20 against online full (bar: |gap| <= 2% at K=100 for CE and KL).
+Exit status 0 when the bar is met, 1 otherwise. An interrupted run resumes (finished stages are kept).
+"""
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+# OpenMP threads that spin while waiting make small CPU steps many times slower when another process wants the
+# cores (the demo sets this for its training processes; the cache build and evaluation run in this one)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from megatron_kd.cli.demo import Demo, Settings, prepare_out_dir, recipe_overrides  # noqa: E402
+
+MODES = ("offline_k100", "offline_k20", "online_full", "ce")
+LABELS = {"offline_k100": "offline top-K, K=100", "offline_k20": "offline top-K, K=20",
+          "online_full": "online, full vocabulary", "ce": "CE only (no teacher)"}
+COLORS = {"offline_k100": "tab:blue", "offline_k20": "tab:purple", "online_full": "tab:orange", "ce": "tab:green"}
+BAR = 0.02
+
+
+@dataclasses.dataclass
+class BenchSettings(Settings):
+    vocab_size: int = 512
+    seq_length: int = 128
+    teacher_iters: int = 400
+    student_iters: int = 240
+    top_k: int = 100             # the cache's K (K=20 reads its 20 most probable entries)
+    small_k: int = 20
+    eval_samples: int = 128
+    eval_interval: int = 30      # checkpoint + held-out evaluation every this many student steps
+    teacher_lr: float = 3e-3
+    student_lr: float = 3e-3
+
+
+SMALL = dict(teacher_iters=250, student_iters=60, eval_samples=32, eval_interval=20)
+
+
+class Bench(Demo):
+    """The demo's stages (data, teacher, cache, `megatron-kd train` processes) with this benchmark's students."""
+
+    def say(self, text: str) -> None:
+        print(f"[offline_vs_online] {text}", flush=True)
+
+    def student_overrides(self, mode: str) -> list:
+        s = self.s
+        teacher = f"teacher.load={os.path.join(self.out, 'teacher')}"
+        if mode == "offline":  # the demo's cache stage composes its recipe from this: K = the cache's K
+            mode = "offline_k100"
+        o = self.common(f"student_{mode}", s.student_iters, s.student_lr) + [f"train.save_interval={s.eval_interval}"]
+        if mode.startswith("offline"):
+            k = s.top_k if mode == "offline_k100" else s.small_k
+            o += ["kd=offline", f"kd.top_k={k}", "kd.tail=none", teacher, f"kd.cache={self.cache}",
+                  "kd.build_cache=false"]
+        elif mode == "online_full":
+            o += ["kd=online", f"kd.top_k={self.vocab}", "kd.tail=none", teacher]
+        else:
+            o += ["kd=ce"]
+        return o
+
+    @property
+    def vocab(self) -> int:
+        from megatron_kd.megatron.config import DataConfig
+        from megatron_kd.megatron.data import load_tokenizer
+        return load_tokenizer(DataConfig(kind="indexed", path=self.data_prefix, tokenizer=self.tokenizer)).vocab_size
+
+    def recipe(self, mode: str):
+        from megatron_kd.megatron.config import to_recipe
+        from megatron_kd.megatron.recipes import compose
+        return to_recipe(compose("tiny_cpu", recipe_overrides(self.student_overrides(mode))))
+
+
+def check_full_kl(bench: Bench, num_samples: int) -> dict:
+    """online_full's targets are the whole distribution, and the loss on them is the exact full KL.
+
+    On held-out samples: the teacher's top-V (the online mode's OnlineTeacher with K = V) holds mass 1; our loss
+    (evaluate's per-position KL, tail none) equals KL computed from dense full-vocabulary logits of teacher and an
+    untrained student. Also records how much mass the teacher's top-100 and top-20 hold.
+    """
+    import torch
+    from megatron_kd.megatron.data import build_datasets, load_tokenizer, loader, samples_needed
+    from megatron_kd.megatron.dist import distributed
+    from megatron_kd.megatron.evaluate import _load, _per_position
+    from megatron_kd.megatron.hook import forward_with_head
+    from megatron_kd.megatron.model import build_gpt
+    from megatron_kd.megatron.teacher import OnlineTeacher
+
+    r = bench.recipe("online_full")
+    vocab = load_tokenizer(r.data).vocab_size
+    assert r.kd.top_k == vocab and r.kd.tail == "none", (r.kd.top_k, vocab, r.kd.tail)
+
+    def logits(model, batch):  # dense [b, s, V] full-vocabulary logits through the same hook
+        out = {}
+
+        def head(hidden, weight):
+            out["z"] = (hidden @ weight.t())[..., :vocab].transpose(0, 1)
+            return hidden.new_empty((hidden.shape[0], hidden.shape[1], 0))
+        forward_with_head(model, head, batch["tokens"], batch["position_ids"], None)
+        return out["z"].float()
+
+    with torch.no_grad(), distributed(r.parallel, r.train.seed, r.train.device):
+        _, valid = build_datasets(r.data, load_tokenizer(r.data), samples_needed(r.train, r.data)[0], num_samples)
+        t_model = _load(r.teacher, os.path.join(bench.out, "teacher"), r, vocab)
+        student = build_gpt(r.model, r.parallel, vocab, r.data.seq_length, "fp32")  # random init
+        student.eval()
+        teacher = OnlineTeacher(t_model, r.kd.top_k, vocab)
+        masses, top100, top20, max_diff, ours_sum, dense_sum, n = [], [], [], 0.0, 0.0, 0.0, 0
+        for batch in loader(valid, num_samples, 0, min(16, num_samples), 0, 1):
+            ids, lp = teacher.topk(batch)
+            mass = lp.exp().sum(-1)
+            masses.append(mass.flatten())
+            p_sorted = lp.exp().sort(-1, descending=True).values
+            top100.append(p_sorted[..., :bench.s.top_k].sum(-1).flatten())
+            top20.append(p_sorted[..., :bench.s.small_k].sum(-1).flatten())
+            ours = _per_position(student, batch, vocab, ids, lp)
+            lt = torch.log_softmax(logits(t_model, batch), -1)
+            ls = torch.log_softmax(logits(student, batch), -1)
+            dense = (lt.exp() * (lt - ls)).sum(-1)  # [b, s]
+            if ours.shape != dense.shape:
+                ours = ours.transpose(0, 1)
+            max_diff = max(max_diff, (ours.reshape(dense.shape) - dense).abs().max().item())
+            ours_sum += ours.sum().item()
+            dense_sum += dense.sum().item()
+            n += dense.numel()
+        masses, top100, top20 = torch.cat(masses), torch.cat(top100), torch.cat(top20)
+    out = {"vocab": vocab, "online_top_k": r.kd.top_k, "tail": r.kd.tail, "positions": n,
+           "teacher_mass_covered_min": masses.min().item(), "teacher_mass_covered_max": masses.max().item(),
+           f"teacher_top{bench.s.top_k}_mass_mean": top100.mean().item(),
+           f"teacher_top{bench.s.top_k}_mass_min": top100.min().item(),
+           f"teacher_top{bench.s.small_k}_mass_mean": top20.mean().item(),
+           "loss_kl_vs_dense_kl_max_abs_diff": max_diff, "loss_kl_mean": ours_sum / n, "dense_kl_mean": dense_sum / n}
+    out["is_full_kl"] = abs(out["teacher_mass_covered_min"] - 1) < 1e-4 and abs(out["teacher_mass_covered_max"] - 1) \
+        < 1e-4 and max_diff < 1e-3
+    return out
+
+
+def evaluate_curves(bench: Bench) -> dict:
+    """{mode: [{"iteration", "ce", "kl"}, ...]} from every saved checkpoint, all on the same held-out samples."""
+    from megatron_kd.megatron.checkpoint import iter_dir
+    from megatron_kd.megatron.evaluate import compare
+    s = bench.s
+    r = bench.recipe("online_full")  # data, layout, teacher architecture (the students share one architecture)
+    curves = {m: [] for m in MODES}
+    teacher_ce = None
+    its = list(range(s.eval_interval, s.student_iters + 1, s.eval_interval))
+    if its[-1] != s.student_iters:
+        its.append(s.student_iters)
+    for it in its:
+        students = {m: (r.model, iter_dir(os.path.join(bench.out, f"student_{m}"), it)) for m in MODES}
+        metrics = compare(r, os.path.join(bench.out, "teacher"), students, s.eval_samples,
+                          min(s.micro_batch_size, s.eval_samples))
+        teacher_ce = metrics["teacher"]["ce"]
+        for m in MODES:
+            curves[m].append({"iteration": it, **metrics[m]})
+        bench.say(f"eval @ {it}: " + ", ".join(f"{m} CE {metrics[m]['ce']:.4f} KL {metrics[m]['kl']:.4f}"
+                                               for m in MODES))
+    return {"curves": curves, "teacher_ce": teacher_ce}
+
+
+def gaps(final: dict) -> dict:
+    ref = final["online_full"]
+    return {m: {k: (final[m][k] - ref[k]) / ref[k] for k in ("ce", "kl")} for m in ("offline_k100", "offline_k20")}
+
+
+def format_table(res: dict) -> str:
+    final, g = res["final"], res["gaps_vs_online_full"]
+    lines = ["| student | held-out CE | KL to teacher | CE gap vs online full | KL gap vs online full | train time |",
+             "|---|---|---|---|---|---|"]
+    for m in MODES:
+        f = final[m]
+        cg = f"{g[m]['ce'] * 100:+.2f}%" if m in g else ("-" if m == "online_full" else "")
+        kg = f"{g[m]['kl'] * 100:+.2f}%" if m in g else ("-" if m == "online_full" else "")
+        t = res["stage_s"].get(f"student_{m}")
+        lines.append(f"| {LABELS[m]} | {f['ce']:.4f} | {f['kl']:.4f} | {cg} | {kg} | "
+                     f"{'-' if t is None else f'{t:.0f} s'} |")
+    lines.append(f"| teacher (reference) | {res['teacher_ce']:.4f} | - | | | "
+                 f"{res['stage_s'].get('teacher', 0):.0f} s |")
+    return "\n".join(lines)
+
+
+def plot(res: dict, png: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for m in MODES:
+        c = res["curves"][m]
+        its = [p["iteration"] for p in c]
+        style = dict(color=COLORS[m], marker="o", markersize=3, label=LABELS[m],
+                     linestyle="--" if m == "online_full" else "-")
+        axes[0].plot(its, [p["ce"] for p in c], **style)
+        axes[1].plot(its, [p["kl"] for p in c], **style)
+    axes[0].axhline(res["teacher_ce"], color="gray", linestyle=":", label="teacher")
+    s = res["settings"]
+    axes[0].set(title="held-out cross-entropy", xlabel="student step", ylabel="nats/token")
+    axes[1].set(title="held-out KL(teacher || student), full vocabulary", xlabel="student step", ylabel="nats/token")
+    for a in axes:
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
+    g = res["gaps_vs_online_full"]["offline_k100"]
+    fig.suptitle(f"Offline top-K vs online full-vocabulary KD (pydoc text, vocab {s['vocab_size']}, "
+                 f"{s['student_iters']} steps x {s['global_batch_size']}x{s['seq_length']} tokens; "
+                 f"K=100 gap: CE {g['ce'] * 100:+.2f}%, KL {g['kl'] * 100:+.2f}%)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="runs/offline_vs_online", help="work directory (data, checkpoints, cache)")
+    p.add_argument("--results", default=os.path.join(HERE, "results", "offline_vs_online_cpu"),
+                   help="results path without extension (.json and .png are written)")
+    p.add_argument("--small", action="store_true", help="smoke-test sizes")
+    p.add_argument("--overwrite", action="store_true", help="discard a previous run in --out")
+    p.add_argument("--progress", action="store_true", help="tqdm bars instead of log lines")
+    args = p.parse_args(argv)
+    from megatron_kd.megatron import quiet_megatron_warnings
+    quiet_megatron_warnings()
+    s = BenchSettings(**(SMALL if args.small else {}))
+    out = os.path.abspath(args.out)
+    prepare_out_dir(out, s, args.overwrite)
+    bench = Bench(out, s, progress=args.progress)
+    t0 = time.time()
+    bench.stage_data()
+    if bench.stage_train("teacher", bench.teacher_overrides()):
+        return 2
+    bench.stage_cache()
+    t = time.time()
+    check = check_full_kl(bench, min(32, s.eval_samples))
+    bench.times["check_full_kl"] = time.time() - t
+    bench.say(f"full-KL check: {json.dumps(check)}")
+    if not check["is_full_kl"]:
+        bench.say("online_full is NOT the full KL; stopping")
+        return 2
+    commands = {}
+    for m in MODES:
+        o = bench.student_overrides(m)
+        commands[m] = "megatron-kd train " + " ".join(o)
+        if bench.stage_train(f"student_{m}", o):
+            return 2
+    t = time.time()
+    ev = evaluate_curves(bench)
+    bench.times["evaluate"] = time.time() - t
+    final = {m: {k: ev["curves"][m][-1][k] for k in ("ce", "kl")} for m in MODES}
+    from common import environment
+    summaries = {m: json.load(open(os.path.join(out, f"student_{m}", "summary.json"))) for m in MODES}
+    res = {"benchmark": "offline top-K KD vs online full-vocabulary KD (issue 8, part 3)",
+           "command": "python benchmarks/offline_vs_online.py" + (" --small" if args.small else ""),
+           "device": "CPU", "cpu_cores": os.cpu_count(), "environment": environment(),
+           "settings": dataclasses.asdict(s), "student_commands": commands, "full_kl_check": check,
+           "teacher_ce": ev["teacher_ce"], "final": final, "gaps_vs_online_full": gaps(final),
+           "curves": ev["curves"], "tokens_per_s": {m: summaries[m]["tokens_per_s"] for m in MODES},
+           "stage_s": bench.times, "bar": f"|gap| <= {BAR:.0%} at K=100 (CE and KL)"}
+    g100 = res["gaps_vs_online_full"]["offline_k100"]
+    res["bar_met"] = abs(g100["ce"]) <= BAR and abs(g100["kl"]) <= BAR
+    res["total_s"] = time.time() - t0
+    os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
+    plot(res, args.results + ".png")
+    with open(args.results + ".json", "w") as f:
+        json.dump(res, f, indent=2)
+    print("\n" + format_table(res) + "\n", flush=True)
+    bench.say(f"bar (K=100 within {BAR:.0%} of online full on CE and KL): {'MET' if res['bar_met'] else 'MISSED'}; "
+              f"total {res['total_s']:.0f} s; {args.results}.json, {args.results}.png")
+    return 0 if res["bar_met"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -10,14 +10,15 @@ import gc
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 import traceback
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from common import gemm_floor, liger, measure, synthetic_teacher  # noqa: E402
 from megatron_kd import topk_kl_loss  # noqa: E402
 from megatron_kd.kernels import fused, fused_available  # noqa: E402
 from megatron_kd.kernels.ops import gemm, rows  # noqa: E402
@@ -26,21 +27,11 @@ from megatron_kd.loss.options import LossOptions  # noqa: E402
 DEV = torch.device("cuda")
 
 
-def teacher(n, k, vocab, seed=0):
-    """Sharp random teacher: distinct ids per row, ~90% of its mass in the top-K (as benchmarks/common.py)."""
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    base = torch.randint(0, vocab, (n, 1), generator=g, device=DEV)
-    ids = (base + torch.arange(k, device=DEV) * 7919) % vocab
-    x = torch.randn(n, k, generator=g, device=DEV).mul_(3.0).sort(dim=1, descending=True).values
-    logp = torch.log_softmax(x, dim=1) + torch.log(torch.tensor(0.9, device=DEV))
-    return ids.to(torch.int32), logp.float()
-
-
 def inputs(n, vocab, hidden, k, wscale=0.02, seed=0):
     torch.manual_seed(seed)
     h = (torch.randn(n, hidden, device=DEV) * 0.5).to(torch.bfloat16).requires_grad_(True)
     w = (torch.randn(vocab, hidden, device=DEV) * wscale).to(torch.bfloat16).requires_grad_(True)
-    ids, logp = teacher(n, k, vocab, seed)
+    ids, logp = synthetic_teacher(n, k, vocab, DEV, seed)
     return h, w, ids, logp, ids[:, 0].long()
 
 
@@ -98,49 +89,10 @@ def accuracy_case(n, vocab, hidden, k, tail, ce, T, wscale, force_two_pass=False
     return out
 
 
-def measure(fn, reps=3, warmup=2):
-    torch.cuda.synchronize()
-    for _ in range(warmup):  # the first call autotunes and compiles
-        fn()
-    torch.cuda.synchronize()
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    peak = torch.cuda.max_memory_allocated()
-    return dict(ms=statistics.median(times), ms_all=times, peak_gib=peak / 2**30,
-                above_inputs_gib=(peak - base) / 2**30)
-
-
-def gemm_floor(h, w):
-    def run():
-        z = h.detach() @ w.detach().t()
-        dh = z @ w.detach()
-        dw = z.t() @ h.detach()
-        del z, dh, dw
-    return run
-
-
 def fused_run(h, w, ids, logp, **kw):
     def run():
         h.grad = w.grad = None
         topk_kl_loss(h, w, ids, logp, impl="fused", **kw).backward()
-    return run
-
-
-def liger_run(h, w, labels):
-    from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
-    fn = LigerFusedLinearCrossEntropyLoss()
-
-    def run():
-        h.grad = w.grad = None
-        fn(w, h, labels).backward()
     return run
 
 
@@ -192,16 +144,16 @@ def timing_case(n, vocab, hidden, k, e_mib=None, main_grad=False, baselines=("ge
         res = {}
         h, w, ids, logp, labels = inputs(n, vocab, hidden, k)
         if "gemm" in baselines:
-            res["gemm_floor"] = measure(gemm_floor(h, w))
+            res["gemm_floor"] = measure(gemm_floor(h, w), warmup=2)
         if main_grad:
             w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=DEV)
             w.megatron_kd_grad_scale = 1.0
-        res["fused"] = measure(fused_run(h, w, ids, logp))
+        res["fused"] = measure(fused_run(h, w, ids, logp), warmup=2)
         if main_grad:
             del w.main_grad
         if "liger" in baselines:
             try:
-                res["liger_fused_linear_ce"] = measure(liger_run(h, w, labels))
+                res["liger_fused_linear_ce"] = measure(liger(h, w, labels), warmup=2)
             except Exception as ex:
                 res["liger_fused_linear_ce"] = dict(error=f"{type(ex).__name__}: {ex}"[:200])
         if "gemm_floor" in res:

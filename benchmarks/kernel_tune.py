@@ -39,7 +39,7 @@ import torch  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))
-from common import environment, measure, save, synthetic_teacher  # noqa: E402
+from common import environment, gemm_floor, liger, measure, save, synthetic_teacher  # noqa: E402
 
 from megatron_kd import topk_kl_loss  # noqa: E402
 from megatron_kd.kernels import fused  # noqa: E402
@@ -110,25 +110,6 @@ def cpu_measure(fn, reps=3, warmup=1):
 
 
 # ------------------------------------------------------------------ runs
-def gemm_floor(h, w):
-    def run():
-        z = h.detach() @ w.detach().t()
-        dh = z @ w.detach()
-        dw = z.t() @ h.detach()
-        del z, dh, dw
-    return run
-
-
-def liger_run(h, w, labels):
-    from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
-    fn = LigerFusedLinearCrossEntropyLoss()
-
-    def run():
-        h.grad = w.grad = None
-        fn(w, h, labels).backward()
-    return run
-
-
 def fused_run(h, w, ids, logp, main_grad, **kw):
     def run():
         h.grad = w.grad = None
@@ -240,13 +221,13 @@ def timing(variants, configs, dev, unit, meas, out, baselines, deadline, reps):
                 base[bname] = dict(error="skipped: time budget")
                 continue
             try:
-                base[bname] = meas(fn or liger_run(h, w, labels), reps=reps)
+                base[bname] = meas(fn or liger(h, w, labels), reps=reps)
             except Exception as ex:
                 base[bname] = dict(error=f"{type(ex).__name__}: {ex}"[:300])
             h.grad = w.grad = None
             cleanup(dev)
         floor = base.get("gemm_floor", {}).get("ms")
-        liger = base.get("liger_fused_linear_ce", {})
+        liger_res = base.get("liger_fused_linear_ce", {})
         for vname, cfg in variants.items():
             tim = out[vname].setdefault("timing", {})
             if time.time() > deadline:
@@ -258,10 +239,10 @@ def timing(variants, configs, dev, unit, meas, out, baselines, deadline, reps):
                     r["chunks"] = list(fused.plan_chunks(n, vocab, LossOptions(), scaled=True))
                 if floor:
                     r["x_floor"] = r["ms"] / floor
-                if liger.get("ms"):
-                    r["x_liger"] = r["ms"] / liger["ms"]
-                if liger.get("peak_gib") and r.get("peak_gib"):
-                    r["peak_vs_liger"] = r["peak_gib"] / liger["peak_gib"]
+                if liger_res.get("ms"):
+                    r["x_liger"] = r["ms"] / liger_res["ms"]
+                if liger_res.get("peak_gib") and r.get("peak_gib"):
+                    r["peak_vs_liger"] = r["peak_gib"] / liger_res["peak_gib"]
                 tim[ckey] = r
             except Exception as ex:
                 tim[ckey] = dict(error=f"{type(ex).__name__}: {ex}"[:300], trace=traceback.format_exc()[-800:])

@@ -12,18 +12,9 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import environment, measure, save, synthetic_teacher  # noqa: E402
+from common import cce, environment, gemm_floor, liger, measure, save, synthetic_teacher  # noqa: E402
 
 from megatron_kd import topk_kl_loss  # noqa: E402
-
-
-def gemm_floor(h, w):
-    def run():
-        z = h.detach() @ w.detach().t()
-        dh = z @ w.detach()
-        dw = z.t() @ h.detach()
-        del z, dh, dw
-    return run
 
 
 def ours(h, w, ids, logp, labels, impl, ce_weight=0.0):
@@ -43,25 +34,6 @@ def ours_main_grad(h, w, ids, logp):
         h.grad = w.grad = None
         w.main_grad.zero_()
         topk_kl_loss(h, w, ids, logp, impl="fused").backward()
-    return run
-
-
-def liger(h, w, labels):
-    from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
-    fn = LigerFusedLinearCrossEntropyLoss()
-
-    def run():
-        h.grad = w.grad = None
-        fn(w, h, labels).backward()
-    return run
-
-
-def cce(h, w, labels):
-    from cut_cross_entropy import linear_cross_entropy
-
-    def run():
-        h.grad = w.grad = None
-        linear_cross_entropy(h, w, labels).backward()
     return run
 
 

@@ -4,12 +4,10 @@ Used by tests/test_plan.py (exact parameter counts, saved-activation bytes on CP
 benchmarks (benchmarks/plan_validate.py, benchmarks/e2e_3b_bench.py), so that what the plan predicts and
 what they measure are the same model. Works with megatron-core 0.16 (CPU here) and 0.19 (GPU machines).
 
-Long sequences without TE need a flash path: `sdpa_core_attention()` replaces Megatron's DotProductAttention
-(which materializes [b, heads, s, s] scores) by torch's scaled_dot_product_attention (causal, GQA without
-repeating K/V), see sdpa_core_attention(). megatron_kd.megatron's own SDPA module is preferred when it exists (core_attention_class).
+Long sequences without TE need a flash path: megatron_kd.megatron.attention.SDPAttention replaces Megatron's
+DotProductAttention (which materializes [b, heads, s, s] scores) by torch's scaled_dot_product_attention.
 """
 import inspect
-import math
 
 import torch
 
@@ -34,75 +32,9 @@ def megatron_compat() -> None:
 
 
 def core_attention_class():
-    """The project's SDPA core attention if megatron_kd.megatron has one, else sdpa_core_attention()."""
-    try:  # the integration package's module, when it lands (name guesses kept tolerant on purpose)
-        from megatron_kd.megatron import attention as _att  # type: ignore
-        for name in ("SDPAttention", "SDPACoreAttention", "SDPAAttention"):
-            if hasattr(_att, name):
-                return getattr(_att, name)
-    except Exception:
-        pass
-    return sdpa_core_attention()
-
-
-def _make_sdpa_class():
-    from megatron.core.transformer.module import MegatronModule
-
-    class _SDPACoreAttention(MegatronModule):
-        """Causal flash attention through torch SDPA; drop-in for Megatron's core_attention submodule.
-
-        Inputs [s, b, heads/tp, d] (query) and [s, b, kv_heads/tp, d] (key, value); output [s, b, heads/tp * d].
-        """
-
-        def __init__(self, config, layer_number=1, attn_mask_type=None, attention_type="self",
-                     attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None, **kw):
-            super().__init__(config=config)
-            if getattr(config, "context_parallel_size", 1) != 1:
-                raise ValueError("SDPACoreAttention does not implement context parallelism (needs TE)")
-            tp = 1
-            if pg_collection is not None and getattr(pg_collection, "tp", None) is not None:
-                tp = pg_collection.tp.size()
-            else:
-                from megatron.core import parallel_state
-                if parallel_state.model_parallel_is_initialized():
-                    tp = parallel_state.get_tensor_model_parallel_world_size()
-            self.heads = config.num_attention_heads // tp
-            self.groups = (config.num_query_groups or config.num_attention_heads) // tp
-            self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
-            self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
-
-        def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
-                    packed_seq_params=None, **kw):
-            if packed_seq_params is not None or attention_bias is not None:
-                raise ValueError("SDPACoreAttention: packed sequences and attention bias are not supported")
-            s, b = query.shape[0], query.shape[1]
-            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, n, s, d], views
-            p = self.dropout if self.training else 0.0
-            if self.groups != self.heads:
-                try:
-                    out = torch.nn.functional.scaled_dot_product_attention(
-                        q, k, v, dropout_p=p, is_causal=True, scale=self.scale, enable_gqa=True)
-                except (RuntimeError, TypeError):
-                    r = self.heads // self.groups
-                    out = torch.nn.functional.scaled_dot_product_attention(
-                        q, k.repeat_interleave(r, 1), v.repeat_interleave(r, 1), dropout_p=p, is_causal=True,
-                        scale=self.scale)
-            else:
-                out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
-                                                                       scale=self.scale)
-            return out.permute(2, 0, 1, 3).reshape(s, b, -1)
-
-    return _SDPACoreAttention
-
-
-_SDPA = []
-
-
-def sdpa_core_attention():
-    """The SDPACoreAttention class (defined on first use: megatron is imported lazily)."""
-    if not _SDPA:
-        _SDPA.append(_make_sdpa_class())
-    return _SDPA[0]
+    """The project's SDPA core attention (flash path without TE)."""
+    from ..megatron.attention import SDPAttention
+    return SDPAttention
 
 
 def transformer_config(shape: ModelShape, layout: Layout = Layout(), *, recompute: str = "full",
@@ -186,19 +118,6 @@ def output_weight(model):
 
 def hidden_states_forward(model, input_ids, position_ids):
     """Run `model` up to the final layernorm and return its output [s(/tp under SP), b, H], bypassing the
-    logits. megatron-core >= 0.19: GPTModel's output_processor hook; older: the output layer is swapped
-    for an identity for this call."""
-    m = model
-    while hasattr(m, "module") and not hasattr(m, "output_layer"):
-        m = m.module
-    if "output_processor" in inspect.signature(m.forward).parameters:
-        return model(input_ids, position_ids, None,
-                     output_processor=lambda hidden_states, **_: hidden_states)
-    layer = m.output_layer
-    orig = layer.forward
-    layer.forward = lambda hidden_states, weight=None, runtime_gather_output=None, **_: (hidden_states, None)
-    try:
-        out = model(input_ids, position_ids, None)  # [b, s, H] (GPTModel transposes logits)
-    finally:
-        layer.forward = orig
-    return out.transpose(0, 1)
+    logits: megatron_kd.megatron.hook with an identity head (the model returns it as [b, s, H])."""
+    from ..megatron.hook import forward_with_head
+    return forward_with_head(model, lambda hidden, weight: hidden, input_ids, position_ids, None).transpose(0, 1)

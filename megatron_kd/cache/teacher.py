@@ -98,6 +98,17 @@ def megatron_weights_hash(model, tp_group, pp_group=None) -> str:
     return h.hexdigest()[:16]
 
 
+def _megatron_tp_group():
+    """Megatron's tensor-parallel group when parallel_state is initialized with TP > 1, else None."""
+    try:
+        from megatron.core import parallel_state as ps
+        if ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_world_size() > 1:
+            return ps.get_tensor_model_parallel_group()
+    except (ImportError, AssertionError, RuntimeError):
+        pass
+    return None
+
+
 class MegatronTeacher:
     """A Megatron-Core GPTModel as a teacher: hidden states + its output-layer shard, at any TP and PP.
 
@@ -117,6 +128,8 @@ class MegatronTeacher:
                 raise ValueError("MegatronTeacher takes one model chunk per rank; virtual pipeline stages "
                                  f"(got {len(model)} chunks) are not supported: build the teacher with vpp=None")
             model = model[0]
+        if tp_group is None:  # a TP-sharded model without its group would mislabel ids and race on writes
+            tp_group = _megatron_tp_group()
         self.model, self.vocab_size, self.name, self.tp_group = model, int(vocab_size), name, tp_group
         self.model.eval()
         is_stage = not (getattr(model, "pre_process", True) and getattr(model, "post_process", True))

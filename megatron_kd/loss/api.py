@@ -20,6 +20,7 @@ def default_chunk_size(vocab_local: int) -> int:
 
 
 def _pick_impl(opts: LossOptions, n: int, v_local: int, device: torch.device) -> str:
+    """v_local must be the same on every TP rank (the ranks run matching collectives)."""
     if opts.impl != "auto":
         return opts.impl
     if device.type == "cuda":
@@ -56,7 +57,7 @@ def topk_kl_loss(hidden, weight, topk_ids, topk_logprobs, *, labels=None, loss_m
         raise ValueError(f"weight dtype {weight.dtype} must match hidden dtype {hidden.dtype}")
     if sequence_parallel:
         h = gather_sequence(hidden, tp_group).reshape(-1, hidden.shape[-1])
-    mode = _pick_impl(opts, h.shape[0], shard.local_valid, h.device)
+    mode = _pick_impl(opts, h.shape[0], -(-shard.valid_size // tp), h.device)
     if mode == "fused":
         from ..kernels.fused import fused_topk_kl
         out = fused_topk_kl(h, weight, t, opts, shard, reduce_grad_input=not sequence_parallel)

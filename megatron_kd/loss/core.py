@@ -94,6 +94,13 @@ def _teacher(t: Targets):
     return p, p.sum(dim=1)
 
 
+def _rest_mass(P: torch.Tensor) -> torch.Tensor:
+    """Teacher mass outside its top-K; below the rounding of a K-term sum it is zero (K == V, for one), so the
+    rest bucket cannot turn rounding noise into log(0) = -inf."""
+    R = (1.0 - P).clamp_min(0.0)
+    return torch.where(R > 64 * torch.finfo(R.dtype).eps, R, torch.zeros_like(R))
+
+
 def _log_S(st: ChunkStats, t: Targets):
     """log of the student's mass on the teacher's ids."""
     return torch.logsumexp(st.uk.masked_fill(~t.valid, float("-inf")), dim=1) - st.lse
@@ -114,7 +121,7 @@ def chunk_loss(st: ChunkStats, t: Targets, opts: LossOptions) -> torch.Tensor:
             lq = st.uk - st.lse[:, None]
             kl = (p * (t.logp - lq)).masked_fill(~t.valid, 0.0).sum(dim=1)
             if opts.tail == "bucket":
-                R = (1.0 - P).clamp_min(0.0)
+                R = _rest_mass(P)
                 log_r = st.rest_lse - st.lse
                 rest = R * (torch.log(R) - log_r)
                 kl = kl + torch.where(R > 0, rest, torch.zeros_like(rest))
@@ -141,7 +148,7 @@ def chunk_grad(z: torch.Tensor, st: ChunkStats, t: Targets, opts: LossOptions, s
             pt = torch.where(P[:, None] > 0, p / P[:, None], torch.zeros_like(p))
             sparse = sparse + a[:, None] * torch.where((P > 0)[:, None], qt - pt, torch.zeros_like(p))
         else:  # bucket: rest bucket couples every column through r = 1 - S
-            R = (1.0 - P).clamp_min(0.0)
+            R = _rest_mass(P)
             ratio = torch.exp(_log_S(st, t) - (st.rest_lse - st.lse))  # S / r
             c = P - torch.where(R > 0, R * ratio, torch.zeros_like(R))
             qk = torch.exp(st.uk - st.lse[:, None]) * t.valid

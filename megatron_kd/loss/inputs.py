@@ -68,8 +68,12 @@ def check_and_flatten(hidden, weight, topk_ids, topk_logprobs, labels, loss_mask
         n *= d
     mdt = math_dtype_for(hidden)
     ids = topk_ids.reshape(n, k).long()
-    valid = ids >= 0
-    logp = topk_logprobs.reshape(n, k).to(mdt).masked_fill(~valid, 0.0)
+    raw = topk_logprobs.reshape(n, k).to(mdt)
+    if n and k and bool((torch.isnan(raw) & (ids >= 0)).any()):
+        raise ValueError("topk_logprobs has NaN at non-empty slots (ids >= 0): a corrupt cache or teacher output; "
+                         "rebuild the cache, or mark those slots empty with id -1")
+    valid = (ids >= 0) & (raw > float("-inf"))  # a -inf log-prob carries no teacher mass: an empty slot
+    logp = raw.masked_fill(~valid, 0.0)
 
     w = torch.ones(n, dtype=mdt, device=hidden.device)
     if loss_mask is not None:

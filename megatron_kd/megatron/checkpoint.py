@@ -62,10 +62,18 @@ def resolve(path: str) -> str:
                             "iteration directory (metadata.json)")
 
 
+def _model_keys(chunks) -> list:
+    return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+
+
 def _model_state(chunks) -> dict:
-    if len(chunks) == 1:
-        return {"model": unwrap(chunks[0]).sharded_state_dict()}
-    return {f"model{i}": unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
+    return {k: unwrap(c).sharded_state_dict() for k, c in zip(_model_keys(chunks), chunks)}
+
+
+def _load_chunks(loaded: dict, chunks) -> None:
+    # by build order: sorted() would put model10 before model2 under virtual pipeline
+    for key, c in zip(_model_keys(chunks), chunks):
+        unwrap(c).load_state_dict(loaded[key], strict=True)
 
 
 def _rng_state(layout: tuple):
@@ -122,15 +130,14 @@ def load_checkpoint(root: str, chunks, optimizer, scheduler) -> dict | None:
     it = latest_iteration(root)
     if it is None:
         return None
-    path = iter_dir(root, it)
+    path = resolve(root)
     sd = _model_state(chunks)
     sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=True, metadata=OPTIM_METADATA)
     common = dist_checkpointing.load_common_state_dict(path)
     if tuple(common.get("layout", ())) == _layout():  # RNG streams only resume under the same TP/PP layout
         sd["rng_state"] = _rng_state(_layout())
     loaded = dist_checkpointing.load(sd, path)
-    for key, c in zip(sorted(k for k in loaded if k.startswith("model")), chunks):
-        unwrap(c).load_state_dict(loaded[key], strict=True)
+    _load_chunks(loaded, chunks)
     optimizer.load_state_dict(loaded["optimizer"])
     scheduler.load_state_dict(common["scheduler"])
     rng = loaded.get("rng_state")
@@ -149,8 +156,7 @@ def load_weights(path: str, chunks) -> int:
     d = resolve(path)
     sd = _model_state(chunks)
     loaded = dist_checkpointing.load(sd, d)
-    for key, c in zip(sorted(k for k in loaded if k.startswith("model")), chunks):
-        unwrap(c).load_state_dict(loaded[key], strict=True)
+    _load_chunks(loaded, chunks)
     common = dist_checkpointing.load_common_state_dict(d)
     return int(common.get("iteration", 0))
 

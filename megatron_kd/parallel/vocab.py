@@ -1,7 +1,10 @@
 """Which slice of the global vocabulary this rank's weight shard holds."""
 from dataclasses import dataclass
 
-from .comm import group_rank, group_size
+import torch
+import torch.distributed as dist
+
+from .comm import all_reduce_max, group_rank, group_size
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,8 @@ class VocabShard:
 
 def _global_rows(local_end: int, group) -> int:
     # Uneven layouts: the global vocabulary ends where the last shard ends.
-    import torch
-    from .comm import all_reduce_max
-    t = torch.tensor([float(local_end)], dtype=torch.float64)
+    device = "cpu"
+    if group_size(group) > 1 and dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor([float(local_end)], dtype=torch.float64, device=device)
     return int(all_reduce_max(t, group).item())

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
+from test_cache_megatron import _files
 
 V, V_PADDED, S, N, K, LAYERS = 61, 64, 12, 5, 6, 4
 
@@ -103,15 +104,6 @@ def _read_all(path):
     r = CacheReader(path)
     return (np.stack([r[i]["topk_ids"] for i in range(len(r))]),
             np.stack([r[i]["topk_logprobs"] for i in range(len(r))]))
-
-
-def _files(path):
-    out = {}
-    for root, _, names in os.walk(path):
-        for n in names:
-            with open(os.path.join(root, n), "rb") as f:
-                out[os.path.relpath(os.path.join(root, n), path)] = f.read()
-    return out
 
 
 @pytest.mark.slow

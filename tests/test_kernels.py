@@ -240,6 +240,25 @@ def test_main_grad_accumulation(monkeypatch, gout, expect, megatron_flag):
         assert w.grad is None
 
 
+@pytest.mark.parametrize("gout", [1.0, 0.25])
+def test_bf16_main_grad_gets_the_fp32_result_once(monkeypatch, gout):
+    """A bf16 main_grad (Megatron DDP without grad_reduce_in_fp32, train.optimizer=lean_adam): the weight
+    gradient is accumulated in fp32 and added once, no bf16 copy returned; a wrong grad_output guess re-adds."""
+    inp = _dev(make_inputs(n_shape=(21,), V=90, H=8, K=4, seed=16))
+    h = inp["hidden"].clone().requires_grad_(True)
+    w = inp["weight"].clone().requires_grad_(True)
+    w.main_grad = torch.zeros(w.shape, dtype=torch.bfloat16, device=DEV)
+    calls = _Counter(monkeypatch)
+    out = topk_kl_loss(h, w, inp["ids"], inp["logp"], labels=inp["labels"], loss_mask=inp["loss_mask"],
+                       impl="fused", chunk_size=8)
+    (out * gout).backward()
+    ref, rh, rw = run_ref({k: (v.cpu() if torch.is_tensor(v) else v) for k, v in inp.items()}, gout)
+    # one bf16 rounding; with gout != 1 the first add holds 1/gout = 4x the result, so its rounding counts 4x
+    assert rel(w.main_grad.double().cpu(), rw) <= 2 ** -8 * (1 if gout == 1.0 else 1 + 2 / gout)
+    assert rel(h.grad.cpu(), rh) <= 1e-9
+    assert w.grad is None and calls.n == (2 if gout != 1.0 else 1)
+
+
 def test_no_grad_forward_only():
     inp = make_inputs(n_shape=(19,), V=80, H=8, K=4, seed=8)
     d = _dev(inp)

@@ -29,8 +29,9 @@ Settings (DEFAULTS below; each overridable by an environment variable, ranked by
            half the sweep's reads and the GEMM's writes). Rounding z to bf16 costs |z| 2^-9 per logit: fine
            for soft logits, ~1.2e-2 gradient error at |z| ~ 30 (simulated), so not the default.
 
-Weight gradient: fp32 accumulator, or straight into weight.main_grad when the weight has one
-(Megatron's gradient-accumulation fusion: no extra memory). main_grad is written during forward
+Weight gradient: fp32 accumulator, or straight into weight.main_grad when the weight has an fp32 one
+(Megatron's gradient-accumulation fusion: no extra memory); a bf16 main_grad (grad_reduce_in_fp32 off,
+train.optimizer=lean_adam) gets the fp32 accumulator added once in forward (no bf16 weight-grad copy). main_grad is written during forward
 assuming grad_output == weight.megatron_kd_grad_scale (default 1.0); backward checks (one host sync)
 and, if grad_output differs, adds the difference by recomputing. Then, like Megatron's linear layers,
 backward returns no weight gradient (or a dummy one and sets grad_added_to_main_grad, when the weight
@@ -80,10 +81,23 @@ def _use_scaled(opts, shard, dtype) -> bool:
 
 
 def _main_grad(weight):
+    """weight.main_grad (Megatron DDP's buffer) when the loss can write the weight gradient into it."""
     mg = getattr(weight, "main_grad", None)
-    if torch.is_tensor(mg) and mg.shape == weight.shape and mg.dtype in (torch.float32, torch.float64):
+    if torch.is_tensor(mg) and mg.shape == weight.shape and mg.dtype in (torch.float32, torch.float64,
+                                                                         torch.bfloat16, torch.float16):
         return mg
     return None
+
+
+def _add_to_main(hidden, weight, t, opts, shard, main, wscale, tuning):
+    """main += wscale * dL/dW. An fp32 main_grad is the accumulator itself; a 16-bit one (bf16 grad buffer)
+    gets an fp32 accumulator added once (one rounding, as DDP's own add; never bf16 across chunks)."""
+    if main.dtype in (torch.float32, torch.float64):
+        return None, run(hidden, weight, t, opts, shard, acc=main, wscale=wscale, **tuning)
+    acc = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+    st = run(hidden, weight, t, opts, shard, acc=acc, wscale=wscale, acc_fresh=True, **tuning)
+    main.add_(acc)
+    return acc, st
 
 
 class _Logits:
@@ -234,9 +248,12 @@ class FusedTopKKL(torch.autograd.Function):
         grad_h = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_h else None
         acc = None
         if need_w:
-            acc = main if main is not None else torch.empty(weight.shape, dtype=mdt, device=weight.device)
+            acc = main if main is not None and main.dtype in (torch.float32, torch.float64) else \
+                torch.empty(weight.shape, dtype=mdt if main is None else torch.float32, device=weight.device)
         st = run(hidden, weight, t, opts, shard, grad_h=grad_h, acc=acc,
-                 wscale=expect if main is not None else 1.0, acc_fresh=main is None, **tuning)
+                 wscale=expect if main is not None else 1.0, acc_fresh=acc is not main, **tuning)
+        if main is not None and acc is not main:  # 16-bit main_grad: one add of the fp32 result
+            main.add_(acc)
         out = reduce(chunk_loss(st, t, opts), t, opts)
         if grad_h is not None and reduce_grad_input:
             all_reduce_sum(grad_h, shard.group)
@@ -257,8 +274,7 @@ class FusedTopKKL(torch.autograd.Function):
             return gh, gw, None, None, None, None, None
         g0 = float(grad_out)  # host sync: main_grad already holds expect * dL/dW
         if g0 != ctx.expect:
-            run(hidden, weight, ctx.t, ctx.opts, ctx.shard, acc=weight.main_grad, wscale=g0 - ctx.expect,
-                **ctx.tuning)
+            _add_to_main(hidden, weight, ctx.t, ctx.opts, ctx.shard, weight.main_grad, g0 - ctx.expect, ctx.tuning)
         gw = None
         if hasattr(weight, "grad_added_to_main_grad"):  # Megatron's convention for fused wgrad accumulation
             make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty

@@ -118,6 +118,9 @@ class TrainConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     precision: str = "fp32"                      # fp32 | bf16 | fp16
+    optimizer: str = "adam"                      # adam (Megatron's) | lean_adam (bf16: 12 B/param, lean_adam.py)
+    exp_avg_dtype: str = "bf16"                  # lean_adam moments: fp32 | bf16
+    exp_avg_sq_dtype: str = "fp32"
     seed: int = 1234
     save: Optional[str] = None                   # checkpoint dir; None: <hydra run dir>/checkpoints
     load: Optional[str] = None                   # resume from the latest checkpoint here if any; None: save
@@ -290,6 +293,12 @@ def check_recipe(r: Recipe, world_size: int | None = 1, cuda: bool = False) -> N
     _need(t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size} must be >= 1")
     _need(t.precision in PRECISIONS, f"train.precision={t.precision!r}: use one of {PRECISIONS}")
     _need(t.device in ("auto", "cuda", "cpu"), f"train.device={t.device!r}: use auto, cuda or cpu")
+    _need(t.optimizer in ("adam", "lean_adam"), f"train.optimizer={t.optimizer!r}: use adam or lean_adam")
+    if t.optimizer == "lean_adam":
+        _need(t.precision == "bf16", f"train.optimizer=lean_adam updates bf16 weights; set train.precision=bf16 "
+              f"(got {t.precision}) or use train.optimizer=adam")
+        for k in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+            _need(getattr(t, k) in ("fp32", "bf16"), f"train.{k}={getattr(t, k)!r}: use fp32 or bf16")
     if not cuda:
         _need(p.pp == 1, f"parallel.pp={p.pp}: pipeline parallel needs GPUs (Megatron's schedules are CUDA-only); "
               "use parallel.pp=1 on CPU")
@@ -297,8 +306,9 @@ def check_recipe(r: Recipe, world_size: int | None = 1, cuda: bool = False) -> N
               "use parallel.cp=1 on CPU")
         _need(not p.sequence_parallel, "parallel.sequence_parallel=true needs GPUs (Megatron's norms refuse it "
               "without TE/apex); set it false on CPU")
-        _need(t.precision == "fp32", f"train.precision={t.precision} needs GPUs (Megatron's mixed-precision "
-              "optimizer is CUDA-only); use train.precision=fp32 on CPU")
+        _need(t.precision == "fp32" or t.optimizer == "lean_adam", f"train.precision={t.precision} needs GPUs "
+              "(Megatron's mixed-precision optimizer is CUDA-only); use train.precision=fp32 on CPU, or "
+              "train.precision=bf16 with train.optimizer=lean_adam")
     if t.stop_at is not None:
         _need(1 <= t.stop_at <= t.iters, f"train.stop_at={t.stop_at} must be in [1, train.iters={t.iters}]")
     if world_size is not None:

@@ -12,12 +12,19 @@ import torch.distributed as dist
 from .config import ParallelConfig, TrainConfig
 
 
-def wrap_ddp(chunks, config, p: ParallelConfig, cuda: bool):
+def _dist_opt(t: TrainConfig, p: ParallelConfig, cuda: bool) -> bool:
+    return p.use_distributed_optimizer and cuda and t.optimizer == "adam"
+
+
+def wrap_ddp(chunks, config, p: ParallelConfig, cuda: bool, t: TrainConfig | None = None):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    t = t or TrainConfig()
+    lean = t.optimizer == "lean_adam"  # bf16 grads: lean_adam reads them as they are
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=config.bf16 or config.fp16, overlap_grad_reduce=p.overlap_grad_reduce and cuda,
-        overlap_param_gather=p.overlap_param_gather and cuda and p.use_distributed_optimizer,
-        use_distributed_optimizer=p.use_distributed_optimizer and cuda, check_for_nan_in_grad=False)
+        grad_reduce_in_fp32=(config.bf16 or config.fp16) and not lean,
+        overlap_grad_reduce=p.overlap_grad_reduce and cuda,
+        overlap_param_gather=p.overlap_param_gather and _dist_opt(t, p, cuda),
+        use_distributed_optimizer=_dist_opt(t, p, cuda), check_for_nan_in_grad=False)
     return [DistributedDataParallel(config, ddp_config, c, disable_bucketing=i > 0) for i, c in enumerate(chunks)]
 
 
@@ -28,11 +35,13 @@ def optimizer_config(t: TrainConfig, p: ParallelConfig, cuda: bool):
         adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad, bf16=t.precision == "bf16",
         fp16=t.precision == "fp16", params_dtype=torch.float32 if t.precision == "fp32" else
         (torch.bfloat16 if t.precision == "bf16" else torch.float16),
-        use_distributed_optimizer=p.use_distributed_optimizer and cuda)
+        use_distributed_optimizer=_dist_opt(t, p, cuda))
 
 
 def build_optimizer(ddp_chunks, t: TrainConfig, p: ParallelConfig, cuda: bool):
     cfg = optimizer_config(t, p, cuda)
+    if t.optimizer == "lean_adam":
+        return lean_optimizer(ddp_chunks, cfg, t, cuda)
     if cuda:
         from megatron.core.optimizer import get_megatron_optimizer
         return get_megatron_optimizer(cfg, ddp_chunks)
@@ -51,7 +60,34 @@ def _param_groups(chunks):
     return [g for g in groups if g["params"]]
 
 
+def lean_optimizer(ddp_chunks, cfg, t: TrainConfig, cuda: bool):
+    """LeanAdamW inside Megatron's FP32Optimizer: main_grad (bf16) as grads, Megatron's clipping, grad norm and
+    sharded checkpoint state (the remainder and moments are param-shaped tensors)."""
+    from megatron.core.optimizer.optimizer import FP32Optimizer
+    from .lean_adam import LeanAdamW
+    opt = LeanAdamW(_param_groups(ddp_chunks), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                    weight_decay=cfg.weight_decay, exp_avg_dtype=t.exp_avg_dtype, exp_avg_sq_dtype=t.exp_avg_sq_dtype)
+    cls = FP32Optimizer if cuda else _cpu_fp32_optimizer_class()
+    return cls(opt, cfg, lambda o, config=None: o.init_state())
+
+
 def cpu_optimizer(ddp_chunks, cfg):
+    groups = _param_groups(ddp_chunks)
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                            eps=cfg.adam_eps, foreach=True)
+
+    def init_state_fn(o, config=None):
+        for group in o.param_groups:
+            for prm in group["params"]:
+                if len(o.state[prm]) == 0:
+                    o.state[prm]["exp_avg"] = torch.zeros_like(prm.data)
+                    o.state[prm]["exp_avg_sq"] = torch.zeros_like(prm.data)
+                    o.state[prm]["step"] = torch.zeros(())  # torch AdamW keeps a per-param step
+
+    return _cpu_fp32_optimizer_class()(opt, cfg, init_state_fn)
+
+
+def _cpu_fp32_optimizer_class():
     from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer
 
     class CPUFP32Optimizer(FP32Optimizer):
@@ -74,19 +110,7 @@ def cpu_optimizer(ddp_chunks, cfg):
                 torch._foreach_mul_([p.grad for p in self.get_parameters() if p.grad is not None], coef)
             return norm
 
-    groups = _param_groups(ddp_chunks)
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                            eps=cfg.adam_eps, foreach=True)
-
-    def init_state_fn(o, config=None):
-        for group in o.param_groups:
-            for prm in group["params"]:
-                if len(o.state[prm]) == 0:
-                    o.state[prm]["exp_avg"] = torch.zeros_like(prm.data)
-                    o.state[prm]["exp_avg_sq"] = torch.zeros_like(prm.data)
-                    o.state[prm]["step"] = torch.zeros(())  # torch AdamW keeps a per-param step
-
-    return CPUFP32Optimizer(opt, cfg, init_state_fn)
+    return CPUFP32Optimizer
 
 
 def build_scheduler(optimizer, t: TrainConfig):

@@ -100,7 +100,7 @@ class Trainer:
         if r.model.hf_weights:  # real weights instead of random init (a resume below still wins)
             from ..bridge.weights import load_hf_weights
             load_hf_weights(self.chunks, r.model.hf_weights)
-        self.chunks = wrap_ddp(wrap_float16(self.chunks, self.config), self.config, r.parallel, cuda)
+        self.chunks = wrap_ddp(wrap_float16(self.chunks, self.config), self.config, r.parallel, cuda, t)
         self.optimizer = build_optimizer(self.chunks, t, r.parallel, cuda)
         self.scheduler = build_scheduler(self.optimizer, t)
         set_model_hooks(self.config, self.chunks, self.optimizer)

@@ -67,8 +67,12 @@ def tp_group():
 
 
 def build_training(shape: ModelShape, layout: Layout, *, recompute="full", recompute_layers=None,
-                   grad_fp32=True, dist_opt=True, adam="fused", lr=1e-5, swiglu_fusion=False):
-    """(DDP-wrapped model, Megatron optimizer, info dict). adam: 'fused' (CUDA) or torch's default."""
+                   grad_fp32=True, dist_opt=True, adam="fused", lr=1e-5, swiglu_fusion=False, optimizer="adam"):
+    """(DDP-wrapped model, Megatron optimizer, info dict). adam: 'fused' (CUDA) or torch's default.
+    optimizer="lean_adam": bf16 grad buffer, LeanAdamW in Megatron's FP32Optimizer (as train.optimizer)."""
+    lean = optimizer == "lean_adam"
+    if lean:
+        grad_fp32 = dist_opt = False
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     cpu = not on_cuda()
@@ -82,7 +86,14 @@ def build_training(shape: ModelShape, layout: Layout, *, recompute="full", recom
     ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=grad_fp32, overlap_grad_reduce=False,
                                             use_distributed_optimizer=dist_opt)
     ddp = DistributedDataParallel(cfg, ddp_cfg, model)
-    if cpu:  # Megatron's mixed-precision optimizers hard-code device="cuda": same memory layout, stand-in
+    if lean:
+        from ..megatron.config import TrainConfig
+        from ..megatron.optim import lean_optimizer
+        ocfg = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95,
+                               adam_eps=1e-8, bf16=True, params_dtype=torch.bfloat16, clip_grad=1.0)
+        opt = lean_optimizer([ddp], ocfg, TrainConfig(optimizer="lean_adam", precision="bf16"), not cpu)
+        impl = "lean_adam"
+    elif cpu:  # Megatron's mixed-precision optimizers hard-code device="cuda": same memory layout, stand-in
         opt = CPUMixedPrecisionAdam(ddp, lr=lr)
         impl = "for_loop"
     else:
@@ -91,7 +102,7 @@ def build_training(shape: ModelShape, layout: Layout, *, recompute="full", recom
                                use_distributed_optimizer=dist_opt, clip_grad=1.0)
         opt = get_megatron_optimizer(ocfg, [ddp])
         impl = set_adam_impl(opt, adam)
-    info = dict(recompute=recompute, recompute_layers=recompute_layers, grad_fp32=grad_fp32,
+    info = dict(recompute=recompute, recompute_layers=recompute_layers, grad_fp32=grad_fp32, optimizer=optimizer,
                 distributed_optimizer=dist_opt, adam_impl=impl, swiglu_fusion=cfg.bias_activation_fusion)
     return ddp, opt, info
 

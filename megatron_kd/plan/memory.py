@@ -45,6 +45,8 @@ class Training:
     recompute_layers: int | None = None  # full: layers per stage recomputed (None: all), the rest keep activations
     grad_fp32: bool = True             # DDP grad buffer in fp32 (grad_reduce_in_fp32); False: bf16
     distributed_optimizer: bool = True
+    optimizer: str = "adam"            # adam (Megatron's) | lean_adam (bf16 grads, remainder + m, v unsharded)
+    moment_bytes: tuple = (2, 4)       # lean_adam: bytes of exp_avg, exp_avg_sq
     adam_impl: str = "fused"           # fused | foreach (torch's CUDA default) | for_loop
     loss: str = "fused"                # our impls (LOSSES)
     main_grad_fusion: bool = True      # fused loss accumulates the output weight grad into main_grad
@@ -244,7 +246,8 @@ def loss_buffers(shape: ModelShape, lay: Layout, tr: Training, T: int) -> dict:
             C = S = rnd((FUSED_Z_BYTES + FUSED_E_BYTES) // (6 * V), 16)
         z = min(T, C) * vloc * 4
         e = min(T, S) * vloc * 2
-        acc = 0 if tr.main_grad_fusion else 4 * vh
+        fp32_main = tr.grad_fp32 and tr.optimizer != "lean_adam"
+        acc = 0 if tr.main_grad_fusion and fp32_main else 4 * vh  # a bf16 main_grad gets an fp32 acc added
         wcopy = 0 if tr.main_grad_fusion else 2 * vh
         held = gath + targets + stats + 2 * T * h + wcopy
         return dict(fwd=gath + targets + stats + 2 * T * h + z + e + acc + wcopy, held=held,
@@ -286,12 +289,18 @@ def plan_stage(shape: ModelShape, lay: Layout, tr: Training, stage: int) -> Plan
 
     # static
     add("static", "weights", 2 * pc.total, f"bf16, {pc.total / 1e9:.3f} B params on this rank")
-    add("static", "grads", (4 if tr.grad_fp32 else 2) * pc.total,
-        "DDP main_grad buffer, " + ("fp32" if tr.grad_fp32 else "bf16"))
-    dsh = lay.dense_shard if tr.distributed_optimizer else 1
-    esh = lay.expert_dp if tr.distributed_optimizer else 1
-    add("static", "optimizer", 12 * pc.dense / dsh + 12 * pc.expert / esh,
-        f"fp32 main params + Adam m, v; dense / {dsh}" + (f", experts / {esh}" if pc.expert else ""))
+    lean = tr.optimizer == "lean_adam"
+    grad_fp32 = tr.grad_fp32 and not lean
+    add("static", "grads", (4 if grad_fp32 else 2) * pc.total,
+        "DDP main_grad buffer, " + ("fp32" if grad_fp32 else "bf16"))
+    dsh = lay.dense_shard if tr.distributed_optimizer and not lean else 1
+    esh = lay.expert_dp if tr.distributed_optimizer and not lean else 1
+    if lean:
+        add("static", "optimizer", (2 + sum(tr.moment_bytes)) * pc.total,
+            "lean_adam: int16 master remainder + m, v ({} + {} B), not sharded".format(*tr.moment_bytes))
+    else:
+        add("static", "optimizer", 12 * pc.dense / dsh + 12 * pc.expert / esh,
+            f"fp32 main params + Adam m, v; dense / {dsh}" + (f", experts / {esh}" if pc.expert else ""))
     if tr.mode == "online":
         tpc = param_counts(tr.teacher, lay, stage)
         add("static", "teacher weights", 2 * tpc.total, f"bf16 {tr.teacher.name}, no grads")
@@ -354,11 +363,12 @@ def plan_stage(shape: ModelShape, lay: Layout, tr: Training, stage: int) -> Plan
     if first:
         add("transient", "embedding grad", emb_grad, "bf16 [V/tp, H] at the end of backward")
     opt = 0.0
-    if tr.adam_impl == "foreach":
+    if tr.adam_impl == "foreach" and not lean:
         opt += 4 * max(pc.dense / dsh, pc.expert / esh)
-    if not tr.grad_fp32:
+    if not grad_fp32 and not lean:
         opt += 4 * (pc.dense / dsh + pc.expert / esh)
-    add("transient", "optimizer step", opt, f"{tr.adam_impl} AdamW" + ("" if tr.grad_fp32 else " + fp32 grad copy"))
+    add("transient", "optimizer step", opt, "lean_adam (in place)" if lean else
+        f"{tr.adam_impl} AdamW" + ("" if grad_fp32 else " + fp32 grad copy"))
 
     p.phases = {
         "teacher forward": static + teach if tr.mode == "online" else 0.0,

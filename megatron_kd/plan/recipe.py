@@ -173,7 +173,8 @@ def from_recipe(r) -> RecipePlan:
     rc, rc_layers = recompute_of(m)
     notes = []
     tr = dict(seq_len=d.seq_length, micro_batch=t.micro_batch_size, recompute=rc, recompute_layers=rc_layers,
-              distributed_optimizer=bool(p.use_distributed_optimizer), grad_fp32=True,
+              distributed_optimizer=bool(p.use_distributed_optimizer), grad_fp32=True, optimizer=t.optimizer,
+              moment_bytes=tuple(2 if x == "bf16" else 4 for x in (t.exp_avg_dtype, t.exp_avg_sq_dtype)),
               mode=kd.mode, topk=kd.top_k)
     if kd.impl in LOSSES:
         tr["loss"] = kd.impl

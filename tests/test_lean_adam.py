@@ -44,9 +44,10 @@ def reference(x, g, m, v, lr, b1, b2, eps, wd, step):
                                      (torch.bfloat16, torch.bfloat16)])
 @pytest.mark.parametrize("kernel", [False, True])
 def test_one_step_matches_float64_adamw(moments, kernel, monkeypatch):
+    dev = torch.device("cuda" if kernel and torch.cuda.is_available() else "cpu")
     if kernel:
         pytest.importorskip("triton")
-        assert adam.use_triton(torch.zeros(1)), "the Triton kernel must run here (interpreter on CPU)"
+        assert adam.use_triton(torch.zeros(1, device=dev)), "the Triton kernel must run here (interpreter on CPU)"
     else:
         monkeypatch.setattr(adam, "use_triton", lambda t: False)
     gen = torch.Generator().manual_seed(7 + kernel)
@@ -59,8 +60,10 @@ def test_one_step_matches_float64_adamw(moments, kernel, monkeypatch):
     v = (torch.rand(n, generator=gen) * 0.01).to(moments[1])
     hp = dict(lr=3e-3, b1=0.9, b2=0.95, eps=1e-8, wd=0.1, step=4)
     xr, mr, vr = reference(x, grad, m, v, **hp)
+    w, r, grad, m, v = (t.to(dev) for t in (w, r, grad, m, v))
     adamw_step_(w, r, grad, m, v, lr=hp["lr"], beta1=hp["b1"], beta2=hp["b2"], eps=hp["eps"],
                 weight_decay=hp["wd"], step=hp["step"], block=1024)
+    w, r, m, v = (t.cpu() for t in (w, r, m, v))
     got = join_master(w, r).double()
     scale = x.double().abs() + (xr - x.double()).abs()  # the update itself carries fp32 rounding
     assert ((got - xr).abs() <= 5e-7 * scale).all()  # fp32 master: a few fp32 roundings
@@ -90,6 +93,21 @@ def test_tracks_torch_adamw_on_fp32_weights():
     assert torch.equal(lean.data, master.to(torch.bfloat16))
 
 
+def test_fp32_parameters_get_plain_adamw():
+    """Norm weights left in fp32 (a model outside Float16Module) follow torch's AdamW."""
+    gen = torch.Generator().manual_seed(9)
+    a = torch.nn.Parameter(torch.randn(17, generator=gen))
+    b = torch.nn.Parameter(a.data.clone())
+    oa = LeanAdamW([a], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    ob = torch.optim.AdamW([b], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    for _ in range(4):
+        a.grad = b.grad = torch.randn(17, generator=gen)
+        oa.step()
+        ob.step()
+    assert "master_rem" not in oa.state[a] and oa.state[a]["exp_avg"].dtype == torch.float32
+    assert torch.allclose(a.data, b.data, rtol=1e-6, atol=1e-7)
+
+
 def test_state_dict_round_trip_keeps_dtypes_and_continues_exactly():
     gen = torch.Generator().manual_seed(5)
     a = torch.nn.Parameter(torch.randn(40, generator=gen).to(torch.bfloat16))
@@ -117,7 +135,7 @@ def test_state_dict_round_trip_keeps_dtypes_and_continues_exactly():
 
 def test_bad_settings_name_the_fix():
     with pytest.raises(ValueError, match="train.precision=bf16"):
-        LeanAdamW([torch.nn.Parameter(torch.zeros(3))])
+        LeanAdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))])
     with pytest.raises(ValueError, match="exp_avg_sq_dtype"):
         LeanAdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))], exp_avg_sq_dtype="fp16")
     w = torch.zeros(4, dtype=torch.bfloat16)
@@ -136,7 +154,8 @@ def test_recipe_refuses_lean_adam_without_bf16():
 
 def test_resumed_lean_adam_run_reproduces_the_uninterrupted_run(tmp_path):
     from test_megatron_train import losses, train
-    lean = ["kd=ce", "train.precision=bf16", "train.optimizer=lean_adam", "train.iters=5"]
+    lean = ["kd=ce", "train.precision=bf16", "train.optimizer=lean_adam", "train.iters=5",
+            "train.device=cpu"]  # CPU kernels are deterministic: exact equality holds
     train(tmp_path / "whole", *lean)
     train(tmp_path / "parts", *lean, "train.stop_at=2")
     train(tmp_path / "parts", *lean)

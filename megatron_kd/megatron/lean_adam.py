@@ -18,6 +18,14 @@ from ..kernels.ops.adam import adamw_step_
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+def _plain_adamw_(w, grad, m, v, *, lr, beta1, beta2, eps, weight_decay, step):
+    g = grad.to(w.dtype)
+    m.mul_(beta1).add_(g, alpha=1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    w.mul_(1 - lr * weight_decay)
+    w.sub_(lr * (m / (1 - beta1 ** step)) / ((v / (1 - beta2 ** step)).sqrt() + eps))
+
+
 class LeanAdamW(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  exp_avg_dtype="bf16", exp_avg_sq_dtype="fp32"):
@@ -28,21 +36,25 @@ class LeanAdamW(torch.optim.Optimizer):
                                       exp_avg_dtype=exp_avg_dtype, exp_avg_sq_dtype=exp_avg_sq_dtype))
         for g in self.param_groups:
             for p in g["params"]:
-                if p.dtype != torch.bfloat16:
-                    raise ValueError(f"train.optimizer=lean_adam updates bf16 weights; got a {p.dtype} parameter "
-                                     f"of shape {tuple(p.shape)}: set train.precision=bf16 (or train.optimizer=adam)")
+                if not p.is_floating_point() or p.dtype == torch.float16:
+                    raise ValueError(f"train.optimizer=lean_adam updates bf16 (or fp32) weights; got a {p.dtype} "
+                                     f"parameter of shape {tuple(p.shape)}: set train.precision=bf16 "
+                                     "(or train.optimizer=adam)")
 
     def init_state(self) -> None:
         """Zero moments; remainder 0 makes the current bf16 weight the master value."""
         for g in self.param_groups:
             for p in g["params"]:
                 st = self.state[p]
-                if "master_rem" not in st:
-                    st["master_rem"] = torch.zeros_like(p, dtype=torch.int16, memory_format=torch.contiguous_format)
-                    st["exp_avg"] = torch.zeros_like(p, dtype=DTYPES[g["exp_avg_dtype"]],
-                                                     memory_format=torch.contiguous_format)
-                    st["exp_avg_sq"] = torch.zeros_like(p, dtype=DTYPES[g["exp_avg_sq_dtype"]],
-                                                        memory_format=torch.contiguous_format)
+                if "exp_avg" in st:
+                    continue
+                lean = p.dtype == torch.bfloat16  # fp32 weights (norms outside Float16Module): plain AdamW
+                like = dict(memory_format=torch.contiguous_format)
+                if lean:
+                    st["master_rem"] = torch.zeros_like(p, dtype=torch.int16, **like)
+                st["exp_avg"] = torch.zeros_like(p, dtype=DTYPES[g["exp_avg_dtype"]] if lean else p.dtype, **like)
+                st["exp_avg_sq"] = torch.zeros_like(p, dtype=DTYPES[g["exp_avg_sq_dtype"]] if lean else p.dtype,
+                                                    **like)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -58,9 +70,12 @@ class LeanAdamW(torch.optim.Optimizer):
                 w = p.data
                 if not w.is_contiguous():
                     raise ValueError("lean_adam needs contiguous parameters (Megatron's DDP param buffer gives them)")
-                adamw_step_(w, st["master_rem"], p.grad.contiguous(), st["exp_avg"], st["exp_avg_sq"],
-                            lr=g["lr"], beta1=b1, beta2=b2, eps=g["eps"], weight_decay=g["weight_decay"],
-                            step=g["step"])
+                hp = dict(lr=g["lr"], beta1=b1, beta2=b2, eps=g["eps"], weight_decay=g["weight_decay"],
+                          step=g["step"])
+                if "master_rem" in st:
+                    adamw_step_(w, st["master_rem"], p.grad.contiguous(), st["exp_avg"], st["exp_avg_sq"], **hp)
+                else:
+                    _plain_adamw_(w, p.grad, st["exp_avg"], st["exp_avg_sq"], **hp)
         return loss
 
     def load_state_dict(self, state_dict):

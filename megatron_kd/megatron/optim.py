@@ -63,12 +63,11 @@ def _param_groups(chunks):
 def lean_optimizer(ddp_chunks, cfg, t: TrainConfig, cuda: bool):
     """LeanAdamW inside Megatron's FP32Optimizer: main_grad (bf16) as grads, Megatron's clipping, grad norm and
     sharded checkpoint state (the remainder and moments are param-shaped tensors)."""
-    from megatron.core.optimizer.optimizer import FP32Optimizer
     from .lean_adam import LeanAdamW
     opt = LeanAdamW(_param_groups(ddp_chunks), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                     weight_decay=cfg.weight_decay, exp_avg_dtype=t.exp_avg_dtype, exp_avg_sq_dtype=t.exp_avg_sq_dtype)
-    cls = FP32Optimizer if cuda else _cpu_fp32_optimizer_class()
-    return cls(opt, cfg, lambda o, config=None: o.init_state())
+    # Megatron's own clipping asserts fp32 grads: the torch clipping below takes the bf16 main_grads as they are
+    return _fp32_optimizer_class()(opt, cfg, lambda o, config=None: o.init_state())
 
 
 def cpu_optimizer(ddp_chunks, cfg):
@@ -84,16 +83,19 @@ def cpu_optimizer(ddp_chunks, cfg):
                     o.state[prm]["exp_avg_sq"] = torch.zeros_like(prm.data)
                     o.state[prm]["step"] = torch.zeros(())  # torch AdamW keeps a per-param step
 
-    return _cpu_fp32_optimizer_class()(opt, cfg, init_state_fn)
+    return _fp32_optimizer_class()(opt, cfg, init_state_fn)
 
 
-def _cpu_fp32_optimizer_class():
+def _fp32_optimizer_class():
+    """Megatron's FP32Optimizer without its two CUDA-bound pieces (a loss-scale tensor made on 'cuda', the
+    fp32-only grad-norm kernels): clipping in torch, on any device and grad dtype."""
     from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer
 
-    class CPUFP32Optimizer(FP32Optimizer):
+    class TorchClipFP32Optimizer(FP32Optimizer):
         def __init__(self, optimizer, config, init_state_fn):
             MegatronOptimizer.__init__(self, optimizer, config, init_state_fn)
-            self._scale = torch.ones(1)
+            params = [p for g in optimizer.param_groups for p in g["params"]] if optimizer else []
+            self._scale = torch.ones(1, device=params[0].device if params else "cpu")
             self.is_stub_optimizer = optimizer is None
 
         @torch.no_grad()
@@ -110,7 +112,7 @@ def _cpu_fp32_optimizer_class():
                 torch._foreach_mul_([p.grad for p in self.get_parameters() if p.grad is not None], coef)
             return norm
 
-    return CPUFP32Optimizer
+    return TorchClipFP32Optimizer
 
 
 def build_scheduler(optimizer, t: TrainConfig):

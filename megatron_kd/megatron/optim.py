@@ -100,8 +100,10 @@ def _fp32_optimizer_class():
 
         @torch.no_grad()
         def clip_grad_norm(self, clip_grad: float) -> float:
-            grads = self.get_main_grads_for_grad_norm()  # TP duplicates and shared params counted once
-            norms = torch._foreach_norm(grads) if grads else []
+            # TP duplicates and shared params counted once (megatron-core renamed the getter after 0.16)
+            get = getattr(self, "get_main_grads_for_grad_norm", None) or self.get_grads_for_grad_norm
+            grads = get()
+            norms = torch._foreach_norm(grads, 2, dtype=torch.float32) if grads else []  # bf16 grads: fp32 norms
             sq = torch.stack(norms).double().pow(2).sum().reshape(1) if grads else torch.zeros(1, dtype=torch.float64)
             group = self.get_grad_stats_parallel_group()
             if dist.is_initialized() and dist.get_world_size(group) > 1:

@@ -124,6 +124,17 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, scheduler, com
     return path
 
 
+def _materialize_optimizer_state(optimizer) -> None:
+    """megatron-core's DistributedOptimizer without apex/TE reads a 'step' from every param state when it
+    builds its state dict ("assert len(steps) == 1"), and a fresh optimizer has none: fill the states with
+    megatron-core's own zero-grad dummy step (as it does for Megatron-FSDP); the load then overwrites them."""
+    for o in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        init = getattr(o, "_init_optimizer_states_with_dummy_values", None)
+        inner = getattr(o, "optimizer", None)
+        if init is not None and inner is not None and len(inner.state) == 0:
+            init()
+
+
 def load_checkpoint(root: str, chunks, optimizer, scheduler) -> dict | None:
     """Resume from root's latest checkpoint: weights, optimizer, scheduler, RNG. Returns its common state."""
     from megatron.core import dist_checkpointing
@@ -132,6 +143,7 @@ def load_checkpoint(root: str, chunks, optimizer, scheduler) -> dict | None:
         return None
     path = resolve(root)
     sd = _model_state(chunks)
+    _materialize_optimizer_state(optimizer)
     sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=True, metadata=OPTIM_METADATA)
     common = dist_checkpointing.load_common_state_dict(path)
     if tuple(common.get("layout", ())) == _layout():  # RNG streams only resume under the same TP/PP layout

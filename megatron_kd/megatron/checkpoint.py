@@ -107,6 +107,7 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, scheduler, com
         os.makedirs(path)
     barrier()
     sd = _model_state(chunks)
+    _debug(f"save {iteration}", optimizer)
     sd["optimizer"] = optimizer.sharded_state_dict(sd, metadata=OPTIM_METADATA)
     sd["scheduler"] = scheduler.state_dict()
     sd["rng_state"] = _rng_state(_layout())
@@ -124,6 +125,31 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, scheduler, com
     return path
 
 
+def optimizer_fingerprint(optimizer) -> dict:
+    """Sums of every optimizer state by key and of the optimized (main) params: compares a saved and a
+    resumed run (MEGATRON_KD_DEBUG_RESUME=1 prints it at save and after load)."""
+    out = {}
+    for i, o in enumerate(getattr(optimizer, "chained_optimizers", None) or [optimizer]):
+        inner = getattr(o, "optimizer", None)
+        if inner is None:
+            continue
+        for g in inner.param_groups:
+            for p in g["params"]:
+                out[f"{i}.params"] = out.get(f"{i}.params", 0.0) + float(p.detach().double().abs().sum())
+                for k, v in inner.state.get(p, {}).items():
+                    if torch.is_tensor(v):
+                        out[f"{i}.{k}"] = out.get(f"{i}.{k}", 0.0) + float(v.double().abs().sum())
+        out[f"{i}.group_steps"] = [g.get("step") for g in inner.param_groups]
+    return out
+
+
+def _debug(tag, optimizer):
+    if os.environ.get("MEGATRON_KD_DEBUG_RESUME") == "1":
+        import torch.distributed as tdist
+        rank = tdist.get_rank() if tdist.is_initialized() else 0
+        print(f"[resume-debug rank {rank}] {tag}: {optimizer_fingerprint(optimizer)}", flush=True)
+
+
 def _materialize_optimizer_state(optimizer) -> None:
     """megatron-core's DistributedOptimizer without apex/TE reads a 'step' from every param state when it
     builds its state dict ("assert len(steps) == 1"), and a fresh optimizer has none: fill the states with
@@ -133,6 +159,23 @@ def _materialize_optimizer_state(optimizer) -> None:
         inner = getattr(o, "optimizer", None)
         if init is not None and inner is not None and len(inner.state) == 0:
             init()
+
+
+def _restore_steps(optimizer) -> None:
+    """Without apex/TE, the DistributedOptimizer saves Adam's step in its param groups and hands it to the
+    per-param states while loading, but those are left holding the dummy step's count (1): Adam's bias
+    correction then restarts. Put the saved step back into every per-param state."""
+    for o in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = getattr(o, "optimizer", None)
+        if inner is None or not hasattr(o, "_init_optimizer_states_with_dummy_values"):
+            continue
+        for g in inner.param_groups:
+            if g.get("step") is None:
+                continue
+            for p in g["params"]:
+                st = inner.state.get(p, {})
+                if torch.is_tensor(st.get("step")):
+                    st["step"] = torch.full_like(st["step"], float(g["step"]))
 
 
 def load_checkpoint(root: str, chunks, optimizer, scheduler) -> dict | None:
@@ -151,6 +194,8 @@ def load_checkpoint(root: str, chunks, optimizer, scheduler) -> dict | None:
     loaded = dist_checkpointing.load(sd, path)
     _load_chunks(loaded, chunks)
     optimizer.load_state_dict(loaded["optimizer"])
+    _restore_steps(optimizer)
+    _debug(f"loaded {it}", optimizer)
     scheduler.load_state_dict(common["scheduler"])
     rng = loaded.get("rng_state")
     if rng:

@@ -184,7 +184,7 @@ def plan_for(variant, shape, teacher_shape, seq, args, impl, info):
         tr = Training(seq_len=seq, recompute=args.recompute, loss=impl if impl != "fused" else "fused",
                       main_grad_fusion=impl == "fused", grad_fp32=info["grad_fp32"],
                       optimizer=info.get("optimizer", "adam"),
-                      topk=args.topk, adam_impl=info["adam_impl"] if info["adam_impl"] != "for_loop" else "for_loop",
+                      topk=args.topk, adam_impl=info["adam_impl"] if info["adam_impl"] != "lean_adam" else "fused",
                       mode="online" if variant == "ours_online" else "offline",
                       teacher=teacher_shape if variant == "ours_online" else None, cache_buffers=1,
                       fused_norm=torch.cuda.is_available())

@@ -5,7 +5,6 @@ final hidden states plus output-layer rows (the builder then computes logits chu
 logits shard (or None on a rank that holds an earlier pipeline stage: the teacher's `is_last_stage` is False).
 It also names its valid (unpadded) vocabulary size, its TP group (and `pp_group`, if pipelined) and its identity.
 """
-import contextlib
 import hashlib
 import json
 import os
@@ -162,23 +161,20 @@ class MegatronTeacher:
             return m.shared_embedding_or_output_weight()
         return m.output_layer.weight
 
-    @contextlib.contextmanager
     def _hidden_only(self, box):
+        """The output layer records the hidden states (gathered under sequence parallel) instead of logits."""
+        from ..megatron.hook import output_layer_replaced
         layer = self.model.output_layer
         tp = self.tp_group
 
-        def capture(hidden, weight=None, runtime_gather_output=None):
+        def head(hidden, weight):
             if getattr(layer, "sequence_parallel", False) and group_size(tp) > 1:
                 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
                 hidden = gather_from_sequence_parallel_region(hidden, group=tp)
             box.append(hidden)
-            return hidden, None
+            return hidden
 
-        layer.forward = capture
-        try:
-            yield
-        finally:
-            del layer.forward  # back to the class's forward
+        return output_layer_replaced(self.model, head)
 
     def _hidden_shape(self, b, s):
         cfg = self.model.config

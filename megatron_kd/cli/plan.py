@@ -48,6 +48,7 @@ def build_parser():
     t.add_argument("--ce", action="store_true", help="cross-entropy only (no teacher)")
     t.add_argument("--grad-bf16", action="store_true", help="bf16 DDP grad buffer (grad_reduce_in_fp32 off)")
     t.add_argument("--no-dist-opt", action="store_true", help="no distributed optimizer")
+    t.add_argument("--lean-adam", action="store_true", help="train.optimizer=lean_adam (bf16 grads, 12 B/param)")
     t.add_argument("--adam", choices=("fused", "foreach", "for_loop"))
     t.add_argument("--swiglu-fusion", action="store_true", help="Megatron's bias_activation_fusion")
     m = p.add_argument_group("model")
@@ -110,7 +111,9 @@ def resolve(a):
         if tk["teacher"] is None:
             raise SystemExit("megatron-kd plan: --online needs a teacher shape (e.g. --online llama-3.1-8b)")
     if a.grad_bf16:
-        tk.update(grad_fp32=False, main_grad_fusion=False)
+        tk["grad_fp32"] = False
+    if a.lean_adam:
+        tk.update(optimizer="lean_adam", grad_fp32=False)
     if a.no_dist_opt:
         tk["distributed_optimizer"] = False
     if a.swiglu_fusion:
@@ -131,8 +134,10 @@ def format_plan(p, gpu_gib=H200_GIB, reserve_gib=RESERVE_GIB) -> str:
         f"(world {lay.world}, sp={'on' if lay.sp else 'off'}), stage {p.stage}",
         f"step      seq {tr.seq_len} x mbs {tr.micro_batch} ({p.tokens_local} tokens/rank), {tr.num_microbatches} "
         f"micro-batches, recompute {rc}, KD {mode}, loss {tr.loss}, top-{tr.topk}",
-        f"optimizer Megatron {'distributed ' if tr.distributed_optimizer else ''}Adam ({tr.adam_impl}), grads "
-        f"{'fp32' if tr.grad_fp32 else 'bf16'}, bf16 params + fp32 main params",
+        ("optimizer lean_adam (bf16 params + int16 master remainder, moments {} + {} B), grads bf16".format(
+            *tr.moment_bytes) if tr.optimizer == "lean_adam" else
+         f"optimizer Megatron {'distributed ' if tr.distributed_optimizer else ''}Adam ({tr.adam_impl}), grads "
+         f"{'fp32' if tr.grad_fp32 else 'bf16'}, bf16 params + fp32 main params"),
         "",
         f"{'component':<34}{'GiB':>9}  note",
         f"{'-' * 34}{'-' * 9}  {'-' * 40}",

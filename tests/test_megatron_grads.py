@@ -48,7 +48,7 @@ def dense_reference(model, batch, tp_group):
     return (per * m).sum() / m.sum()
 
 
-def _worker(rank, world, tp):
+def _worker(rank, world, tp, impl="chunked"):
     import megatron.core.tensor_parallel.layers as layers
     from megatron.core import parallel_state as ps
     from megatron_kd.megatron.config import KDConfig
@@ -75,7 +75,7 @@ def _worker(rank, world, tp):
     batch = global_batch()
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mine = [{k: v[i:i + 1] for k, v in batch.items()} for i in range(dp_rank, B, dp)]  # micro-batches of 1
-    kd = KDConfig(mode="offline", top_k=K, kl_weight=KL_W, ce_weight=CE_W, temperature=T, impl="chunked",
+    kd = KDConfig(mode="offline", top_k=K, kl_weight=KL_W, ce_weight=CE_W, temperature=T, impl=impl,
                   chunk_size=5)
     called = []
     orig = layers.ColumnParallelLinear.forward
@@ -98,9 +98,16 @@ def _worker(rank, world, tp):
         assert err < 2e-4, (name, err)
 
 
-@pytest.mark.parametrize("world,tp", [(1, 1), (2, 2), (2, 1)], ids=["tp1", "tp2", "dp2"])
-def test_one_step_matches_dense_reference(world, tp):
-    run_ranks(world, _worker, tp)
+@pytest.mark.parametrize("world,tp,impl", [(1, 1, "chunked"), (2, 2, "chunked"), (2, 1, "chunked"),
+                                           (1, 1, "fused"), (2, 2, "fused")],
+                         ids=["tp1", "tp2", "dp2", "tp1-fused", "tp2-fused"])
+def test_one_step_matches_dense_reference(world, tp, impl, monkeypatch):
+    """impl "fused" (Triton; the interpreter on CPU): its weight gradient lands in DDP's main_grad in forward."""
+    if impl == "fused":
+        pytest.importorskip("triton")
+        if not torch.cuda.is_available():
+            monkeypatch.setenv("TRITON_INTERPRET", "1")  # the spawned ranks import triton after this
+    run_ranks(world, _worker, tp, impl)
 
 
 def test_output_processor_path_of_megatron_core_019():

@@ -5,7 +5,7 @@
     ce       no teacher: cross-entropy on the labels
 
 `KDStep` is a forward_step_func for `get_forward_backward_func()` (GPU, any PP) and for the CPU driver in
-schedule.py. The student's output layer never makes logits: the head below computes per-position losses from
+schedule.py. The student's output layer never makes logits: the head below computes the masked loss sum from
 the hidden states and the output weight (hook.py). loss_func returns (sum of masked per-token losses, token
 count, report) so Megatron divides by the global token count (calculate_per_token_loss=True).
 """
@@ -30,16 +30,21 @@ def loss_kwargs(kd: KDConfig) -> dict:
 
 
 class KDHead:
-    """Output-layer replacement: per-position loss [s, b] from hidden [s(/tp), b, H] and weight [V/tp, H].
+    """Output-layer replacement: the masked loss sum from hidden [s(/tp), b, H] and weight [V/tp, H].
 
-    Targets come in the batch layout [b, s, ...] and are viewed as Megatron's [s, b, ...]. When `split` is
-    set the head also keeps per-position KL and CE (detached) for the report: one extra forward-only pass
-    over the output layer, only when the total does not already tell them apart.
+    Targets come in the batch layout [b, s, ...] and are viewed as Megatron's [s, b, ...]. The loss is one
+    masked sum (reduction "sum" with the loss mask), so on GPUs it runs the fused impl, which does its gradient
+    work in forward; the head returns it at position (0, 0) of an [s, b] tensor of zeros (Megatron's schedules
+    want a per-position output) and loss_func sums that tensor. When `split` is set the head also keeps the KL
+    and CE sums (detached) for the report: one extra forward-only pass over the output layer, only when the
+    total does not already tell them apart.
     """
+
+    summed = True  # loss_func: the output tensor holds the masked sum already
 
     def __init__(self, batch: dict, kd: KDConfig, valid_vocab_size: int, split: bool = True):
         self.kd, self.kw, self.valid_vocab_size = kd, loss_kwargs(kd), valid_vocab_size
-        self.labels = batch["labels"]
+        self.labels, self.loss_mask = batch["labels"], batch.get("loss_mask")
         self.ids, self.logp = batch.get("topk_ids"), batch.get("topk_logprobs")
         self.split = split
         self.kl = self.ce = None
@@ -49,12 +54,13 @@ class KDHead:
         self.tp_group, self.sequence_parallel = output_layout(gpt)
         return self
 
-    def _loss(self, hidden, weight, ids, logp, **kw):
-        return topk_kl_loss(hidden, weight, ids, logp, reduction="none", tp_group=self.tp_group,
+    def _loss(self, hidden, weight, ids, logp, mask, **kw):
+        return topk_kl_loss(hidden, weight, ids, logp, loss_mask=mask, reduction="sum", tp_group=self.tp_group,
                             sequence_parallel=self.sequence_parallel, valid_vocab_size=self.valid_vocab_size, **kw)
 
     def __call__(self, hidden, weight):
         labels = self.labels.transpose(0, 1)  # [s, b]
+        mask = None if self.loss_mask is None else self.loss_mask.transpose(0, 1)
         if self.ids is None:  # ce mode: no teacher slots
             s, b = labels.shape
             ids = torch.empty((s, b, 0), dtype=torch.int64, device=labels.device)
@@ -62,29 +68,37 @@ class KDHead:
         else:
             ids, logp = self.ids.transpose(0, 1), self.logp.transpose(0, 1)
         kw = self.kw
-        total = self._loss(hidden, weight, ids, logp, labels=labels if kw["ce_weight"] else None, **kw)
+        total = self._loss(hidden, weight, ids, logp, mask, labels=labels if kw["ce_weight"] else None, **kw)
         if not kw["kl_weight"]:
             self.ce = total.detach() / kw["ce_weight"]
-            return total
-        if self.split:  # forward-only CE over the same hidden states ("chunked": no gradient work)
-            with torch.no_grad():
-                self.ce = self._loss(hidden.detach(), weight.detach(), ids[..., :0], logp[..., :0], labels=labels,
-                                     kl_weight=0.0, ce_weight=1.0, impl="chunked", chunk_size=kw["chunk_size"])
-        if self.ce is not None or not kw["ce_weight"]:
-            ce_part = kw["ce_weight"] * self.ce if kw["ce_weight"] else 0.0
-            self.kl = (total.detach() - ce_part) / (kw["temperature"] ** 2 * kw["kl_weight"])
-        return total
+        else:
+            if self.split:  # forward-only CE over the same hidden states ("chunked": no gradient work)
+                with torch.no_grad():
+                    self.ce = self._loss(hidden.detach(), weight.detach(), ids[..., :0], logp[..., :0], mask,
+                                         labels=labels, kl_weight=0.0, ce_weight=1.0, impl="chunked",
+                                         chunk_size=kw["chunk_size"])
+            if self.ce is not None or not kw["ce_weight"]:
+                ce_part = kw["ce_weight"] * self.ce if kw["ce_weight"] else 0.0
+                self.kl = (total.detach() - ce_part) / (kw["temperature"] ** 2 * kw["kl_weight"])
+        at = torch.zeros(labels.shape, dtype=total.dtype, device=total.device)
+        at[0, 0] = 1.0
+        return total * at  # [s, b]: the sum at (0, 0); its gradient goes straight into the loss's backward
 
 
 def loss_func(loss_mask: torch.Tensor, head: KDHead, output_tensor: torch.Tensor):
     """Megatron convention: (masked per-token loss sum, token count, {name: [sum, count]})."""
     mask = loss_mask.reshape(-1).float()
-    loss = torch.sum(output_tensor.reshape(-1).float() * mask)
+    if getattr(head, "summed", False):  # KDHead's output holds the masked sum already
+        loss = output_tensor.float().sum()
+    else:
+        loss = torch.sum(output_tensor.reshape(-1).float() * mask)
     count = mask.sum()
     report = {"total": torch.stack([loss.detach(), count])}
-    for name, per_pos in (("kl", head.kl), ("ce", head.ce)):
-        if per_pos is not None:
-            report[name] = torch.stack([torch.sum(per_pos.transpose(0, 1).reshape(-1).float() * mask), count])
+    for name in ("kl", "ce"):
+        val = getattr(head, name, None)
+        if val is not None:
+            val = val if val.dim() == 0 else torch.sum(val.transpose(0, 1).reshape(-1).float() * mask)
+            report[name] = torch.stack([val.float(), count])
     return loss, count.detach().to(torch.int), report
 
 

@@ -166,3 +166,61 @@ def test_resumed_lean_adam_run_reproduces_the_uninterrupted_run(tmp_path):
     assert whole[5]["loss"] < whole[1]["loss"]  # it trains
     for it in whole:
         assert parts[it]["loss"] == whole[it]["loss"], it  # exact: weights, remainders and moments restored
+
+
+@pytest.mark.parametrize("pattern", [0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001, 0xFFFF8001, 0x7FC00000])
+def test_nan_masters_stay_nan_weights(pattern):
+    """GPUs return NaN as 0x7FFFFFFF, whose rounding carry would make the bf16 weight -0.0: a dead weight that
+    keeps training quietly. Every NaN master must give a NaN weight."""
+    bits = torch.tensor([pattern - (1 << 32) if pattern >= 1 << 31 else pattern], dtype=torch.int64)
+    x = bits.to(torch.int32).view(torch.float32)
+    assert torch.isnan(x).all()
+    w, r = split(x)
+    assert torch.isnan(w.float()).all() and torch.isnan(join_master(w, r)).all()
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_nan_gradient_gives_nan_weight_in_the_step(kernel, monkeypatch):
+    dev = torch.device("cuda" if kernel and torch.cuda.is_available() else "cpu")
+    if kernel:
+        pytest.importorskip("triton")
+    else:
+        monkeypatch.setattr(adam, "use_triton", lambda t: False)
+    w, r = split(torch.ones(8))
+    g = torch.zeros(8, dtype=torch.bfloat16)
+    g[3] = float("nan")
+    m, v = torch.zeros(8), torch.zeros(8)
+    w, r, g, m, v = (t.to(dev) for t in (w, r, g, m, v))
+    adamw_step_(w, r, g, m, v, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=1)
+    w = w.cpu().float()
+    assert torch.isnan(w[3]) and torch.isfinite(w[torch.arange(8) != 3]).all()
+
+
+def test_a_nonfinite_gradient_norm_skips_the_update(monkeypatch):
+    """Megatron's FP32Optimizer never skips; ours does when the norm is NaN/inf (weights and moments untouched)."""
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron_kd.megatron.optim import _fp32_optimizer_class
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    opt = _fp32_optimizer_class()(LeanAdamW([p], lr=0.1), OptimizerConfig(lr=0.1, clip_grad=1.0, bf16=True),
+                                  lambda o, config=None: o.init_state())
+    monkeypatch.setattr(opt, "get_grad_stats_parallel_group", lambda: None, raising=False)
+    for name in ("get_main_grads_for_grad_norm", "get_grads_for_grad_norm"):
+        monkeypatch.setattr(opt, name, lambda: [p.grad], raising=False)
+    p.grad = torch.tensor([1.0, float("inf"), 0.0, 0.0], dtype=torch.bfloat16)
+    ok, norm, _ = opt.step()
+    assert not ok and not torch.isfinite(torch.tensor(norm)) and torch.equal(p.data, torch.ones(4, dtype=torch.bfloat16))
+    p.grad = torch.tensor([1.0, 0.5, 0.0, 0.0], dtype=torch.bfloat16)
+    ok, norm, _ = opt.step()  # the next finite step goes through
+    assert ok and not torch.equal(p.data, torch.ones(4, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["parallel.ep=2"], "expert parallelism"),
+    (["train.exp_avg_sq_dtype=bf16", "train.adam_beta2=0.999"], "exp_avg_sq_dtype=fp32"),
+])
+def test_recipe_refuses_unsafe_lean_adam_settings(overrides, match):
+    from megatron_kd.megatron.config import RecipeError, check_recipe, to_recipe
+    from megatron_kd.megatron.recipes import compose
+    r = to_recipe(compose("tiny_cpu", ["train.optimizer=lean_adam", "train.precision=bf16", *overrides]))
+    with pytest.raises(RecipeError, match=match):
+        check_recipe(r, world_size=None, cuda=True)

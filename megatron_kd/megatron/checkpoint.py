@@ -154,6 +154,12 @@ def _materialize_optimizer_state(optimizer) -> None:
     """megatron-core's DistributedOptimizer without apex/TE reads a 'step' from every param state when it
     builds its state dict ("assert len(steps) == 1"), and a fresh optimizer has none: fill the states with
     megatron-core's own zero-grad dummy step (as it does for Megatron-FSDP); the load then overwrites them."""
+    try:
+        from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE
+    except ImportError:  # pragma: no cover
+        HAVE_APEX_OR_TE = False
+    if HAVE_APEX_OR_TE:  # apex/TE Adam keeps its step in the param groups: the empty-state path works there
+        return
     for o in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
         init = getattr(o, "_init_optimizer_states_with_dummy_values", None)
         inner = getattr(o, "optimizer", None)

@@ -299,6 +299,12 @@ def check_recipe(r: Recipe, world_size: int | None = 1, cuda: bool = False) -> N
               f"(got {t.precision}) or use train.optimizer=adam")
         for k in ("exp_avg_dtype", "exp_avg_sq_dtype"):
             _need(getattr(t, k) in ("fp32", "bf16"), f"train.{k}={getattr(t, k)!r}: use fp32 or bf16")
+        _need(t.exp_avg_sq_dtype == "fp32" or t.adam_beta2 <= 0.95,
+              f"train.exp_avg_sq_dtype=bf16 with train.adam_beta2={t.adam_beta2}: bf16 rounds away the "
+              f"second moment's per-step change (1 - beta2 = {1 - t.adam_beta2:.3g} < 0.4%); use "
+              "train.exp_avg_sq_dtype=fp32 or adam_beta2 <= 0.95")
+        _need(p.ep == 1, f"train.optimizer=lean_adam with parallel.ep={p.ep}: its one gradient-norm group "
+              "would clip expert-parallel ranks differently; use train.optimizer=adam for expert parallelism")
     if not cuda:
         _need(p.pp == 1, f"parallel.pp={p.pp}: pipeline parallel needs GPUs (Megatron's schedules are CUDA-only); "
               "use parallel.pp=1 on CPU")

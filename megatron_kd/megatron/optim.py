@@ -6,6 +6,8 @@ CPU: the same DDP (its grad buffers work on gloo) and Megatron's FP32Optimizer a
 two CUDA-bound pieces of FP32Optimizer (a loss-scale tensor made on 'cuda' and the grad-norm kernels) are
 replaced. Both keep Megatron's sharded optimizer state, so checkpoints look the same on CPU and GPU.
 """
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -48,7 +50,7 @@ def build_optimizer(ddp_chunks, t: TrainConfig, p: ParallelConfig, cuda: bool):
     return cpu_optimizer(ddp_chunks, cfg)
 
 
-def _param_groups(chunks):
+def _param_groups(chunks, weight_decay: float = 0.0):
     """Megatron's default rule: no weight decay on biases and 1-D parameters (norms)."""
     decay, no_decay = [], []
     for c in chunks:
@@ -56,7 +58,9 @@ def _param_groups(chunks):
             if prm.requires_grad:
                 (no_decay if name.endswith(".bias") or prm.dim() == 1 else decay).append(prm)
     keys = {"lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False}  # Megatron's group identity
-    groups = [{"params": decay, "wd_mult": 1.0, **keys}, {"params": no_decay, "wd_mult": 0.0, **keys}]
+    # weight_decay x wd_mult from the start: the scheduler sets it again at each step, a bare optimizer keeps it
+    groups = [{"params": decay, "wd_mult": 1.0, "weight_decay": weight_decay, **keys},
+              {"params": no_decay, "wd_mult": 0.0, "weight_decay": 0.0, **keys}]
     return [g for g in groups if g["params"]]
 
 
@@ -64,14 +68,14 @@ def lean_optimizer(ddp_chunks, cfg, t: TrainConfig, cuda: bool):
     """LeanAdamW inside Megatron's FP32Optimizer: main_grad (bf16) as grads, Megatron's clipping, grad norm and
     sharded checkpoint state (the remainder and moments are param-shaped tensors)."""
     from .lean_adam import LeanAdamW
-    opt = LeanAdamW(_param_groups(ddp_chunks), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+    opt = LeanAdamW(_param_groups(ddp_chunks, cfg.weight_decay), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                     weight_decay=cfg.weight_decay, exp_avg_dtype=t.exp_avg_dtype, exp_avg_sq_dtype=t.exp_avg_sq_dtype)
     # Megatron's own clipping asserts fp32 grads: the torch clipping below takes the bf16 main_grads as they are
     return _fp32_optimizer_class()(opt, cfg, lambda o, config=None: o.init_state())
 
 
 def cpu_optimizer(ddp_chunks, cfg):
-    groups = _param_groups(ddp_chunks)
+    groups = _param_groups(ddp_chunks, cfg.weight_decay)
     opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2),
                             eps=cfg.adam_eps, foreach=True)
 
@@ -109,10 +113,19 @@ def _fp32_optimizer_class():
             if dist.is_initialized() and dist.get_world_size(group) > 1:
                 dist.all_reduce(sq, group=group)
             norm = float(sq.sqrt())
+            self.nonfinite_grads = not math.isfinite(norm)  # step_with_ready_grads skips the update
             coef = clip_grad / (norm + 1.0e-6)
             if coef < 1.0:
                 torch._foreach_mul_([p.grad for p in self.get_parameters() if p.grad is not None], coef)
             return norm
+
+        def step_with_ready_grads(self) -> bool:
+            """A NaN/inf gradient skips the update (as Megatron's mixed-precision optimizers do on overflow)
+            instead of writing NaN into weights and moments."""
+            if getattr(self, "nonfinite_grads", False):
+                self.nonfinite_grads = False
+                return False
+            return super().step_with_ready_grads()
 
     return TorchClipFP32Optimizer
 

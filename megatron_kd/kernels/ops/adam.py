@@ -26,10 +26,14 @@ def join_master(weight: torch.Tensor, rem: torch.Tensor) -> torch.Tensor:
 
 def split_master(master: torch.Tensor, weight: torch.Tensor, rem: torch.Tensor) -> None:
     """weight (bf16) <- master rounded to nearest; rem (int16) <- the exact difference in bits."""
-    bits = master.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    m32 = master.float().contiguous()
+    bits = m32.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     hi = ((bits + 0x8000) >> 16) & 0xFFFF  # +0x8000: the difference then lies in [-2^15, 2^15 - 1]
     low = bits - (hi << 16)
     low = torch.where(low >= 1 << 31, low - (1 << 32), low)  # wrap (only for the top bf16 pattern)
+    nan = torch.isnan(m32)  # a NaN's rounding can carry into -0.0 (GPUs' NaN is 0x7FFFFFFF): keep it a NaN
+    hi = torch.where(nan, torch.full_like(hi, 0x7FC0), hi)
+    low = torch.where(nan, torch.zeros_like(low), low)
     hi = torch.where(hi >= 1 << 15, hi - (1 << 16), hi)
     weight.copy_(hi.to(torch.int16).view(torch.bfloat16).view_as(weight))
     rem.copy_(low.to(torch.int16).view_as(rem))
@@ -65,6 +69,9 @@ if triton is not None:
         hi2 = ((bits + 0x8000) >> 16) & 0xFFFF
         lo2 = bits - (hi2 << 16)
         lo2 = tl.where(lo2 >= 2147483648, lo2 - 4294967296, lo2)
+        nan = x != x  # a NaN's rounding can carry into -0.0 (GPUs' NaN is 0x7FFFFFFF): keep it a NaN
+        hi2 = tl.where(nan, 0x7FC0, hi2)
+        lo2 = tl.where(nan, 0, lo2)
         tl.store(w_ptr + offs, hi2.to(tl.int16).to(tl.bfloat16, bitcast=True), mask=ok)
         tl.store(r_ptr + offs, lo2.to(tl.int16), mask=ok)
 

@@ -88,9 +88,3 @@ class LeanAdamW(torch.optim.Optimizer):
         for i, p in zip(ids, params):
             if i in saved:
                 self.state[p] = {k: v.to(device=p.device) if torch.is_tensor(v) else v for k, v in saved[i].items()}
-
-    def reset_masters(self) -> None:
-        """After the weights were overwritten from outside (pretrained load): they become the masters."""
-        for st in self.state.values():
-            if "master_rem" in st:
-                st["master_rem"].zero_()

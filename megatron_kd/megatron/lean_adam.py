@@ -13,17 +13,9 @@ DP Megatron's distributed optimizer divides its 12 bytes of state by DP and wins
 """
 import torch
 
-from ..kernels.ops.adam import adamw_step_
+from ..kernels.ops.adam import adamw_step_, adamw_update_
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def _plain_adamw_(w, grad, m, v, *, lr, beta1, beta2, eps, weight_decay, step):
-    g = grad.to(w.dtype)
-    m.mul_(beta1).add_(g, alpha=1 - beta1)
-    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    w.mul_(1 - lr * weight_decay)
-    w.sub_(lr * (m / (1 - beta1 ** step)) / ((v / (1 - beta2 ** step)).sqrt() + eps))
 
 
 class LeanAdamW(torch.optim.Optimizer):
@@ -74,8 +66,9 @@ class LeanAdamW(torch.optim.Optimizer):
                           step=g["step"])
                 if "master_rem" in st:
                     adamw_step_(w, st["master_rem"], p.grad.contiguous(), st["exp_avg"], st["exp_avg_sq"], **hp)
-                else:
-                    _plain_adamw_(w, p.grad, st["exp_avg"], st["exp_avg_sq"], **hp)
+                else:  # an fp32 weight is its own master
+                    adamw_update_(w, p.grad, st["exp_avg"], st["exp_avg_sq"], g["lr"], b1, b2, g["eps"],
+                                  g["weight_decay"], 1 - b1 ** g["step"], 1 - b2 ** g["step"])
         return loss
 
     def load_state_dict(self, state_dict):

@@ -39,15 +39,20 @@ def split_master(master: torch.Tensor, weight: torch.Tensor, rem: torch.Tensor) 
     rem.copy_(low.to(torch.int16).view_as(rem))
 
 
-def _step_torch(w, rem, g, m, v, lr, b1, b2, eps, wd, bc1, bc2):
-    x = join_master(w, rem)
-    gf = g.float()
-    mf = m.float().mul_(b1).add_(gf, alpha=1 - b1)
-    vf = v.float().mul_(b2).addcmul_(gf, gf, value=1 - b2)
+def adamw_update_(x, g, m, v, lr, b1, b2, eps, wd, bc1, bc2) -> None:
+    """The AdamW step in torch ops on an fp32 (or fp64) tensor x; m and v keep their own dtypes."""
+    gf = g.to(x.dtype)
+    mf = m.to(x.dtype).mul_(b1).add_(gf, alpha=1 - b1)
+    vf = v.to(x.dtype).mul_(b2).addcmul_(gf, gf, value=1 - b2)
     x.mul_(1 - lr * wd)
     x.sub_(lr * (mf / bc1) / ((vf / bc2).sqrt() + eps))
     m.copy_(mf)
     v.copy_(vf)
+
+
+def _step_torch(w, rem, g, m, v, *args):
+    x = join_master(w, rem)
+    adamw_update_(x, g, m, v, *args)
     split_master(x, w, rem)
 
 

@@ -1,6 +1,6 @@
 """A forward_step for `megatron.bridge.training.pretrain`: the student runs up to the hidden states entering its
 output layer and megatron-kd's KD head (megatron_kd.megatron.step.KDHead, the one `megatron-kd train` uses)
-turns them into per-position losses with the output weight. No [s, b, V] logits on any rank. The hook is
+turns them into the masked loss sum with the output weight. No [s, b, V] logits on any rank. The hook is
 megatron-core's output_processor (0.19+, the NeMo 26.08 container) or, on older versions, megatron-kd's
 output-layer swap (megatron_kd.megatron.hook).
 

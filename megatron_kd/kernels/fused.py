@@ -31,8 +31,8 @@ Settings (DEFAULTS below; each overridable by an environment variable, ranked by
 
 Weight gradient: fp32 accumulator, or straight into weight.main_grad when the weight has an fp32 one
 (Megatron's gradient-accumulation fusion: no extra memory); a bf16 main_grad (grad_reduce_in_fp32 off,
-train.optimizer=lean_adam) gets the fp32 accumulator added once in forward (no bf16 weight-grad copy). main_grad is written during forward
-assuming grad_output == weight.megatron_kd_grad_scale (default 1.0); backward checks (one host sync)
+train.optimizer=lean_adam) gets the fp32 accumulator added once in forward (no bf16 weight-grad copy).
+main_grad is written during forward assuming grad_output == weight.megatron_kd_grad_scale (default 1.0); backward checks (one host sync)
 and, if grad_output differs, adds the difference by recomputing. Then, like Megatron's linear layers,
 backward returns no weight gradient (or a dummy one and sets grad_added_to_main_grad, when the weight
 carries that attribute).
@@ -89,15 +89,15 @@ def _main_grad(weight):
     return None
 
 
-def _add_to_main(hidden, weight, t, opts, shard, main, wscale, tuning):
+def _add_to_main(hidden, weight, t, opts, shard, main, wscale, tuning) -> None:
     """main += wscale * dL/dW. An fp32 main_grad is the accumulator itself; a 16-bit one (bf16 grad buffer)
     gets an fp32 accumulator added once (one rounding, as DDP's own add; never bf16 across chunks)."""
     if main.dtype in (torch.float32, torch.float64):
-        return None, run(hidden, weight, t, opts, shard, acc=main, wscale=wscale, **tuning)
+        run(hidden, weight, t, opts, shard, acc=main, wscale=wscale, **tuning)
+        return
     acc = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
-    st = run(hidden, weight, t, opts, shard, acc=acc, wscale=wscale, acc_fresh=True, **tuning)
+    run(hidden, weight, t, opts, shard, acc=acc, wscale=wscale, acc_fresh=True, **tuning)
     main.add_(acc)
-    return acc, st
 
 
 class _Logits:

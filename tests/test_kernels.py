@@ -115,7 +115,7 @@ def test_bf16_logits_option(two):
     assert fused._logits_dtype("bf16", torch.bfloat16, torch.float32) == torch.bfloat16
     assert fused._logits_dtype("bf16", torch.float64, torch.float64) == torch.float64
     with pytest.raises(ValueError):
-        fused._logits_dtype("fp8", torch.bfloat16, torch.float32)
+        fused._logits_mode("fp8")
 
 
 def test_reduction_none_and_grad_output():

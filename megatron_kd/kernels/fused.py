@@ -48,7 +48,8 @@ from .ops import gemm
 from .ops.rows import row_grad, row_sweep, slot_gather_mask
 from .sparse import combine_stats, grad_coefficients, prepare_slots
 
-from .settings import DEFAULTS, E_BYTES, LOGITS, MIB, OVERLAP, Z_BYTES  # noqa: F401  (re-exported)
+from .anchored import AnchoredLogits, anchor_columns
+from .settings import A_BYTES, DEFAULTS, E_BYTES, LOGITS, MIB, OVERLAP, Z_BYTES  # noqa: F401  (re-exported)
 SLACK = 20.0  # anchor slack (nats): E <= e^20, and rows are re-swept only beyond it
 GRAD_SCALE_ATTR = "megatron_kd_grad_scale"
 
@@ -161,21 +162,26 @@ def _side_stream(device):
     return _SIDE[device]
 
 
-def _logits_dtype(logits, h_dtype, mdt):
+def _logits_mode(logits):
     logits = LOGITS if logits is None else logits
-    if logits not in ("fp32", "bf16"):
-        raise ValueError(f"fused logits dtype must be 'fp32' or 'bf16', got {logits!r}")
+    if logits not in ("anchored", "fp32", "bf16"):
+        raise ValueError(f"fused logits must be 'anchored', 'fp32' or 'bf16', got {logits!r}")
+    return logits
+
+
+def _logits_dtype(logits, h_dtype, mdt):
     if logits == "bf16" and h_dtype in (torch.bfloat16, torch.float16) and mdt == torch.float32:
         return h_dtype
     return mdt
 
 
 def run(h, weight, t, opts, shard, *, grad_h=None, acc=None, wscale=1.0, sub=None, sup=None, block=None,
-        force_two_pass=False, overlap=None, logits=None, acc_fresh=False):
+        force_two_pass=False, overlap=None, logits=None, acc_fresh=False, g=None):
     """One pass over all tokens. Fills grad_h [N, H] (if given, unreduced over TP) and acc [V, H] += wscale
     * dL/dW (if given) for grad_output = 1. Returns the per-position statistics (ChunkStats over N).
     acc_fresh: acc holds garbage (torch.empty); the first weight-gradient GEMM overwrites instead of adding
-    (saves a memset of the fp32 accumulator), and rows never written are zeroed."""
+    (saves a memset of the fp32 accumulator), and rows never written are zeroed. g: the row weights
+    (default: from t; given when run recomputes a subset of rows)."""
     n = h.shape[0]
     v = shard.local_valid
     w = weight[:v]
@@ -183,27 +189,39 @@ def run(h, weight, t, opts, shard, *, grad_h=None, acc=None, wscale=1.0, sub=Non
     T = float(opts.temperature)
     want = grad_h is not None or acc is not None
     scaled = want and _use_scaled(opts, shard, h.dtype) and not force_two_pass
+    mode = _logits_mode(logits)
+    anchored = scaled and mode == "anchored" and h.dtype == torch.bfloat16 and v > 0 and mdt == torch.float32
     # rows follow the global vocabulary, so a TP rank's buffers shrink with its shard
-    C, S = plan_chunks(n, shard.valid_size, opts, scaled, sub=sub, sup=sup)
+    if anchored:
+        C = S = max(1, sup or int(opts.chunk_size or 0) or _round(A_BYTES // (2 * max(1, shard.valid_size)), 16))
+    else:
+        C, S = plan_chunks(n, shard.valid_size, opts, scaled, sub=sub, sup=sup)
     sl = prepare_slots(t, opts, shard)
-    g = row_weights(t, opts)
-    logits = _Logits(h, w, sl, C, mdt, (OVERLAP if overlap is None else overlap) and S > C,
-                     zdt=_logits_dtype(logits, h.dtype, mdt))
+    g = row_weights(t, opts) if g is None else g
+    if anchored:
+        logits = AnchoredLogits(min(S, n), v, h, anchor_columns(sl.k, sl.k1))
+    else:
+        logits = _Logits(h, w, sl, C, mdt, (OVERLAP if overlap is None else overlap) and S > C,
+                         zdt=_logits_dtype(mode, h.dtype, mdt))
     fresh = acc is not None and acc_fresh
-    ebuf = torch.empty((min(S, n), v), dtype=h.dtype, device=h.device) if want else None
+    ebuf = torch.empty((min(S, n), v), dtype=h.dtype, device=h.device) if want and not anchored else None
     sweep_kw = dict(temperature=T, need_s1=opts.needs_ce and T != 1.0, slack=SLACK, block=block)
     stats = []
     for s0 in range(0, n, S):
         s1_ = min(n, s0 + S)
-        zg, stat = logits.sweep(s0, s1_, ebuf[: s1_ - s0] if scaled else None, sweep_kw)
         slc = sl.rows(s0, s1_)
+        if anchored:
+            e, zg, stat, bad = logits.sweep(h[s0:s1_], w, slc.idx, T)
+            logits.post(bad)
+        else:
+            zg, stat = logits.sweep(s0, s1_, ebuf[: s1_ - s0] if scaled else None, sweep_kw)
+            e = None if ebuf is None else ebuf[: s1_ - s0]
         st = combine_stats(zg, stat, slc, opts, shard)
         stats.append(st)
         if not want:
             continue
         tc = t.slice(s0, s1_)
         vals, A, B = grad_coefficients(zg, st, tc, slc, opts, g[s0:s1_])
-        e = ebuf[: s1_ - s0]
         if scaled:
             scale = A * torch.exp(stat[:, 0] - st.lse)
             vals = torch.where((scale != 0)[:, None], vals / scale[:, None], torch.zeros_like(vals))
@@ -233,9 +251,26 @@ def run(h, weight, t, opts, shard, *, grad_h=None, acc=None, wscale=1.0, sub=Non
                 fresh = False
             else:
                 gemm.addmm_(acc[:v], e.t(), hs, alpha=wscale)
+        if anchored and logits.flagged():  # rare: redo the flagged tokens with fp32 logits
+            stats[-1] = _redo_rows(bad.nonzero()[:, 0], s0, e, hs, h, weight, t, opts, shard, grad_h, acc,
+                                   wscale, g, st, dict(sub=sub, sup=sup, block=block))
     if fresh:  # nothing was written (no rows on this shard)
         acc.zero_()
     return ChunkStats.cat(stats)
+
+
+def _redo_rows(rows, s0, e, hs, h, weight, t, opts, shard, grad_h, acc, wscale, g, st, tuning):
+    """Anchored chunk, flagged rows: take their weight-gradient contribution (e rows times the scaled hs rows,
+    both still in memory) back out of acc, then recompute those rows alone with fp32 logits."""
+    if acc is not None:
+        gemm.addmm_(acc[: e.shape[1]], e[rows].t(), hs[rows], alpha=-wscale)
+    at = rows + s0
+    gh = None if grad_h is None else torch.empty((rows.numel(), h.shape[1]), dtype=grad_h.dtype, device=h.device)
+    sub = run(h[at], weight, t.take(at), opts, shard, grad_h=gh, acc=acc, wscale=wscale, logits="fp32",
+              g=g[at], **tuning)
+    if grad_h is not None:
+        grad_h[at] = gh
+    return st.put(rows, sub)
 
 
 class FusedTopKKL(torch.autograd.Function):

@@ -7,7 +7,7 @@ import os
 
 MIB = 1 << 20
 # Ranked first by kernel_tune.py on an H200, 2026-11-29 (benchmarks/results/kernel_tune_h200.json).
-DEFAULTS = dict(Z_MIB=512, E_MIB=2048, OVERLAP="0", LOGITS="fp32")
+DEFAULTS = dict(Z_MIB=512, E_MIB=2048, A_MIB=768, OVERLAP="0", LOGITS="anchored")
 
 
 def _env(key: str) -> str:
@@ -16,5 +16,6 @@ def _env(key: str) -> str:
 
 Z_BYTES = int(_env("Z_MIB")) * MIB  # fp32 logits of one sub-chunk
 E_BYTES = int(_env("E_MIB")) * MIB  # bf16 dz of one super-chunk
+A_BYTES = int(_env("A_MIB")) * MIB  # bf16 anchored logits, then E, of one super-chunk (LOGITS="anchored")
 OVERLAP = _env("OVERLAP") == "1"  # sweep on a side stream (CUDA)
-LOGITS = _env("LOGITS")  # "fp32" | "bf16": the logits GEMM's output dtype for bf16/fp16 inputs
+LOGITS = _env("LOGITS")  # "anchored" | "fp32" | "bf16": how the logits GEMM writes for bf16 inputs (fused.py)

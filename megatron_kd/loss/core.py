@@ -25,6 +25,12 @@ class ChunkStats:
         f = lambda t: None if t is None else t[a:b]  # noqa: E731
         return ChunkStats(f(self.lse), f(self.uk), f(self.lse1), f(self.zy), f(self.rest_lse))
 
+    def put(self, rows, other: "ChunkStats") -> "ChunkStats":
+        """A copy with the given rows replaced by other's."""
+        f = lambda a, b: None if a is None else a.index_put((rows,), b)  # noqa: E731
+        return ChunkStats(f(self.lse, other.lse), f(self.uk, other.uk), f(self.lse1, other.lse1),
+                          f(self.zy, other.zy), f(self.rest_lse, other.rest_lse))
+
     @staticmethod
     def cat(parts):
         f = lambda name: None if getattr(parts[0], name) is None else torch.cat([getattr(p, name) for p in parts])  # noqa: E731

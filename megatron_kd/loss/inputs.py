@@ -21,6 +21,10 @@ class Targets:
         return Targets(self.ids[a:b], self.logp[a:b], self.valid[a:b],
                        None if self.labels is None else self.labels[a:b], self.weight[a:b])
 
+    def take(self, rows: torch.Tensor) -> "Targets":
+        return Targets(self.ids[rows], self.logp[rows], self.valid[rows],
+                       None if self.labels is None else self.labels[rows], self.weight[rows])
+
 
 def math_dtype_for(hidden: torch.Tensor) -> torch.dtype:
     return torch.float64 if hidden.dtype == torch.float64 else torch.float32

@@ -27,7 +27,9 @@ GIB = float(1 << 30)
 RESERVE_GIB = 3.0          # CUDA context, NCCL buffers, allocator rounding: not in max_memory_allocated
 H200_GIB = 139.8           # usable HBM of one H200 (torch.cuda.mem_get_info total)
 from ..loss.api import CHUNK_ELEMENTS as LOSS_CHUNK_ELEMENTS  # noqa: E402  (torch chunked impls)
+from ..kernels.settings import A_BYTES as FUSED_A_BYTES  # noqa: E402  (anchored bf16 logits / dz, tp == 1)
 from ..kernels.settings import E_BYTES as FUSED_E_BYTES  # noqa: E402  (bf16 dz of one super-chunk)
+from ..kernels.settings import LOGITS as FUSED_LOGITS  # noqa: E402
 from ..kernels.settings import Z_BYTES as FUSED_Z_BYTES  # noqa: E402  (fp32 logits of one sub-chunk)
 TOPK_CHUNK_ELEMENTS = 1 << 26   # teacher top-K on the fly: logits of one chunk
 
@@ -235,11 +237,14 @@ def loss_buffers(shape: ModelShape, lay: Layout, tr: Training, T: int) -> dict:
                     bwd=gath + targets + 2 * 4 * tv + 2 * tv + 6 * vh + 2 * T * h + extra, tail=tied_tail)
     stats = T * (K + 4) * 4
     if tr.loss == "fused":
-        # megatron_kd.kernels.fused.plan_chunks: rows follow the global vocabulary V; at tp == 1 the "scaled"
-        # path keeps C rows of fp32 logits and S >= C rows of bf16 dz, at tp > 1 (two-pass) C == S.
+        # megatron_kd.kernels.fused.run: rows follow the global vocabulary V; at tp == 1 the "scaled" path keeps
+        # S rows of anchored bf16 logits (no fp32 logits; LOGITS="fp32": C rows of fp32 logits and S >= C rows
+        # of bf16 dz), at tp > 1 (two-pass) C == S rows of each.
         V = max(1, shape.vocab)
         rnd = lambda x, q: max(q, x // q * q)  # noqa: E731
-        if t == 1:
+        if t == 1 and FUSED_LOGITS == "anchored":
+            C, S = 0, rnd(FUSED_A_BYTES // (2 * V), 16)
+        elif t == 1:
             C = rnd(FUSED_Z_BYTES // (4 * V), 16)
             S = max(C, rnd(FUSED_E_BYTES // (2 * V), C) // C * C)
         else:

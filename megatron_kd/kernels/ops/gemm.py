@@ -53,3 +53,11 @@ def addmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1
 
 def addmm_path() -> str:
     return "addmm(out_dtype=fp32)" if _ADDMM_OUT_DTYPE_OK else "blocked mm + add (fallback)"
+
+
+def mm_bias_t_into(w: torch.Tensor, h: torch.Tensor, bias: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out [V, S] = w [V, H] @ h[S, H]^T + bias[S] per column, accumulated in fp32 and rounded once to out's
+    dtype. On CUDA this is cuBLASLt's bias epilogue (torch.addmm with a 1-D bias); elsewhere the same math."""
+    if out.is_cuda and _same(w, h, bias, out):
+        return torch.addmm(bias, w, h.t(), out=out)
+    return out.copy_(torch.addmm(bias.float(), w.float(), h.float().t()))

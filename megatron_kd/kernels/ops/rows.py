@@ -27,17 +27,18 @@ _CONFIGS = [triton.Config({"BLOCK": b}, num_warps=w) for b, w in _TILES]
 
 
 @triton.jit
-def _slot_kernel(z_ptr, z_stride, idx_ptr, zg_ptr, K1, KP: tl.constexpr):
+def _slot_kernel(z_ptr, z_stride, col_stride, idx_ptr, zg_ptr, K1, KP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * z_stride
     ks = tl.arange(0, KP)
     kin = ks < K1
     idx = tl.load(idx_ptr + row * K1 + ks, mask=kin, other=-1)
     own = idx >= 0
-    zk = tl.load(z_row + idx, mask=own, other=float("-inf"))
+    at = z_row + idx.to(tl.int64) * col_stride
+    zk = tl.load(at, mask=own, other=float("-inf"))
     tl.store(zg_ptr + row * K1 + ks, zk, mask=kin)
     tl.debug_barrier()  # every gather lands before any slot column is overwritten (duplicate ids)
-    tl.store(z_row + idx, tl.full([KP], float("-inf"), zk.dtype), mask=own)
+    tl.store(at, tl.full([KP], float("-inf"), zk.dtype), mask=own)
 
 
 @triton.jit
@@ -140,13 +141,14 @@ def _launch(raw, tuned, grid, block, *args, **kw):
 
 
 def slot_gather_mask(z, idx, out=None):
-    """z [C, V] logits (slot columns are overwritten with -inf), idx [C, K1] int32 local slot columns
-    (-1: not on this shard). Returns zg [C, K1] (or fills out), the logits at the slots (-inf where not owned)."""
+    """z [C, V] logits, any strides (slot columns are overwritten with -inf), idx [C, K1] int32 local slot
+    columns (-1: not on this shard). Returns zg [C, K1] (or fills out, in out's dtype), the logits at the
+    slots (-inf where not owned)."""
     c, k1 = idx.shape
     zg = torch.empty((c, k1), dtype=z.dtype, device=z.device) if out is None else out
     if c and k1:
-        assert z.stride(1) == 1 and idx.is_contiguous() and zg.is_contiguous()
-        _slot_kernel[(c,)](z, z.stride(0), idx, zg, k1, KP=max(2, triton.next_power_of_2(k1)))
+        assert idx.is_contiguous() and zg.is_contiguous()
+        _slot_kernel[(c,)](z, z.stride(0), z.stride(1), idx, zg, k1, KP=max(2, triton.next_power_of_2(k1)))
     return zg
 
 

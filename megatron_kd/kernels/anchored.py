@@ -1,0 +1,78 @@
+"""Anchored bf16 logits: the scaled path of impl="fused" without an fp32 logits buffer (bf16 inputs, TP = 1).
+
+Per super-chunk of S tokens:
+  1. an anchor per token, b = max of the student's logits at a few slot ids (teacher's top ids, the label),
+     rounded to bf16 (any anchor is exact: the same b is subtracted and added back);
+  2. one GEMM writes y^T = (z - b)^T [V, S] in bf16 (cuBLASLt bias epilogue: fp32 sum, one rounding);
+  3. the slot kernel reads y at the slots and masks them; ops.cols.col_sweep turns y into E = exp(y / T) in
+     place and returns sum(E) and max(y) per token. E = exp(u - a) with a = b / T: the scaled path's dz = s E.
+bf16 keeps y to 2^-9 |y| relative, so where the softmax mass is (y near max y) the error stays below
+TAU 2^-9 (0.8%) as long as max y <= TAU. A token whose max y (slots included) exceeds TAU (its student ranks
+something far above its logits at the anchor ids), or whose sum is not finite, is flagged. The flag reaches the
+host through a pinned copy and an event, so the GPU never waits: the chunk's GEMMs are queued first, and a
+flagged chunk (rare) then takes its flagged tokens' contribution back out of the weight gradient and recomputes
+them with fp32 logits (fused.run on those rows).
+Memory: S x V bf16 (settings.A_BYTES) instead of fp32 sub-chunk logits plus the bf16 dz buffer.
+"""
+import torch
+
+from .ops import gemm
+from .ops.cols import col_sweep
+from .ops.rows import slot_gather_mask
+
+TAU = 4.0
+ANCHOR_SLOTS = 4
+
+
+def anchor_columns(k: int, k1: int) -> list[int]:
+    """Slot columns used for the anchor: the first teacher ids (the cache stores them best first) and the label."""
+    cols = list(range(min(k, ANCHOR_SLOTS - (k1 > k))))
+    return cols + ([k] if k1 > k else [])
+
+
+def anchors(hs: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """[C] bf16: max over idx's columns (int32 local ids, -1 = none) of hs_r . w[id]; 0 where none is valid."""
+    if idx.shape[1] == 0:
+        return torch.zeros(hs.shape[0], dtype=hs.dtype, device=hs.device)
+    ok = idx >= 0
+    rows = w[idx.clamp_min(0).long()]                      # [C, j, H]
+    z = torch.bmm(rows, hs[:, :, None]).squeeze(2).float()  # [C, j]
+    z = torch.where(ok, z, torch.full_like(z, float("-inf"))).amax(1)
+    return torch.where(torch.isfinite(z), z, torch.zeros_like(z)).to(hs.dtype)
+
+
+class AnchoredLogits:
+    def __init__(self, rows: int, v: int, h: torch.Tensor, cols: list[int]):
+        self.buf = torch.empty(rows * v, dtype=h.dtype, device=h.device)
+        self.v, self.cols = v, cols
+        self.host = torch.zeros((), dtype=torch.bool, pin_memory=h.is_cuda)
+        self.event = None
+
+    def sweep(self, hs, w, idx, temperature):
+        """(e [C, V] view of E, zg [C, K1] fp32 logits at the slots, stat [C, 3] = (a, sum E, 0), bad [C])."""
+        c = hs.shape[0]
+        b = anchors(hs, w, idx[:, self.cols])
+        yt = self.buf[: self.v * c].view(self.v, c)
+        gemm.mm_bias_t_into(w, hs, -b, yt)
+        zg = torch.empty(idx.shape, dtype=torch.float32, device=hs.device)
+        slot_gather_mask(yt.t(), idx, out=zg)
+        s, ymax = col_sweep(yt, temperature)
+        bf = b.float()
+        bad = (ymax > TAU) | (zg.amax(1) > TAU) | ~torch.isfinite(s)
+        zg += bf[:, None]
+        stat = torch.stack([bf / temperature, s, torch.zeros_like(s)], 1)
+        return yt.t(), zg, stat, bad
+
+    def post(self, bad) -> None:
+        """Start the flag's trip to the host; it is read by flagged() after the chunk's GEMMs are queued."""
+        if bad.is_cuda:
+            self.host.copy_(bad.any(), non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host.copy_(bad.any())
+
+    def flagged(self) -> bool:
+        if self.event is not None:
+            self.event.synchronize()
+        return bool(self.host)

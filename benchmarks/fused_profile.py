@@ -22,7 +22,9 @@ def main():
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--hidden", type=int, default=3072)
-    ap.add_argument("--settings", nargs="+", default=["256,512", "512,2048"], help="Z_MIB,E_MIB pairs")
+    ap.add_argument("--settings", nargs="+", default=["a768", "512,2048"],
+                    help="Z_MIB,E_MIB pairs (fp32 logits) or aMIB (anchored bf16 logits, A_MIB)")
+    ap.add_argument("--sweep-tiles", nargs="*", default=[], help="BT,BV,warps[,programs] for a col_sweep timing table")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     dev = torch.device("cuda")
@@ -38,8 +40,11 @@ def main():
         topk_kl_loss(h, w, ids, logp, impl="fused").backward()
 
     for s in a.settings:
-        z, e = (int(x) for x in s.split(","))
-        fused.Z_BYTES, fused.E_BYTES = z * fused.MIB, e * fused.MIB
+        if s.startswith("a"):
+            fused.LOGITS, fused.A_BYTES = "anchored", int(s[1:]) * fused.MIB
+        else:
+            z, e = (int(x) for x in s.split(","))
+            fused.LOGITS, fused.Z_BYTES, fused.E_BYTES = "fp32", z * fused.MIB, e * fused.MIB
         step()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -57,7 +62,32 @@ def main():
         print(f"== Z,E = {s}: kernel time {total:.1f} ms over {rec['kernels']} launches; syncs {syncs}")
         for r in rec["top"][:22]:
             print(f"  {r['ms']:8.2f} ms  x{r['count']:<5} {r['name']}")
+    if a.sweep_tiles:
+        out["col_sweep"] = sweep_table(a, dev)
     save(a.out, out)
+
+
+def sweep_table(a, dev):
+    """ops.cols.col_sweep alone on y^T [V, S] bf16 (S = one anchored super-chunk): ms and GB/s (read + write)."""
+    from megatron_kd.kernels.ops import cols
+    s = fused._round(fused.A_BYTES // (2 * a.vocab), 16)
+    y = torch.randn(a.vocab, s, device=dev).to(torch.bfloat16)
+    rows = []
+    for spec in a.sweep_tiles:
+        bt, bv, warps, programs = ([int(x) for x in spec.split(",")] + [0])[:4]
+        times = []
+        for i in range(6):
+            y.normal_()
+            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0.record()
+            cols.col_sweep(y, 1.0, bt=bt, bv=bv, warps=warps, programs=programs or None)
+            t1.record()
+            torch.cuda.synchronize()
+            times.append(t0.elapsed_time(t1))
+        ms = sorted(times[1:])[2]
+        rows.append(dict(bt=bt, bv=bv, warps=warps, programs=programs or cols.PROGRAMS, ms=ms, gbps=4 * y.numel() / ms / 1e6, rows=s))
+        print(f"col_sweep BT={bt} BV={bv} warps={warps} programs={programs or cols.PROGRAMS}: {ms:.3f} ms, {rows[-1]['gbps']:.0f} GB/s (S={s})")
+    return rows
 
 
 if __name__ == "__main__":

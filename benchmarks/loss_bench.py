@@ -37,6 +37,35 @@ def ours_main_grad(h, w, ids, logp):
     return run
 
 
+def with_fused(fn, **settings):
+    """fn run with module settings of kernels.fused swapped in (e.g. A_BYTES, LOGITS), restored after."""
+    from megatron_kd.kernels import fused
+
+    def run():
+        old = {k: getattr(fused, k) for k in settings}
+        for k, v in settings.items():
+            setattr(fused, k, v)
+        try:
+            fn()
+        finally:
+            for k, v in old.items():
+                setattr(fused, k, v)
+    return run
+
+
+def count_redone():
+    """Tokens the anchored path sent back to fp32 logits (kernels/anchored.py), counted per variant."""
+    from megatron_kd.kernels import fused
+    seen = [0]
+    orig = fused._redo_rows
+
+    def spy(rows, *a, **k):
+        seen[0] += rows.numel()
+        return orig(rows, *a, **k)
+    fused._redo_rows = spy
+    return seen
+
+
 def check_agreement(h, w, ids, logp, impls):
     """Loss of every impl at the first few thousand tokens, relative to dense."""
     n = min(h.shape[0], 4096)
@@ -55,6 +84,9 @@ def main():
     ap.add_argument("--impls", nargs="+", default=["dense", "chunked", "forward_chunked", "fused"])
     ap.add_argument("--baselines", nargs="+", default=["gemm", "liger", "cce"])
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--anchored-mib", type=int, nargs="*", default=[],
+                    help="extra main_grad rows of the fused impl with these anchored buffer sizes")
+    ap.add_argument("--fp32-logits", action="store_true", help="also time the fused impl with fp32 logits")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     dev = torch.device("cuda")
@@ -75,12 +107,22 @@ def main():
             variants[f"ours {impl}"] = ours(h, w, ids, logp, None, impl)
         if "fused" in impls:
             variants["ours fused, grad into main_grad"] = ours_main_grad(h, w, ids, logp)
+            for mib in a.anchored_mib:
+                variants[f"ours fused A={mib} MiB, grad into main_grad"] = with_fused(
+                    ours_main_grad(h, w, ids, logp), A_BYTES=mib << 20)
+            if a.fp32_logits:
+                variants["ours fused, fp32 logits (Z/E buffers)"] = with_fused(
+                    ours(h, w, ids, logp, None, "fused"), LOGITS="fp32")
+                variants["ours fused, fp32 logits (Z/E buffers), grad into main_grad"] = with_fused(
+                    ours_main_grad(h, w, ids, logp), LOGITS="fp32")
         if "liger" in a.baselines:
             variants["Liger fused linear CE (CE only)"] = liger(h, w, labels)
         if "cce" in a.baselines:
             variants["Cut Cross-Entropy (CE only)"] = cce(h, w, labels)
         floor = None
+        redone = count_redone() if "fused" in impls else [0]
         for name, fn in variants.items():
+            redone[0] = 0
             try:
                 r = measure(fn, reps=a.reps)
             except torch.OutOfMemoryError:
@@ -95,6 +137,8 @@ def main():
             if name.startswith("3 GEMMs") and r.get("ms"):
                 floor = r["ms"]
             r.update(variant=name, tokens=n, vocab=a.vocab, hidden=a.hidden, topk=a.topk)
+            if "fused" in name:
+                r["redone_tokens_per_call"] = redone[0] / (a.reps + 1)
             if floor and r.get("ms"):
                 r["x_floor"] = r["ms"] / floor
             rows.append(r)

@@ -17,7 +17,7 @@ Memory: S x V bf16 (settings.A_BYTES) instead of fp32 sub-chunk logits plus the 
 import torch
 
 from .ops import gemm
-from .ops.cols import col_sweep
+from .ops.cols import anchor_logits, col_sweep
 from .ops.rows import slot_gather_mask
 
 TAU = 4.0
@@ -32,13 +32,7 @@ def anchor_columns(k: int, k1: int) -> list[int]:
 
 def anchors(hs: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """[C] bf16: max over idx's columns (int32 local ids, -1 = none) of hs_r . w[id]; 0 where none is valid."""
-    if idx.shape[1] == 0:
-        return torch.zeros(hs.shape[0], dtype=hs.dtype, device=hs.device)
-    ok = idx >= 0
-    rows = w[idx.clamp_min(0).long()]                      # [C, j, H]
-    z = torch.bmm(rows, hs[:, :, None]).squeeze(2).float()  # [C, j]
-    z = torch.where(ok, z, torch.full_like(z, float("-inf"))).amax(1)
-    return torch.where(torch.isfinite(z), z, torch.zeros_like(z)).to(hs.dtype)
+    return anchor_logits(hs, w, idx)
 
 
 class AnchoredLogits:

@@ -237,12 +237,12 @@ def run(h, weight, t, opts, shard, *, grad_h=None, acc=None, wscale=1.0, sub=Non
         hs = h[s0:s1_]
         if grad_h is not None:
             if scaled:
-                grad_h[s0:s1_] = (gemm.mm(e, w, mdt) * scale[:, None]).to(grad_h.dtype)
+                grad_h[s0:s1_] = gemm.mm(e, w, mdt).mul_(scale[:, None])
             else:
                 gemm.mm_into(e, w, grad_h[s0:s1_])
         if acc is not None:
             if scaled:
-                hs = (hs.to(mdt) * scale[:, None]).to(h.dtype)
+                hs = torch.mul(hs, scale[:, None]).to(h.dtype)  # fp32 product (type promotion), one rounding
             if fresh:  # first contribution: overwrite (acc came from torch.empty)
                 gemm.mm_into(e.t(), hs, acc[:v])
                 if wscale != 1.0:

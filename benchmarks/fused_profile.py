@@ -70,7 +70,7 @@ def main():
 def sweep_table(a, dev):
     """ops.cols.col_sweep alone on y^T [V, S] bf16 (S = one anchored super-chunk): ms and GB/s (read + write)."""
     from megatron_kd.kernels.ops import cols
-    s = fused._round(fused.A_BYTES // (2 * a.vocab), 16)
+    s = fused.anchored_rows(a.vocab, a.hidden, fused.A_BYTES)
     y = torch.randn(a.vocab, s, device=dev).to(torch.bfloat16)
     rows = []
     for spec in a.sweep_tiles:

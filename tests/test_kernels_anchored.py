@@ -107,3 +107,11 @@ def test_anchors_skip_empty_slots():
     idx = torch.tensor([[0, -1], [-1, -1], [1, 2]], dtype=torch.int32)
     assert anchored.anchors(h, w, idx).tolist() == [2.0, 0.0, 10.0]
     assert anchored.anchor_columns(9, 10) == [0, 1, 2, 9] and anchored.anchor_columns(2, 2) == [0, 1]
+
+
+def test_anchored_rows_budget():
+    from megatron_kd.kernels.settings import anchored_rows
+    assert anchored_rows(128256, 3072, 0) == 2752  # 0.9 H, a multiple of 16: E <= 0.9 |W| in bf16
+    assert anchored_rows(201088, 2880, 0) == 2592
+    assert anchored_rows(1000, 64, 768 << 20) == (768 << 20) // 2000 // 16 * 16
+    assert anchored_rows(10 ** 9, 8, 0) == 16

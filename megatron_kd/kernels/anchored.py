@@ -8,11 +8,10 @@ Per super-chunk of S tokens:
      place and returns sum(E) and max(y) per token. E = exp(u - a) with a = b / T: the scaled path's dz = s E.
 bf16 keeps y to 2^-9 |y| relative, so where the softmax mass is (y near max y) the error stays below
 TAU 2^-9 (0.8%) as long as max y <= TAU. A token whose max y (slots included) exceeds TAU (its student ranks
-something far above its logits at the anchor ids), or whose sum is not finite, is flagged. The flag reaches the
-host through a pinned copy and an event, so the GPU never waits: the chunk's GEMMs are queued first, and a
-flagged chunk (rare) then takes its flagged tokens' contribution back out of the weight gradient and recomputes
-them with fp32 logits (fused.run on those rows).
-Memory: S x V bf16 (settings.A_BYTES) instead of fp32 sub-chunk logits plus the bf16 dz buffer.
+something far above its logits at the anchor ids), or whose sum is not finite, is flagged on the device: its
+row scale is set to 0, so it adds nothing to either gradient, and after the last chunk (one host sync per call)
+the flagged tokens are recomputed alone with fp32 logits (fused.run on those rows). No per-chunk sync.
+Memory: S x V bf16 (settings.anchored_rows: by default 0.9 x the bf16 weight, S = 0.9 H) instead of fp32 sub-chunk logits plus the bf16 dz buffer.
 """
 import torch
 
@@ -39,8 +38,6 @@ class AnchoredLogits:
     def __init__(self, rows: int, v: int, h: torch.Tensor, cols: list[int]):
         self.buf = torch.empty(rows * v, dtype=h.dtype, device=h.device)
         self.v, self.cols = v, cols
-        self.host = torch.zeros((), dtype=torch.bool, pin_memory=h.is_cuda)
-        self.event = None
 
     def sweep(self, hs, w, idx, temperature):
         """(e [C, V] view of E, zg [C, K1] fp32 logits at the slots, stat [C, 3] = (a, sum E, 0), bad [C])."""
@@ -57,16 +54,3 @@ class AnchoredLogits:
         stat = torch.stack([bf / temperature, s, torch.zeros_like(s)], 1)
         return yt.t(), zg, stat, bad
 
-    def post(self, bad) -> None:
-        """Start the flag's trip to the host; it is read by flagged() after the chunk's GEMMs are queued."""
-        if bad.is_cuda:
-            self.host.copy_(bad.any(), non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.host.copy_(bad.any())
-
-    def flagged(self) -> bool:
-        if self.event is not None:
-            self.event.synchronize()
-        return bool(self.host)

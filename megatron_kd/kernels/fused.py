@@ -49,7 +49,7 @@ from .ops.rows import row_grad, row_sweep, slot_gather_mask
 from .sparse import combine_stats, grad_coefficients, prepare_slots
 
 from .anchored import AnchoredLogits, anchor_columns
-from .settings import A_BYTES, DEFAULTS, E_BYTES, LOGITS, MIB, OVERLAP, Z_BYTES  # noqa: F401  (re-exported)
+from .settings import A_BYTES, DEFAULTS, E_BYTES, LOGITS, MIB, OVERLAP, Z_BYTES, anchored_rows  # noqa: F401
 SLACK = 20.0  # anchor slack (nats): E <= e^20, and rows are re-swept only beyond it
 GRAD_SCALE_ATTR = "megatron_kd_grad_scale"
 
@@ -193,13 +193,14 @@ def run(h, weight, t, opts, shard, *, grad_h=None, acc=None, wscale=1.0, sub=Non
     anchored = scaled and mode == "anchored" and h.dtype == torch.bfloat16 and v > 0 and mdt == torch.float32
     # rows follow the global vocabulary, so a TP rank's buffers shrink with its shard
     if anchored:
-        C = S = max(1, sup or int(opts.chunk_size or 0) or _round(A_BYTES // (2 * max(1, shard.valid_size)), 16))
+        C = S = max(1, sup or int(opts.chunk_size or 0) or anchored_rows(shard.valid_size, h.shape[1], A_BYTES))
     else:
         C, S = plan_chunks(n, shard.valid_size, opts, scaled, sub=sub, sup=sup)
     sl = prepare_slots(t, opts, shard)
     g = row_weights(t, opts) if g is None else g
     if anchored:
         logits = AnchoredLogits(min(S, n), v, h, anchor_columns(sl.k, sl.k1))
+        bad_all = torch.zeros(n, dtype=torch.bool, device=h.device)
     else:
         logits = _Logits(h, w, sl, C, mdt, (OVERLAP if overlap is None else overlap) and S > C,
                          zdt=_logits_dtype(mode, h.dtype, mdt))
@@ -212,7 +213,7 @@ def run(h, weight, t, opts, shard, *, grad_h=None, acc=None, wscale=1.0, sub=Non
         slc = sl.rows(s0, s1_)
         if anchored:
             e, zg, stat, bad = logits.sweep(h[s0:s1_], w, slc.idx, T)
-            logits.post(bad)
+            bad_all[s0:s1_] = bad
         else:
             zg, stat = logits.sweep(s0, s1_, ebuf[: s1_ - s0] if scaled else None, sweep_kw)
             e = None if ebuf is None else ebuf[: s1_ - s0]
@@ -224,6 +225,8 @@ def run(h, weight, t, opts, shard, *, grad_h=None, acc=None, wscale=1.0, sub=Non
         vals, A, B = grad_coefficients(zg, st, tc, slc, opts, g[s0:s1_])
         if scaled:
             scale = A * torch.exp(stat[:, 0] - st.lse)
+            if anchored:  # flagged rows add nothing here; they are redone after the loop
+                scale = torch.where(bad, torch.zeros_like(scale), scale)
             vals = torch.where((scale != 0)[:, None], vals / scale[:, None], torch.zeros_like(vals))
         elif v:
             lse1 = st.lse1 if B is not None else st.lse
@@ -236,7 +239,11 @@ def run(h, weight, t, opts, shard, *, grad_h=None, acc=None, wscale=1.0, sub=Non
         e.scatter_add_(1, slc.col, vals.to(e.dtype))
         hs = h[s0:s1_]
         if grad_h is not None:
-            if scaled:
+            if scaled and anchored:  # where, not mul: a flagged row's E may hold huge values (inf * 0)
+                gh = gemm.mm(e, w, mdt)
+                grad_h[s0:s1_] = torch.where(bad[:, None], torch.zeros((), dtype=mdt, device=gh.device),
+                                             gh.mul_(scale[:, None]))
+            elif scaled:
                 grad_h[s0:s1_] = gemm.mm(e, w, mdt).mul_(scale[:, None])
             else:
                 gemm.mm_into(e, w, grad_h[s0:s1_])
@@ -251,25 +258,25 @@ def run(h, weight, t, opts, shard, *, grad_h=None, acc=None, wscale=1.0, sub=Non
                 fresh = False
             else:
                 gemm.addmm_(acc[:v], e.t(), hs, alpha=wscale)
-        if anchored and logits.flagged():  # rare: redo the flagged tokens with fp32 logits
-            stats[-1] = _redo_rows(bad.nonzero()[:, 0], s0, e, hs, h, weight, t, opts, shard, grad_h, acc,
-                                   wscale, g, st, dict(sub=sub, sup=sup, block=block))
     if fresh:  # nothing was written (no rows on this shard)
         acc.zero_()
-    return ChunkStats.cat(stats)
+    out = ChunkStats.cat(stats)
+    if anchored:  # one host sync per call, after every chunk is queued
+        rows = bad_all.nonzero()[:, 0]
+        if rows.numel():
+            out = _redo_rows(rows, h, weight, t, opts, shard, grad_h, acc, wscale, g, out,
+                             dict(sub=sub, sup=sup, block=block))
+    return out
 
 
-def _redo_rows(rows, s0, e, hs, h, weight, t, opts, shard, grad_h, acc, wscale, g, st, tuning):
-    """Anchored chunk, flagged rows: take their weight-gradient contribution (e rows times the scaled hs rows,
-    both still in memory) back out of acc, then recompute those rows alone with fp32 logits."""
-    if acc is not None:
-        gemm.addmm_(acc[: e.shape[1]], e[rows].t(), hs[rows], alpha=-wscale)
-    at = rows + s0
+def _redo_rows(rows, h, weight, t, opts, shard, grad_h, acc, wscale, g, st, tuning):
+    """Anchored logits, flagged rows (their scale was 0, so they added nothing yet): recompute those rows alone
+    with fp32 logits, adding to acc and writing their grad_h rows and statistics."""
     gh = None if grad_h is None else torch.empty((rows.numel(), h.shape[1]), dtype=grad_h.dtype, device=h.device)
-    sub = run(h[at], weight, t.take(at), opts, shard, grad_h=gh, acc=acc, wscale=wscale, logits="fp32",
-              g=g[at], **tuning)
+    sub = run(h[rows], weight, t.take(rows), opts, shard, grad_h=gh, acc=acc, wscale=wscale, logits="fp32",
+              g=g[rows], **tuning)
     if grad_h is not None:
-        grad_h[at] = gh
+        grad_h[rows] = gh
     return st.put(rows, sub)
 
 

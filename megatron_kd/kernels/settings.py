@@ -7,7 +7,7 @@ import os
 
 MIB = 1 << 20
 # Ranked first by kernel_tune.py on an H200, 2026-11-29 (benchmarks/results/kernel_tune_h200.json).
-DEFAULTS = dict(Z_MIB=512, E_MIB=2048, A_MIB=768, OVERLAP="0", LOGITS="anchored")
+DEFAULTS = dict(Z_MIB=512, E_MIB=2048, A_MIB=0, OVERLAP="0", LOGITS="anchored")
 
 
 def _env(key: str) -> str:
@@ -16,6 +16,15 @@ def _env(key: str) -> str:
 
 Z_BYTES = int(_env("Z_MIB")) * MIB  # fp32 logits of one sub-chunk
 E_BYTES = int(_env("E_MIB")) * MIB  # bf16 dz of one super-chunk
-A_BYTES = int(_env("A_MIB")) * MIB  # bf16 anchored logits, then E, of one super-chunk (LOGITS="anchored")
+A_BYTES = int(_env("A_MIB")) * MIB  # bf16 anchored logits / E of one super-chunk; 0: 0.9 x |W| in bf16
 OVERLAP = _env("OVERLAP") == "1"  # sweep on a side stream (CUDA)
 LOGITS = _env("LOGITS")  # "anchored" | "fp32" | "bf16": how the logits GEMM writes for bf16 inputs (fused.py)
+W_FRACTION = 0.9  # anchored buffer by default: this fraction of the bf16 weight's bytes (S = 0.9 H rows)
+
+
+def anchored_rows(vocab: int, hidden: int, a_bytes: int | None = None) -> int:
+    """Tokens per super-chunk of the anchored path: A_BYTES of buffer, or (A_MIB = 0) 0.9 x the bf16 weight
+    gradient a plain implementation would allocate, so the loss never needs more than that. Multiple of 16."""
+    budget = A_BYTES if a_bytes is None else a_bytes
+    budget = budget or int(W_FRACTION * 2 * vocab * hidden)
+    return max(16, budget // (2 * max(1, vocab)) // 16 * 16)

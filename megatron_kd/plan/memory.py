@@ -27,7 +27,7 @@ GIB = float(1 << 30)
 RESERVE_GIB = 3.0          # CUDA context, NCCL buffers, allocator rounding: not in max_memory_allocated
 H200_GIB = 139.8           # usable HBM of one H200 (torch.cuda.mem_get_info total)
 from ..loss.api import CHUNK_ELEMENTS as LOSS_CHUNK_ELEMENTS  # noqa: E402  (torch chunked impls)
-from ..kernels.settings import A_BYTES as FUSED_A_BYTES  # noqa: E402  (anchored bf16 logits / dz, tp == 1)
+from ..kernels.settings import anchored_rows  # noqa: E402  (anchored bf16 logits / dz rows, tp == 1)
 from ..kernels.settings import E_BYTES as FUSED_E_BYTES  # noqa: E402  (bf16 dz of one super-chunk)
 from ..kernels.settings import LOGITS as FUSED_LOGITS  # noqa: E402
 from ..kernels.settings import Z_BYTES as FUSED_Z_BYTES  # noqa: E402  (fp32 logits of one sub-chunk)
@@ -243,7 +243,7 @@ def loss_buffers(shape: ModelShape, lay: Layout, tr: Training, T: int) -> dict:
         V = max(1, shape.vocab)
         rnd = lambda x, q: max(q, x // q * q)  # noqa: E731
         if t == 1 and FUSED_LOGITS == "anchored":
-            C, S = 0, rnd(FUSED_A_BYTES // (2 * V), 16)
+            C, S = 0, anchored_rows(V, h)
         elif t == 1:
             C = rnd(FUSED_Z_BYTES // (4 * V), 16)
             S = max(C, rnd(FUSED_E_BYTES // (2 * V), C) // C * C)

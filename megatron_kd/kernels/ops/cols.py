@@ -40,7 +40,7 @@ def _col_sweep_kernel(y_ptr, S, V, vchunk, s_ptr, m_ptr, prm_ptr, BT: tl.constex
         at = y_ptr + vs[:, None].to(tl.int64) * S + ts[None, :]
         y = tl.load(at, mask=m, other=float("-inf")).to(tl.float32)
         mx = tl.maximum(mx, y)
-        ex = tl.exp(y * inv_t)
+        ex = tl.exp(tl.minimum(y * inv_t, 80.0))  # finite in bf16 even for a flagged row (its scale is 0)
         s += ex
         tl.store(at, ex.to(y_ptr.dtype.element_ty), mask=m)
     tl.store(s_ptr + pv * S + ts, tl.sum(s, 0), mask=tin)

@@ -71,7 +71,7 @@ def check_agreement(h, w, ids, logp, impls):
     """Loss of every impl at the first few thousand tokens, relative to dense."""
     n = min(h.shape[0], 4096)
     hs, i, lp = h[:n].detach(), ids[:n], logp[:n]
-    vals = {impl: topk_kl_loss(hs, w.detach(), i, lp, impl=impl).item() for impl in impls}
+    vals = {impl: topk_kl_loss(hs, w.detach(), i, lp, impl=impl).item() for impl in sorted(set(impls) | {"dense"})}
     ref = vals["dense"]
     return {k: dict(loss=v, rel_to_dense=abs(v - ref) / abs(ref)) for k, v in vals.items()}
 

@@ -87,6 +87,9 @@ def environment():
             env[mod] = None
     try:
         env["git"] = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+        # the device gets a copy of the working tree whose HEAD may lag: say when the tree differs from it
+        env["git_dirty"] = bool(subprocess.check_output(["git", "status", "--porcelain", "--untracked-files=no"],
+                                                        text=True).strip())
     except Exception:
         pass
     return env

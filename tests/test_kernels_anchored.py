@@ -102,9 +102,9 @@ def test_bias_gemm_rounds_once():
 
 
 def test_anchors_skip_empty_slots():
-    h = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]).bfloat16()
-    w = torch.tensor([[2.0, 0.0], [0.0, 3.0], [5.0, 5.0]]).bfloat16()
-    idx = torch.tensor([[0, -1], [-1, -1], [1, 2]], dtype=torch.int32)
+    h = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], device=DEV).bfloat16()
+    w = torch.tensor([[2.0, 0.0], [0.0, 3.0], [5.0, 5.0]], device=DEV).bfloat16()
+    idx = torch.tensor([[0, -1], [-1, -1], [1, 2]], dtype=torch.int32, device=DEV)
     assert anchored.anchors(h, w, idx).tolist() == [2.0, 0.0, 10.0]
     assert anchored.anchor_columns(9, 10) == [0, 1, 2, 9] and anchored.anchor_columns(2, 2) == [0, 1]
 

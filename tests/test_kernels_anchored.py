@@ -115,3 +115,13 @@ def test_anchored_rows_budget():
     assert anchored_rows(201088, 2880, 0) == 2592
     assert anchored_rows(1000, 64, 768 << 20) == (768 << 20) // 2000 // 16 * 16
     assert anchored_rows(10 ** 9, 8, 0) == 16
+
+
+def test_anchored_non_contiguous_hidden():
+    """hidden as a strided view (e.g. [s, b, h] transposed before flattening) gives the same result."""
+    inp = bf16_inputs(0.5, seed=2, n=(6, 5), V=200, H=16, K=5)
+    base = run_fused(inp, 1.0, ANCH)
+    inp2 = dict(inp)
+    inp2["hidden"] = inp["hidden"].transpose(0, 1).contiguous().transpose(0, 1)  # same values, other strides
+    other = run_fused(inp2, 1.0, ANCH)
+    assert all(rel(a, b) < 1e-6 for a, b in zip(base, other))

@@ -42,6 +42,7 @@ class AnchoredLogits:
     def sweep(self, hs, w, idx, temperature):
         """(e [C, V] view of E, zg [C, K1] fp32 logits at the slots, stat [C, 3] = (a, sum E, 0), bad [C])."""
         c = hs.shape[0]
+        hs = hs if hs.stride(1) == 1 else hs.contiguous()  # the anchor kernel reads rows
         b = anchors(hs, w, idx[:, self.cols])
         yt = self.buf[: self.v * c].view(self.v, c)
         gemm.mm_bias_t_into(w, hs, -b, yt)

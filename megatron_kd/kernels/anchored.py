@@ -50,7 +50,8 @@ class AnchoredLogits:
         slot_gather_mask(yt.t(), idx, out=zg)
         s, ymax = col_sweep(yt, temperature)
         bf = b.float()
-        bad = (ymax > TAU) | (zg.amax(1) > TAU) | ~torch.isfinite(s)
+        lim = min(TAU, 60.0 * temperature)  # and y / T <= 60: the sweep's clamp at 80 never touches a kept row
+        bad = (ymax > lim) | (zg.amax(1) > lim) | ~torch.isfinite(s)
         zg += bf[:, None]
         stat = torch.stack([bf / temperature, s, torch.zeros_like(s)], 1)
         return yt.t(), zg, stat, bad

@@ -10,7 +10,7 @@ from test_kernels import CUDA, DEV, TUNE, check, rel, run_fused, run_ref  # noqa
 
 from megatron_kd.kernels import anchored, fused  # noqa: E402
 from megatron_kd.kernels.ops import gemm  # noqa: E402
-from megatron_kd.kernels.ops.cols import col_sweep  # noqa: E402
+from megatron_kd.kernels.ops.cols import anchor_logits, col_sweep  # noqa: E402
 from reference import make_inputs  # noqa: E402
 
 ANCH = dict(TUNE, logits="anchored")
@@ -105,7 +105,7 @@ def test_anchors_skip_empty_slots():
     h = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], device=DEV).bfloat16()
     w = torch.tensor([[2.0, 0.0], [0.0, 3.0], [5.0, 5.0]], device=DEV).bfloat16()
     idx = torch.tensor([[0, -1], [-1, -1], [1, 2]], dtype=torch.int32, device=DEV)
-    assert anchored.anchors(h, w, idx).tolist() == [2.0, 0.0, 10.0]
+    assert anchor_logits(h, w, idx).tolist() == [2.0, 0.0, 10.0]
     assert anchored.anchor_columns(9, 10) == [0, 1, 2, 9] and anchored.anchor_columns(2, 2) == [0, 1]
 
 

@@ -7,11 +7,13 @@ Per super-chunk of S tokens:
   3. the slot kernel reads y at the slots and masks them; ops.cols.col_sweep turns y into E = exp(y / T) in
      place and returns sum(E) and max(y) per token. E = exp(u - a) with a = b / T: the scaled path's dz = s E.
 bf16 keeps y to 2^-9 |y| relative, so where the softmax mass is (y near max y) the error stays below
-TAU 2^-9 (0.8%) as long as max y <= TAU. A token whose max y (slots included) exceeds TAU (its student ranks
-something far above its logits at the anchor ids), or whose sum is not finite, is flagged on the device: its
+TAU 2^-9 (0.8%) as long as max y <= TAU. A token whose max y (slots included) exceeds min(TAU, 60 T) (its
+student ranks something far above its logits at the anchor ids; 60 T keeps y / T below the sweep's clamp), or
+whose sum is not finite, is flagged on the device: its
 row scale is set to 0, so it adds nothing to either gradient, and after the last chunk (one host sync per call)
 the flagged tokens are recomputed alone with fp32 logits (fused.run on those rows). No per-chunk sync.
-Memory: S x V bf16 (settings.anchored_rows: by default 0.9 x the bf16 weight, S = 0.9 H) instead of fp32 sub-chunk logits plus the bf16 dz buffer.
+Memory: S x V bf16 (settings.anchored_rows: by default 0.9 x the bf16 weight, S = 0.9 H) instead of fp32
+sub-chunk logits plus the bf16 dz buffer.
 """
 import torch
 
@@ -29,11 +31,6 @@ def anchor_columns(k: int, k1: int) -> list[int]:
     return cols + ([k] if k1 > k else [])
 
 
-def anchors(hs: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """[C] bf16: max over idx's columns (int32 local ids, -1 = none) of hs_r . w[id]; 0 where none is valid."""
-    return anchor_logits(hs, w, idx)
-
-
 class AnchoredLogits:
     def __init__(self, rows: int, v: int, h: torch.Tensor, cols: list[int]):
         self.buf = torch.empty(rows * v, dtype=h.dtype, device=h.device)
@@ -43,7 +40,7 @@ class AnchoredLogits:
         """(e [C, V] view of E, zg [C, K1] fp32 logits at the slots, stat [C, 3] = (a, sum E, 0), bad [C])."""
         c = hs.shape[0]
         hs = hs if hs.stride(1) == 1 else hs.contiguous()  # the anchor kernel reads rows
-        b = anchors(hs, w, idx[:, self.cols])
+        b = anchor_logits(hs, w, idx[:, self.cols])
         yt = self.buf[: self.v * c].view(self.v, c)
         gemm.mm_bias_t_into(w, hs, -b, yt)
         zg = torch.empty(idx.shape, dtype=torch.float32, device=hs.device)

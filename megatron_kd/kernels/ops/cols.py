@@ -8,7 +8,8 @@ anchor_logits: b[r] = max over a few slot ids of h[r] . w[id] (fp32 dots, no [S,
 col_sweep: in place, y -> E = exp(y / T) (slot entries already hold -inf, so they become 0), and per token the
     sum of E and the max of y, as partial results per vocabulary split (summed / maxed in torch). Grid: token
     blocks x vocabulary splits, so a few thousand tokens still fill the GPU. No autotuning: it rewrites its
-    input, and a tuning re-run would exponentiate twice.
+    input, and a tuning re-run would exponentiate twice. The exponent is clamped at 80 (E stays finite in bf16);
+    anchored.py flags every row where the clamp could act.
 """
 import torch
 import triton

@@ -6,9 +6,9 @@ and the fp32 redo of flagged tokens (with their weight-gradient contribution tak
 import pytest
 import torch
 
-from test_kernels import CUDA, DEV, TUNE, check, rel, run_fused, run_ref  # noqa: F401  (sets TRITON_INTERPRET)
+from test_kernels import DEV, TUNE, rel, run_fused, run_ref  # sets TRITON_INTERPRET first
 
-from megatron_kd.kernels import anchored, fused  # noqa: E402
+from megatron_kd.kernels import fused  # noqa: E402
 from megatron_kd.kernels.ops import gemm  # noqa: E402
 from megatron_kd.kernels.ops.cols import anchor_logits, col_sweep  # noqa: E402
 from reference import make_inputs  # noqa: E402

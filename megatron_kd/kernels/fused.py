@@ -42,8 +42,8 @@ Weight gradient: fp32 accumulator, or straight into weight.main_grad when the we
 (Megatron's gradient-accumulation fusion: no extra memory); a bf16 main_grad (grad_reduce_in_fp32 off,
 train.optimizer=lean_adam) gets the fp32 accumulator added once in forward (no bf16 weight-grad copy).
 main_grad is written during forward assuming grad_output == weight.megatron_kd_grad_scale (default 1.0);
-backward checks (one host sync) and, if grad_output differs, adds the difference by recomputing. Then, like Megatron's linear layers,
-backward returns no weight gradient (or a dummy one and sets grad_added_to_main_grad, when the weight
+backward checks (one host sync) and, if grad_output differs, adds the difference by recomputing. Then, like
+Megatron's linear layers, backward returns no weight gradient (or a dummy one and sets grad_added_to_main_grad, when the weight
 carries that attribute).
 reduction="none" needs per-position upstream grads, unknown in forward: it runs the torch "chunked" impl.
 """

@@ -8,7 +8,7 @@ import torch
 
 from test_kernels import DEV, TUNE, rel, run_fused, run_ref  # sets TRITON_INTERPRET first
 
-from megatron_kd.kernels import fused  # noqa: E402
+from megatron_kd.kernels import anchored, fused  # noqa: E402
 from megatron_kd.kernels.ops import gemm  # noqa: E402
 from megatron_kd.kernels.ops.cols import anchor_logits, col_sweep  # noqa: E402
 from reference import make_inputs  # noqa: E402

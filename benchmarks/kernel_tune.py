@@ -65,7 +65,7 @@ SMOKE_EXTRA = {"broken (must be recorded, not stop the run)": dict(LOGITS="nonse
 
 
 def defaults_line(cfg):
-    d = dict(fused.DEFAULTS)
+    d = dict(fused.DEFAULTS, LOGITS="fp32")  # Z/E/OVERLAP shape the fp32-logits path; anchored ignores them
     d.update({k: cfg[k] for k in SETTINGS if k in cfg})
     return "DEFAULTS = dict(" + ", ".join(f"{k}={d[k]!r}" for k in SETTINGS) + ")"
 
@@ -74,7 +74,7 @@ def defaults_line(cfg):
 def applied(cfg, unit):
     """Set fused's module settings for one variant (unit: bytes per 'MiB', 64 in --smoke)."""
     old = (fused.Z_BYTES, fused.E_BYTES, fused.OVERLAP, fused.LOGITS)
-    d = dict(fused.DEFAULTS)
+    d = dict(fused.DEFAULTS, LOGITS="fp32")  # Z/E/OVERLAP shape the fp32-logits path; anchored ignores them
     d.update({k: cfg[k] for k in SETTINGS if k in cfg})
     try:
         fused.Z_BYTES, fused.E_BYTES = int(d["Z_MIB"]) * unit, int(d["E_MIB"]) * unit

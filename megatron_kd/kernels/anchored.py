@@ -31,16 +31,23 @@ def anchor_columns(k: int, k1: int) -> list[int]:
     return cols + ([k] if k1 > k else [])
 
 
-class AnchoredLogits:
-    def __init__(self, rows: int, v: int, h: torch.Tensor, cols: list[int]):
-        self.buf = torch.empty(rows * v, dtype=h.dtype, device=h.device)
-        self.v, self.cols = v, cols
+def anchor_ids(idx: torch.Tensor, cols: list[int]) -> torch.Tensor:
+    """[N, J] int32 local ids at the anchor slots, for all rows at once. Column slices, not idx[:, cols]: a list
+    index is copied host-to-device, which synchronizes with the GPU (once per chunk, idling it)."""
+    return torch.cat([idx[:, c:c + 1] for c in cols], 1) if cols else idx[:, :0].contiguous()
 
-    def sweep(self, hs, w, idx, temperature):
-        """(e [C, V] view of E, zg [C, K1] fp32 logits at the slots, stat [C, 3] = (a, sum E, 0), bad [C])."""
+
+class AnchoredLogits:
+    def __init__(self, rows: int, v: int, h: torch.Tensor):
+        self.buf = torch.empty(rows * v, dtype=h.dtype, device=h.device)
+        self.v = v
+
+    def sweep(self, hs, w, idx, aidx, temperature):
+        """(e [C, V] view of E, zg [C, K1] fp32 logits at the slots, stat [C, 3] = (a, sum E, 0), bad [C]).
+        idx [C, K1] slot ids, aidx [C, J] the anchor slots' ids (anchor_ids)."""
         c = hs.shape[0]
         hs = hs if hs.stride(1) == 1 else hs.contiguous()  # the anchor kernel reads rows
-        b = anchor_logits(hs, w, idx[:, self.cols])
+        b = anchor_logits(hs, w, aidx)
         yt = self.buf[: self.v * c].view(self.v, c)
         gemm.mm_bias_t_into(w, hs, -b, yt)
         zg = torch.empty(idx.shape, dtype=torch.float32, device=hs.device)

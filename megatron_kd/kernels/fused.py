@@ -57,7 +57,7 @@ from .ops import gemm
 from .ops.rows import row_grad, row_sweep, slot_gather_mask
 from .sparse import combine_stats, grad_coefficients, prepare_slots
 
-from .anchored import AnchoredLogits, anchor_columns
+from .anchored import AnchoredLogits, anchor_columns, anchor_ids
 from .settings import A_BYTES, DEFAULTS, E_BYTES, LOGITS, MIB, OVERLAP, Z_BYTES, anchored_rows  # noqa: F401
 SLACK = 20.0  # anchor slack (nats): E <= e^20, and rows are re-swept only beyond it
 GRAD_SCALE_ATTR = "megatron_kd_grad_scale"
@@ -208,7 +208,8 @@ def run(h, weight, t, opts, shard, *, grad_h=None, acc=None, wscale=1.0, sub=Non
     sl = prepare_slots(t, opts, shard)
     g = row_weights(t, opts) if g is None else g
     if anchored:
-        logits = AnchoredLogits(min(S, n), v, h, anchor_columns(sl.k, sl.k1))
+        logits = AnchoredLogits(min(S, n), v, h)
+        aidx = anchor_ids(sl.idx, anchor_columns(sl.k, sl.k1))
         bad_all = torch.zeros(n, dtype=torch.bool, device=h.device)
     else:
         logits = _Logits(h, w, sl, C, mdt, (OVERLAP if overlap is None else overlap) and S > C,
@@ -221,7 +222,7 @@ def run(h, weight, t, opts, shard, *, grad_h=None, acc=None, wscale=1.0, sub=Non
         s1_ = min(n, s0 + S)
         slc = sl.rows(s0, s1_)
         if anchored:
-            e, zg, stat, bad = logits.sweep(h[s0:s1_], w, slc.idx, T)
+            e, zg, stat, bad = logits.sweep(h[s0:s1_], w, slc.idx, aidx[s0:s1_], T)
             bad_all[s0:s1_] = bad
         else:
             zg, stat = logits.sweep(s0, s1_, ebuf[: s1_ - s0] if scaled else None, sweep_kw)

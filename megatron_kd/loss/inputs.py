@@ -62,20 +62,21 @@ def check_and_flatten(hidden, weight, topk_ids, topk_logprobs, labels, loss_mask
     k = topk_ids.shape[-1]
     if k > vocab_size:
         raise ValueError(f"topk_ids has K={k} slots but the vocabulary has only V={vocab_size} ids")
-    if topk_ids.numel():
-        lo, hi = int(topk_ids.min()), int(topk_ids.max())
-        if lo < -1 or hi >= vocab_size:
-            raise ValueError(f"topk_ids must be in [-1, {vocab_size - 1}] (-1 = empty slot), found [{lo}, {hi}]; "
-                             "was the cache built with another tokenizer or vocabulary?")
     n = 1
     for d in lead:
         n *= d
     mdt = math_dtype_for(hidden)
     ids = topk_ids.reshape(n, k).long()
     raw = topk_logprobs.reshape(n, k).to(mdt)
-    if n and k and bool((torch.isnan(raw) & (ids >= 0)).any()):
-        raise ValueError("topk_logprobs has NaN at non-empty slots (ids >= 0): a corrupt cache or teacher output; "
-                         "rebuild the cache, or mark those slots empty with id -1")
+    if n and k:  # the three value checks share one host sync
+        nan = (torch.isnan(raw) & (ids >= 0)).any()
+        lo, hi, bad = torch.stack([ids.min(), ids.max(), nan.long()]).tolist()
+        if lo < -1 or hi >= vocab_size:
+            raise ValueError(f"topk_ids must be in [-1, {vocab_size - 1}] (-1 = empty slot), found [{lo}, {hi}]; "
+                             "was the cache built with another tokenizer or vocabulary?")
+        if bad:
+            raise ValueError("topk_logprobs has NaN at non-empty slots (ids >= 0): a corrupt cache or teacher "
+                             "output; rebuild the cache, or mark those slots empty with id -1")
     valid = (ids >= 0) & (raw > float("-inf"))  # a -inf log-prob carries no teacher mass: an empty slot
     logp = raw.masked_fill(~valid, 0.0)
 

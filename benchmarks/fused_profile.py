@@ -6,8 +6,10 @@ CUDA time by kernel name and the host-side synchronizations (each one idles the 
 """
 import argparse
 import sys
+import time
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -47,6 +49,13 @@ def main():
             fused.LOGITS, fused.Z_BYTES, fused.E_BYTES = "fp32", z * fused.MIB, e * fused.MIB
         step()
         torch.cuda.synchronize()
+        wall, host = [], []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            step()
+            host.append((time.perf_counter() - t0) * 1e3)  # until the host has queued everything
+            torch.cuda.synchronize()
+            wall.append((time.perf_counter() - t0) * 1e3)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()
@@ -57,14 +66,43 @@ def main():
                  or "nonzero" in x.key or "local_scalar" in x.key}
         total = sum(r[2] for r in cuda)
         rec = dict(kernel_ms_total=total, top=[dict(name=k[:120], count=c, ms=ms) for k, c, ms in cuda[:30]],
-                   host_syncs=syncs, kernels=sum(r[1] for r in cuda))
+                   host_syncs=syncs, kernels=sum(r[1] for r in cuda), wall_ms=sorted(wall)[1],
+                   host_ms=sorted(host)[1], gaps=gap_table(prof))
         out["settings"][s] = rec
         print(f"== Z,E = {s}: kernel time {total:.1f} ms over {rec['kernels']} launches; syncs {syncs}")
+        print(f"   wall {rec['wall_ms']:.1f} ms, host returns after {rec['host_ms']:.1f} ms; GPU timeline: {rec['gaps']['summary']}")
+        for gp in rec["gaps"]["largest"][:8]:
+            print(f"   gap {gp['us']:8.1f} us after {gp['after']} before {gp['before']}")
         for r in rec["top"][:22]:
             print(f"  {r['ms']:8.2f} ms  x{r['count']:<5} {r['name']}")
     if a.sweep_tiles:
         out["col_sweep"] = sweep_table(a, dev)
     save(a.out, out)
+
+
+def gap_table(prof):
+    """The GPU timeline of the profiled step: busy time, idle gaps between kernels by size, the largest gaps
+    with their neighbours (idle time is where the host, not the GPU, set the pace)."""
+    ks = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                if e.device_type == DeviceType.CUDA)
+    if not ks:
+        return dict(summary="no device events")
+    busy, gaps, end, prev = 0.0, [], ks[0][0], ks[0][2]
+    for s0, s1, name in ks:
+        if s0 > end:
+            gaps.append((s0 - end, prev, name))
+        busy += max(0.0, s1 - max(s0, end))
+        if s1 > end:
+            end, prev = s1, name
+    span = end - ks[0][0]
+    buckets = {}
+    for lo, hi in ((0, 5), (5, 20), (20, 100), (100, 1000), (1000, 1e12)):
+        sel = [g[0] for g in gaps if lo <= g[0] < hi]
+        buckets[f"{lo}-{hi if hi < 1e12 else 'inf'}us"] = dict(count=len(sel), ms=sum(sel) / 1e3)
+    largest = [dict(us=g, after=a[:60], before=b[:60]) for g, a, b in sorted(gaps, reverse=True)[:20]]
+    summary = f"span {span / 1e3:.1f} ms, busy {busy / 1e3:.1f} ms, idle {(span - busy) / 1e3:.1f} ms in {len(gaps)} gaps"
+    return dict(span_ms=span / 1e3, busy_ms=busy / 1e3, idle_ms=(span - busy) / 1e3, buckets=buckets,
+                largest=largest, summary=summary, events=len(ks))
 
 
 def sweep_table(a, dev):

@@ -25,8 +25,9 @@ def main():
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--hidden", type=int, default=3072)
     ap.add_argument("--settings", nargs="+", default=["a768", "512,2048"],
-                    help="Z_MIB,E_MIB pairs (fp32 logits) or aMIB (anchored bf16 logits, A_MIB)")
+                    help="Z_MIB,E_MIB pairs (fp32 logits) or aMIB (anchored bf16 logits, A_MIB); suffix t: ROWS=torch")
     ap.add_argument("--sweep-tiles", nargs="*", default=[], help="BT,BV,warps[,programs] for a col_sweep timing table")
+    ap.add_argument("--trace", default=None, help="write the first setting's Chrome trace here (.json.gz)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     dev = torch.device("cuda")
@@ -42,10 +43,11 @@ def main():
         topk_kl_loss(h, w, ids, logp, impl="fused").backward()
 
     for s in a.settings:
+        fused.ROWS = "torch" if s.endswith("t") else "kernel"  # suffix t: the per-row bookkeeping in torch ops
         if s.startswith("a"):
-            fused.LOGITS, fused.A_BYTES = "anchored", int(s[1:]) * fused.MIB
+            fused.LOGITS, fused.A_BYTES = "anchored", int(s[1:].rstrip("t")) * fused.MIB
         else:
-            z, e = (int(x) for x in s.split(","))
+            z, e = (int(x) for x in s.rstrip("t").split(","))
             fused.LOGITS, fused.Z_BYTES, fused.E_BYTES = "fp32", z * fused.MIB, e * fused.MIB
         step()
         torch.cuda.synchronize()
@@ -59,6 +61,14 @@ def main():
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()
+        if a.trace and s == a.settings[0]:
+            import gzip
+            import os
+            import tempfile
+            tmp = os.path.join(tempfile.mkdtemp(), "trace.json")
+            prof.export_chrome_trace(tmp)
+            with open(tmp, "rb") as f, gzip.open(a.trace, "wb") as g:
+                g.write(f.read())
         ev = prof.key_averages()
         cuda = sorted(((x.key, x.count, x.device_time_total / 1e3) for x in ev if x.device_time_total > 0),
                       key=lambda r: -r[2])

@@ -89,6 +89,8 @@ def main():
     ap.add_argument("--anchored-mib", type=int, nargs="*", default=[],
                     help="extra main_grad rows of the fused impl with these anchored buffer sizes")
     ap.add_argument("--fp32-logits", action="store_true", help="also time the fused impl with fp32 logits")
+    ap.add_argument("--torch-rows", action="store_true",
+                    help="also time the fused impl with the per-row bookkeeping in torch ops (ROWS=torch)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     dev = torch.device("cuda")
@@ -112,6 +114,9 @@ def main():
             for mib in a.anchored_mib:
                 variants[f"ours fused A={mib} MiB, grad into main_grad"] = with_fused(
                     ours_main_grad(h, w, ids, logp), A_BYTES=mib << 20)
+            if a.torch_rows:
+                variants["ours fused, torch row math, grad into main_grad"] = with_fused(
+                    ours_main_grad(h, w, ids, logp), ROWS="torch")
             if a.fp32_logits:
                 variants["ours fused, fp32 logits (Z/E buffers), grad into main_grad"] = with_fused(
                     ours_main_grad(h, w, ids, logp), LOGITS="fp32")

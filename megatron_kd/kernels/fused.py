@@ -58,7 +58,8 @@ from .ops.rows import row_grad, row_sweep, slot_gather_mask
 from .sparse import combine_stats, grad_coefficients, prepare_slots
 
 from .anchored import AnchoredLogits, anchor_columns, anchor_ids
-from .settings import A_BYTES, DEFAULTS, E_BYTES, LOGITS, MIB, OVERLAP, Z_BYTES, anchored_rows  # noqa: F401
+from .ops.scaled import scaled_rows
+from .settings import A_BYTES, DEFAULTS, E_BYTES, LOGITS, MIB, OVERLAP, ROWS, Z_BYTES, anchored_rows  # noqa: F401
 SLACK = 20.0  # anchor slack (nats): E <= e^20, and rows are re-swept only beyond it
 GRAD_SCALE_ATTR = "megatron_kd_grad_scale"
 
@@ -185,12 +186,13 @@ def _logits_dtype(logits, h_dtype, mdt):
 
 
 def run(h, weight, t, opts, shard, *, grad_h=None, acc=None, wscale=1.0, sub=None, sup=None, block=None,
-        force_two_pass=False, overlap=None, logits=None, acc_fresh=False, g=None):
+        force_two_pass=False, overlap=None, logits=None, acc_fresh=False, g=None, row_math=None):
     """One pass over all tokens. Fills grad_h [N, H] (if given, unreduced over TP) and acc [V, H] += wscale
     * dL/dW (if given) for grad_output = 1. Returns the per-position statistics (ChunkStats over N).
     acc_fresh: acc holds garbage (torch.empty); the first weight-gradient GEMM overwrites instead of adding
     (saves a memset of the fp32 accumulator), and rows never written are zeroed. g: the row weights
-    (default: from t; given when run recomputes a subset of rows)."""
+    (default: from t; given when run recomputes a subset of rows). row_math: "kernel" (ops.scaled, one launch per
+    chunk) or "torch" (sparse.py, the reference) for the scaled path's per-row bookkeeping."""
     n = h.shape[0]
     v = shard.local_valid
     w = weight[:v]
@@ -199,6 +201,7 @@ def run(h, weight, t, opts, shard, *, grad_h=None, acc=None, wscale=1.0, sub=Non
     want = grad_h is not None or acc is not None
     scaled = want and _use_scaled(opts, shard, h.dtype) and not force_two_pass
     mode = _logits_mode(logits)
+    row_kernel = scaled and (ROWS if row_math is None else row_math) == "kernel"
     anchored = scaled and mode == "anchored" and h.dtype == torch.bfloat16 and v > 0 and mdt == torch.float32
     # rows follow the global vocabulary, so a TP rank's buffers shrink with its shard
     if anchored:
@@ -227,18 +230,23 @@ def run(h, weight, t, opts, shard, *, grad_h=None, acc=None, wscale=1.0, sub=Non
         else:
             zg, stat = logits.sweep(s0, s1_, ebuf[: s1_ - s0] if scaled else None, sweep_kw)
             e = None if ebuf is None else ebuf[: s1_ - s0]
-        st = combine_stats(zg, stat, slc, opts, shard)
-        stats.append(st)
+        if row_kernel:  # one launch for the per-row statistics, coefficients and scale
+            lse, uk, zy, scale, vals = scaled_rows(zg, stat[:, 0], stat[:, 1], bad if anchored else None, slc,
+                                                   t.slice(s0, s1_), opts, g[s0:s1_], e.dtype)
+            stats.append(ChunkStats(lse=lse, uk=uk, lse1=lse if opts.needs_ce else None, zy=zy))
+        else:
+            st = combine_stats(zg, stat, slc, opts, shard)
+            stats.append(st)
+            if want:
+                vals, A, B = grad_coefficients(zg, st, t.slice(s0, s1_), slc, opts, g[s0:s1_])
         if not want:
             continue
-        tc = t.slice(s0, s1_)
-        vals, A, B = grad_coefficients(zg, st, tc, slc, opts, g[s0:s1_])
-        if scaled:
+        if scaled and not row_kernel:
             scale = A * torch.exp(stat[:, 0] - st.lse)
             if anchored:  # flagged rows add nothing here; they are redone after the loop
                 scale = torch.where(bad, torch.zeros_like(scale), scale)
             vals = torch.where((scale != 0)[:, None], vals / scale[:, None], torch.zeros_like(vals))
-        elif v:
+        elif not scaled and v:
             lse1 = st.lse1 if B is not None else st.lse
             coef = torch.stack([A, st.lse, A if B is None else B, lse1], 1).contiguous()
             row_grad(logits.z, e, coef, T, B is not None, block)  # two-pass: S == C, one sub-chunk
@@ -275,7 +283,7 @@ def run(h, weight, t, opts, shard, *, grad_h=None, acc=None, wscale=1.0, sub=Non
         rows = bad_all.nonzero()[:, 0]
         if rows.numel():
             out = _redo_rows(rows, h, weight, t, opts, shard, grad_h, acc, wscale, g, out,
-                             dict(sub=sub, sup=sup, block=block))
+                             dict(sub=sub, sup=sup, block=block, row_math=row_math))
     return out
 
 

@@ -7,7 +7,7 @@ import os
 
 MIB = 1 << 20
 # Ranked first by kernel_tune.py on an H200, 2026-11-29 (benchmarks/results/kernel_tune_h200.json).
-DEFAULTS = dict(Z_MIB=512, E_MIB=2048, A_MIB=0, OVERLAP="0", LOGITS="anchored")
+DEFAULTS = dict(Z_MIB=512, E_MIB=2048, A_MIB=0, OVERLAP="0", LOGITS="anchored", ROWS="kernel")
 
 
 def _env(key: str) -> str:
@@ -19,6 +19,7 @@ E_BYTES = int(_env("E_MIB")) * MIB  # bf16 dz of one super-chunk
 A_BYTES = int(_env("A_MIB")) * MIB  # bf16 anchored logits / E of one super-chunk; 0: 0.9 x |W| in bf16
 OVERLAP = _env("OVERLAP") == "1"  # sweep on a side stream (CUDA)
 LOGITS = _env("LOGITS")  # "anchored" | "fp32" | "bf16": how the logits GEMM writes for bf16 inputs (fused.py)
+ROWS = _env("ROWS")  # "kernel" | "torch": the scaled path's per-row bookkeeping (fused.py, ops/scaled.py)
 W_FRACTION = 0.9  # anchored buffer by default: this fraction of the bf16 weight's bytes (S = 0.9 H rows)
 
 

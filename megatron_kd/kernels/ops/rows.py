@@ -119,16 +119,21 @@ def _acc(dtype):
 _PARAMS = {}
 
 
-def _params(device, acc_dtype, temperature: float, slack: float = 0.0) -> torch.Tensor:
-    """[1/T, T, slack] on device in the accumulation dtype; cached (no host-to-device copy per launch)."""
-    key = (str(device), acc_dtype, float(temperature), float(slack))
+def _consts(device, acc_dtype, *values: float) -> torch.Tensor:
+    """The given scalars on device in the accumulation dtype; cached (no host-to-device copy per launch)."""
+    key = (str(device), acc_dtype) + tuple(float(v) for v in values)
     p = _PARAMS.get(key)
     if p is None:
-        p = torch.tensor([1.0 / temperature, temperature, slack], dtype=torch.float64).to(acc_dtype).to(device)
+        p = torch.tensor(values, dtype=torch.float64).to(acc_dtype).to(device)
         if len(_PARAMS) > 256:
             _PARAMS.clear()
         _PARAMS[key] = p
     return p
+
+
+def _params(device, acc_dtype, temperature: float, slack: float = 0.0) -> torch.Tensor:
+    """[1/T, T, slack] (see _consts)."""
+    return _consts(device, acc_dtype, 1.0 / temperature, temperature, slack)
 
 
 def _launch(raw, tuned, grid, block, *args, **kw):

@@ -1,0 +1,93 @@
+"""One Triton program per row for the O(C x K) bookkeeping of the scaled path (fused.py: TP = 1, tail "none",
+CE only at T = 1): what sparse.combine_stats + sparse.grad_coefficients + the row scale compute in ~60 small
+torch ops per chunk, in one launch. Each small launch idles the GPU between the chunk's GEMMs; the torch
+functions stay the reference (tests/test_kernels_scaled.py compares the two).
+
+Per row, from the slot logits zg [K1] (z at the teacher ids, then the label; -inf where not owned), the
+sweep's anchor a and sum se = sum exp(u - a) over the other columns, teacher log-probs and row weight g:
+  lse = a + log(se + sum over first slots of exp(u - a))             (u = z / T)
+  A   = T kw g P + cw g                                               (P = teacher mass on its ids)
+  dz at slot j = A exp(u_j - lse) - T kw g sum_{i -> j} p_i - cw g [label -> j]   (i -> j: same column)
+  scale = A exp(a - lse) (0 where bad), vals_j = dz_j / scale at first slots (0 elsewhere; 0 if scale is 0)
+so that off the slots dz = scale * E with E = exp(u - a) as the sweep wrote it.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .rows import _acc, _consts
+
+
+@triton.jit
+def _scaled_rows_kernel(zg_ptr, a_ptr, se_ptr, ast, bad_ptr, first_ptr, own_ptr, cid_ptr, logp_ptr, valid_ptr,
+                        g_ptr, lab_ptr, lse_ptr, uk_ptr, zy_ptr, scale_ptr, vals_ptr, prm_ptr, K, K1,
+                        HAS_BAD: tl.constexpr, NEED_KL: tl.constexpr, NEED_CE: tl.constexpr, KP: tl.constexpr,
+                        ACC: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    js = tl.arange(0, KP)
+    jin = js < K1
+    tin = js < K
+    inv_t = tl.load(prm_ptr)
+    T = tl.load(prm_ptr + 1)
+    kw = tl.load(prm_ptr + 2)
+    cw = tl.load(prm_ptr + 3)
+    zg = tl.load(zg_ptr + r * K1 + js, mask=jin, other=float("-inf")).to(ACC)
+    first = tl.load(first_ptr + r * K1 + js, mask=jin, other=0) != 0
+    own = tl.load(own_ptr + r * K1 + js, mask=jin, other=0) != 0
+    cid = tl.load(cid_ptr + r * K1 + js, mask=jin, other=K1).to(tl.int32)
+    a = tl.load(a_ptr + r * ast).to(ACC)
+    se = tl.load(se_ptr + r * ast).to(ACC)
+    u = zg * inv_t
+    m = tl.where(tl.abs(a) < float("inf"), a, 0.0)  # an empty row's anchor is -inf
+    e_slot = tl.where(first, tl.exp(u - m), 0.0)
+    lse = m + tl.log(se * tl.exp(a - m) + tl.sum(e_slot, 0))
+    tl.store(lse_ptr + r, lse)
+    tl.store(uk_ptr + r * K + js, tl.where(own & tin, u, 0.0), mask=tin)
+    g = tl.load(g_ptr + r).to(ACC)
+    dense = g * 0.0
+    sp = tl.zeros([KP], ACC)  # sparse value of each slot, to be added at its column's first slot
+    if NEED_KL:
+        lp = tl.load(logp_ptr + r * K + js, mask=tin, other=0.0).to(ACC)
+        vd = tl.load(valid_ptr + r * K + js, mask=tin, other=0) != 0
+        p = tl.where(vd, tl.exp(lp), 0.0)
+        ac = T * kw * g
+        dense += ac * tl.sum(p, 0)
+        sp -= ac * p
+    if NEED_CE:
+        lab = tl.load(lab_ptr + r)
+        dense += cw * g
+        sp = tl.where((js == K) & (lab >= 0), sp - cw * g, sp)
+        tl.store(zy_ptr + r, tl.sum(tl.where((js == K) & own, zg, 0.0), 0))
+    q = tl.where(own, tl.exp(u - lse), 0.0)
+    add = tl.sum(tl.where(cid[:, None] == js[None, :], sp[:, None], 0.0), 0)  # slot i's value to column cid_i
+    dz = q * dense + add
+    scale = dense * tl.exp(a - lse)
+    if HAS_BAD:
+        scale = tl.where(tl.load(bad_ptr + r) != 0, 0.0, scale)
+    tl.store(scale_ptr + r, scale)
+    nz = scale != 0.0
+    vals = tl.where(first, tl.where(nz, dz / tl.where(nz, scale, 1.0), 0.0), 0.0)
+    tl.store(vals_ptr + r * K1 + js, vals.to(vals_ptr.dtype.element_ty), mask=jin)
+
+
+def scaled_rows(zg, a, se, bad, sl, t, opts, g, vals_dtype):
+    """zg [C, K1] slot logits (math dtype), a / se [C] (equal row strides), bad [C] bool or None; sl the chunk's
+    Slots, t its Targets, g its row weights. Returns (lse, uk, zy or None, scale [C], vals [C, K1] vals_dtype)."""
+    c, k1 = zg.shape
+    k = sl.k
+    dt = zg.dtype
+    lse = torch.empty(c, dtype=dt, device=zg.device)
+    uk = torch.empty((c, k), dtype=dt, device=zg.device)
+    zy = torch.empty(c, dtype=dt, device=zg.device) if opts.needs_ce else None
+    scale = torch.empty(c, dtype=dt, device=zg.device)
+    vals = torch.empty((c, k1), dtype=vals_dtype, device=zg.device)
+    if c:
+        assert a.stride(0) == se.stride(0) and zg.is_contiguous()
+        prm = _consts(zg.device, dt, 1.0 / opts.temperature, opts.temperature, opts.kl_weight, opts.ce_weight)
+        lab = t.labels if opts.needs_ce else g
+        _scaled_rows_kernel[(c,)](
+            zg, a, se, a.stride(0), bad if bad is not None else g, sl.first.contiguous(), sl.own.contiguous(),
+            sl.cid.contiguous(), t.logp.contiguous(), t.valid.contiguous(), g, lab, lse, uk,
+            zy if zy is not None else lse, scale, vals, prm, k, k1, HAS_BAD=bad is not None,
+            NEED_KL=opts.needs_kl, NEED_CE=opts.needs_ce, KP=max(2, triton.next_power_of_2(k1)), ACC=_acc(dt))
+    return lse, uk, zy, scale, vals

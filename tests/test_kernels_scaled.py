@@ -1,0 +1,82 @@
+"""ops.scaled (one Triton program per row) against the torch bookkeeping it replaces on the scaled path:
+sparse.combine_stats + sparse.grad_coefficients + the row scale, on random slot logits with duplicate ids,
+empty slots, labels that repeat a teacher id or are ignored, zero-weight rows, flagged rows and T != 1."""
+import pytest
+import torch
+
+from test_kernels import DEV, rel, run_fused  # sets TRITON_INTERPRET first
+
+from megatron_kd.kernels.ops.scaled import scaled_rows  # noqa: E402
+from megatron_kd.kernels.sparse import combine_stats, grad_coefficients, prepare_slots  # noqa: E402
+from megatron_kd.loss.function import row_weights  # noqa: E402
+from megatron_kd.loss.inputs import check_and_flatten  # noqa: E402
+from megatron_kd.loss.options import LossOptions  # noqa: E402
+from megatron_kd.parallel.vocab import VocabShard  # noqa: E402
+from reference import make_inputs  # noqa: E402
+
+
+def torch_rows(zg, stat, bad, sl, t, opts, shard, g):
+    st = combine_stats(zg, stat, sl, opts, shard)
+    vals, A, B = grad_coefficients(zg, st, t, sl, opts, g)
+    assert B is None
+    scale = A * torch.exp(stat[:, 0] - st.lse)
+    if bad is not None:
+        scale = torch.where(bad, torch.zeros_like(scale), scale)
+    vals = torch.where((scale != 0)[:, None], vals / scale[:, None], torch.zeros_like(vals))
+    return st, scale, vals
+
+
+def case(seed, dtype, n=45, V=40, K=7, **kw):
+    inp = make_inputs(n_shape=(n,), V=V, H=8, K=K, dtype=dtype, seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    ids = inp["ids"].clone()
+    dup = torch.rand(ids.shape, generator=g) < 0.15  # repeat the first id in some slots
+    ids = torch.where(dup & (ids >= 0), ids[:, :1].expand_as(ids), ids)
+    labels = inp["labels"].clone()
+    labels[::4] = ids[::4, 1].clamp_min(0)  # a label that is also a teacher id
+    opts = LossOptions(impl="fused", **kw)
+    w = inp["weight"]
+    shard = VocabShard.build(V)
+    h, t, _ = check_and_flatten(inp["hidden"], w, ids, inp["logp"], labels, inp["loss_mask"], opts, vocab_size=V)
+    t = type(t)(*(x.to(DEV) if torch.is_tensor(x) else x for x in (t.ids, t.logp, t.valid, t.labels, t.weight)))
+    sl = prepare_slots(t, opts, shard)
+    mdt = t.logp.dtype
+    z = torch.randn(n, sl.k1, generator=g, dtype=torch.float64).mul(3).to(mdt).to(DEV)
+    zg = torch.where(sl.own, z, torch.full_like(z, float("-inf")))
+    a = torch.maximum(zg.amax(1), torch.randn(n, generator=g, dtype=torch.float64).to(mdt).to(DEV)) / opts.temperature
+    se = torch.rand(n, generator=g, dtype=torch.float64).mul(50).to(mdt).to(DEV)
+    stat = torch.stack([a, se, torch.zeros_like(se)], 1)
+    bad = (torch.rand(n, generator=g) < 0.2).to(DEV)
+    return zg, stat, bad, sl, t, opts, shard, row_weights(t, opts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kw", [dict(), dict(ce_weight=0.5), dict(temperature=0.6), dict(kl_weight=0.0, ce_weight=1.0),
+                                dict(kl_weight=0.7, temperature=2.0, reduction="sum")],
+                         ids=["kl", "ce", "T0.6", "ce-only", "T2-sum"])
+@pytest.mark.parametrize("with_bad", [False, True])
+def test_scaled_rows_matches_torch(dtype, kw, with_bad):
+    zg, stat, bad, sl, t, opts, shard, g = case(3, dtype, **kw)
+    bad = bad if with_bad else None
+    st, scale, vals = torch_rows(zg, stat, bad, sl, t, opts, shard, g)
+    lse, uk, zy, scale2, vals2 = scaled_rows(zg, stat[:, 0], stat[:, 1], bad, sl, t, opts, g, dtype)
+    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    for got, want in [(lse, st.lse), (uk, st.uk), (scale2, scale), (vals2, vals)] + \
+            ([(zy, st.zy)] if opts.needs_ce else []):
+        assert got.shape == want.shape
+        assert torch.allclose(got, want, rtol=tol, atol=tol), (got - want).abs().max()
+    assert (zy is None) == (not opts.needs_ce)
+    assert (scale2 == 0).any() if with_bad else True
+
+
+@pytest.mark.parametrize("logits", ["anchored", "fp32"])
+@pytest.mark.parametrize("kw", [dict(), dict(ce_weight=0.4, temperature=1.0)], ids=["kl", "ce"])
+def test_run_kernel_rows_equal_torch_rows(logits, kw):
+    """The whole fused loss with either bookkeeping: same loss and gradients up to rounding."""
+    inp = make_inputs(n_shape=(5, 9), V=300, H=24, K=9, dtype=torch.float32, seed=5)
+    inp["hidden"], inp["weight"] = inp["hidden"].bfloat16(), (inp["weight"] * 0.3).bfloat16()
+    tune = dict(sub=8, sup=16, block=128, logits=logits)
+    a = run_fused(inp, 1.0, dict(tune, row_math="kernel"), **kw)
+    b = run_fused(inp, 1.0, dict(tune, row_math="torch"), **kw)
+    errs = [rel(x, y) for x, y in zip(a, b)]
+    assert errs[0] <= 1e-5 and max(errs[1:]) <= 1e-2, errs  # bf16 gradients: one rounding apart

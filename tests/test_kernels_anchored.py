@@ -111,9 +111,10 @@ def test_anchors_skip_empty_slots():
 
 def test_anchored_rows_budget():
     from megatron_kd.kernels.settings import anchored_rows
-    assert anchored_rows(128256, 3072, 0) == 2752  # 0.9 H, a multiple of 16: E <= 0.9 |W| in bf16
-    assert anchored_rows(201088, 2880, 0) == 2592
-    assert anchored_rows(1000, 64, 768 << 20) == (768 << 20) // 2000 // 16 * 16
+    assert anchored_rows(128256, 3072, 0) == 2688  # <= 0.9 H, a multiple of 128: E <= 0.9 |W| in bf16
+    assert anchored_rows(201088, 2880, 0) == 2560
+    assert anchored_rows(1000, 64, 768 << 20) == (768 << 20) // 2000 // 128 * 128
+    assert anchored_rows(1000, 64, 200_000) == 96  # below 128 rows: a multiple of 16
     assert anchored_rows(10 ** 9, 8, 0) == 16
 
 

@@ -186,13 +186,16 @@ def _logits_dtype(logits, h_dtype, mdt):
 
 
 def run(h, weight, t, opts, shard, *, grad_h=None, acc=None, wscale=1.0, sub=None, sup=None, block=None,
-        force_two_pass=False, overlap=None, logits=None, acc_fresh=False, g=None, row_math=None):
+        force_two_pass=False, overlap=None, logits=None, acc_fresh=False, g=None, row_math=None,
+        defer_redo=False):
     """One pass over all tokens. Fills grad_h [N, H] (if given, unreduced over TP) and acc [V, H] += wscale
     * dL/dW (if given) for grad_output = 1. Returns the per-position statistics (ChunkStats over N).
     acc_fresh: acc holds garbage (torch.empty); the first weight-gradient GEMM overwrites instead of adding
     (saves a memset of the fp32 accumulator), and rows never written are zeroed. g: the row weights
     (default: from t; given when run recomputes a subset of rows). row_math: "kernel" (ops.scaled, one launch per
-    chunk) or "torch" (sparse.py, the reference) for the scaled path's per-row bookkeeping."""
+    chunk) or "torch" (sparse.py, the reference) for the scaled path's per-row bookkeeping. defer_redo: return
+    (statistics, redo) where redo() (None: nothing to redo) syncs, recomputes flagged rows and returns the
+    final statistics; the GPU then never idles while the host queues the loss."""
     n = h.shape[0]
     v = shard.local_valid
     w = weight[:v]
@@ -279,12 +282,17 @@ def run(h, weight, t, opts, shard, *, grad_h=None, acc=None, wscale=1.0, sub=Non
     if fresh:  # nothing was written (no rows on this shard)
         acc.zero_()
     out = ChunkStats.cat(stats)
+    redo = None
     if anchored:  # one host sync per call, after every chunk is queued
-        rows = bad_all.nonzero()[:, 0]
-        if rows.numel():
-            out = _redo_rows(rows, h, weight, t, opts, shard, grad_h, acc, wscale, g, out,
-                             dict(sub=sub, sup=sup, block=block, row_math=row_math))
-    return out
+        def redo():
+            rows = bad_all.nonzero()[:, 0]
+            if not rows.numel():
+                return out
+            return _redo_rows(rows, h, weight, t, opts, shard, grad_h, acc, wscale, g, out,
+                              dict(sub=sub, sup=sup, block=block, row_math=row_math))
+    if defer_redo:  # the caller queues more GPU work (the loss) before it calls redo and syncs
+        return out, redo
+    return out if redo is None else redo()
 
 
 def _redo_rows(rows, h, weight, t, opts, shard, grad_h, acc, wscale, g, st, tuning):
@@ -310,11 +318,16 @@ class FusedTopKKL(torch.autograd.Function):
         if need_w:
             acc = main if main is not None and main.dtype in (torch.float32, torch.float64) else \
                 torch.empty(weight.shape, dtype=mdt if main is None else torch.float32, device=weight.device)
-        st = run(hidden, weight, t, opts, shard, grad_h=grad_h, acc=acc,
-                 wscale=expect if main is not None else 1.0, acc_fresh=acc is not main, **tuning)
+        st, redo = run(hidden, weight, t, opts, shard, grad_h=grad_h, acc=acc,
+                       wscale=expect if main is not None else 1.0, acc_fresh=acc is not main, defer_redo=True,
+                       **tuning)
+        out = reduce(chunk_loss(st, t, opts), t, opts)  # queued before redo's sync
+        if redo is not None:
+            st2 = redo()
+            if st2 is not st:  # some rows were redone: their loss changed
+                out = reduce(chunk_loss(st2, t, opts), t, opts)
         if main is not None and acc is not main:  # 16-bit main_grad: one add of the fp32 result
             main.add_(acc)
-        out = reduce(chunk_loss(st, t, opts), t, opts)
         if grad_h is not None and reduce_grad_input:
             all_reduce_sum(grad_h, shard.group)
         ctx.main, ctx.expect, ctx.tuning = main is not None, expect, tuning
@@ -328,11 +341,12 @@ class FusedTopKKL(torch.autograd.Function):
     def backward(ctx, grad_out):
         grad_h, grad_w, hidden, weight = ctx.saved_tensors
         # a 0-dim grad_out keeps the result's dtype but multiplies in its own precision (not rounded to bf16)
-        gh = None if grad_h is None else grad_h * grad_out
         if not ctx.main:
+            gh = None if grad_h is None else grad_h * grad_out
             gw = None if grad_w is None else grad_w * grad_out
             return gh, gw, None, None, None, None, None
         g0 = float(grad_out)  # host sync: main_grad already holds expect * dL/dW
+        gh = None if grad_h is None else (grad_h if g0 == 1.0 else grad_h * grad_out)  # skip a pass over [N, H]
         if g0 != ctx.expect:
             _add_to_main(hidden, weight, ctx.t, ctx.opts, ctx.shard, weight.main_grad, g0 - ctx.expect, ctx.tuning)
         gw = None

@@ -58,7 +58,7 @@ from .ops.rows import row_grad, row_sweep, slot_gather_mask
 from .sparse import combine_stats, grad_coefficients, prepare_slots
 
 from .anchored import AnchoredLogits, anchor_columns, anchor_ids
-from .ops.scaled import scaled_rows
+from .ops.scaled import scale_rows, scaled_rows
 from .settings import A_BYTES, DEFAULTS, E_BYTES, LOGITS, MIB, OVERLAP, ROWS, Z_BYTES, anchored_rows  # noqa: F401
 SLACK = 20.0  # anchor slack (nats): E <= e^20, and rows are re-swept only beyond it
 GRAD_SCALE_ATTR = "megatron_kd_grad_scale"
@@ -211,7 +211,7 @@ def run(h, weight, t, opts, shard, *, grad_h=None, acc=None, wscale=1.0, sub=Non
         C = S = max(1, sup or int(opts.chunk_size or 0) or anchored_rows(shard.valid_size, h.shape[1], A_BYTES))
     else:
         C, S = plan_chunks(n, shard.valid_size, opts, scaled, sub=sub, sup=sup)
-    sl = prepare_slots(t, opts, shard)
+    sl = prepare_slots(t, opts, shard, dedupe=not row_kernel)
     g = row_weights(t, opts) if g is None else g
     if anchored:
         logits = AnchoredLogits(min(S, n), v, h)
@@ -260,7 +260,9 @@ def run(h, weight, t, opts, shard, *, grad_h=None, acc=None, wscale=1.0, sub=Non
         e.scatter_add_(1, slc.col, vals.to(e.dtype))
         hs = h[s0:s1_]
         if grad_h is not None:
-            if scaled and anchored:  # where, not mul: a flagged row's E may hold huge values (inf * 0)
+            if row_kernel:  # one pass; scale is 0 on flagged rows, whose E may hold huge values (no inf * 0)
+                scale_rows(gemm.mm(e, w, mdt), scale, grad_h[s0:s1_])
+            elif scaled and anchored:  # where, not mul: a flagged row's E may hold huge values (inf * 0)
                 gh = gemm.mm(e, w, mdt)
                 grad_h[s0:s1_] = torch.where(bad[:, None], torch.zeros((), dtype=mdt, device=gh.device),
                                              gh.mul_(scale[:, None]))
@@ -269,7 +271,10 @@ def run(h, weight, t, opts, shard, *, grad_h=None, acc=None, wscale=1.0, sub=Non
             else:
                 gemm.mm_into(e, w, grad_h[s0:s1_])
         if acc is not None:
-            if scaled:
+            if row_kernel:  # fp32 product, one rounding
+                hs = scale_rows(hs if hs.stride(1) == 1 else hs.contiguous(), scale,
+                                torch.empty(hs.shape, dtype=h.dtype, device=h.device))
+            elif scaled:
                 hs = torch.mul(hs, scale[:, None]).to(h.dtype)  # fp32 product (type promotion), one rounding
             if fresh:  # first contribution: overwrite (acc came from torch.empty)
                 gemm.mm_into(e.t(), hs, acc[:v])
@@ -341,12 +346,12 @@ class FusedTopKKL(torch.autograd.Function):
     def backward(ctx, grad_out):
         grad_h, grad_w, hidden, weight = ctx.saved_tensors
         # a 0-dim grad_out keeps the result's dtype but multiplies in its own precision (not rounded to bf16)
+        g0 = float(grad_out)  # host sync (the loss is queued by now); 1.0 saves a pass over [N, H] and [V, H]
+        gh = None if grad_h is None else (grad_h if g0 == 1.0 else grad_h * grad_out)
         if not ctx.main:
-            gh = None if grad_h is None else grad_h * grad_out
-            gw = None if grad_w is None else grad_w * grad_out
+            gw = None if grad_w is None else (grad_w if g0 == 1.0 else grad_w * grad_out)
             return gh, gw, None, None, None, None, None
-        g0 = float(grad_out)  # host sync: main_grad already holds expect * dL/dW
-        gh = None if grad_h is None else (grad_h if g0 == 1.0 else grad_h * grad_out)  # skip a pass over [N, H]
+        # main_grad already holds expect * dL/dW
         if g0 != ctx.expect:
             _add_to_main(hidden, weight, ctx.t, ctx.opts, ctx.shard, weight.main_grad, g0 - ctx.expect, ctx.tuning)
         gw = None

@@ -21,13 +21,14 @@ class Slots:
     idx: torch.Tensor    # [N, K1] int32 local column, -1 where the slot is not on this shard (kernel input)
     col: torch.Tensor    # [N, K1] int64 local column, 0 where not owned (safe for scatter/gather)
     own: torch.Tensor    # [N, K1] bool
-    first: torch.Tensor  # [N, K1] bool: owned and the first slot naming its column
-    cid: torch.Tensor    # [N, K1] int64 compact column (first slot of the same column; JUNK if not owned)
+    first: torch.Tensor | None  # [N, K1] bool: owned and the first slot naming its column (None: not computed)
+    cid: torch.Tensor | None    # [N, K1] int64 compact column (first slot of the same column; JUNK if not owned)
     k: int
     k1: int
 
     def rows(self, a, b):
-        return Slots(self.idx[a:b], self.col[a:b], self.own[a:b], self.first[a:b], self.cid[a:b], self.k, self.k1)
+        f = lambda x: None if x is None else x[a:b]  # noqa: E731
+        return Slots(self.idx[a:b], self.col[a:b], self.own[a:b], f(self.first), f(self.cid), self.k, self.k1)
 
 
 def _first_slot(key: torch.Tensor) -> torch.Tensor:
@@ -41,19 +42,22 @@ def _first_slot(key: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(order).scatter_(1, order, order.gather(1, seg))
 
 
-def prepare_slots(t: Targets, opts: LossOptions, shard: VocabShard) -> Slots:
+def prepare_slots(t: Targets, opts: LossOptions, shard: VocabShard, dedupe: bool = True) -> Slots:
+    """dedupe=False leaves first / cid None (ops.scaled finds duplicates itself; the sort costs launches)."""
     ids, ok = t.ids, t.valid
     if opts.needs_ce:
         ids = torch.cat([ids, t.labels[:, None]], 1)
         ok = torch.cat([ok, (t.labels >= 0)[:, None]], 1)
     n, k1 = ids.shape
     own, col = local_columns(ids, ok, shard)
+    idx = torch.where(own, col, -1).to(torch.int32).contiguous()
+    if not dedupe:
+        return Slots(idx, col, own, None, None, t.ids.shape[1], k1)
     ar = torch.arange(k1, device=ids.device).expand(n, k1)
     first = _first_slot(torch.where(own, col, -1 - ar)) if k1 else ar  # non-owned keys stay unique
     is_first = own & (first == ar)
     cid = torch.where(own, first, torch.full_like(first, k1))  # k1 = the junk column
-    return Slots(torch.where(own, col, -1).to(torch.int32).contiguous(), col, own, is_first, cid,
-                 t.ids.shape[1], k1)
+    return Slots(idx, col, own, is_first, cid, t.ids.shape[1], k1)
 
 
 def combine_stats(zg, stat, sl: Slots, opts: LossOptions, shard: VocabShard) -> ChunkStats:

@@ -3,6 +3,7 @@ CE only at T = 1): what sparse.combine_stats + sparse.grad_coefficients + the ro
 torch ops per chunk, in one launch. Each small launch idles the GPU between the chunk's GEMMs; the torch
 functions stay the reference (tests/test_kernels_scaled.py compares the two).
 
+Duplicate ids are found per row in the kernel (a K1 x K1 comparison), so the slots need no sort.
 Per row, from the slot logits zg [K1] (z at the teacher ids, then the label; -inf where not owned), the
 sweep's anchor a and sum se = sum exp(u - a) over the other columns, teacher log-probs and row weight g:
   lse = a + log(se + sum over first slots of exp(u - a))             (u = z / T)
@@ -15,11 +16,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .rows import _acc, _consts
+from .rows import INTERPRET, _acc, _consts
+
+
+def _kernel_dtype(dtype):
+    """The interpreter (CPU tests) truncates fp32 -> bf16/fp16 where the GPU rounds to nearest even: there the
+    kernels write fp32 and torch rounds, so CPU tests see the GPU's numerics."""
+    return torch.float32 if INTERPRET and dtype in (torch.bfloat16, torch.float16) else dtype
 
 
 @triton.jit
-def _scaled_rows_kernel(zg_ptr, a_ptr, se_ptr, ast, bad_ptr, first_ptr, own_ptr, cid_ptr, logp_ptr, valid_ptr,
+def _scaled_rows_kernel(zg_ptr, a_ptr, se_ptr, ast, bad_ptr, col_ptr, own_ptr, logp_ptr, valid_ptr,
                         g_ptr, lab_ptr, lse_ptr, uk_ptr, zy_ptr, scale_ptr, vals_ptr, prm_ptr, K, K1,
                         HAS_BAD: tl.constexpr, NEED_KL: tl.constexpr, NEED_CE: tl.constexpr, KP: tl.constexpr,
                         ACC: tl.constexpr):
@@ -32,9 +39,12 @@ def _scaled_rows_kernel(zg_ptr, a_ptr, se_ptr, ast, bad_ptr, first_ptr, own_ptr,
     kw = tl.load(prm_ptr + 2)
     cw = tl.load(prm_ptr + 3)
     zg = tl.load(zg_ptr + r * K1 + js, mask=jin, other=float("-inf")).to(ACC)
-    first = tl.load(first_ptr + r * K1 + js, mask=jin, other=0) != 0
     own = tl.load(own_ptr + r * K1 + js, mask=jin, other=0) != 0
-    cid = tl.load(cid_ptr + r * K1 + js, mask=jin, other=K1).to(tl.int32)
+    col = tl.load(col_ptr + r * K1 + js, mask=jin, other=-1)
+    # duplicate ids: slot j's column is represented by the first slot naming it (cid_j; K1 = not owned)
+    same = (col[:, None] == col[None, :]) & own[:, None] & own[None, :]
+    cid = tl.min(tl.where(same, js[:, None], K1), 0)
+    first = own & (cid == js)
     a = tl.load(a_ptr + r * ast).to(ACC)
     se = tl.load(se_ptr + r * ast).to(ACC)
     u = zg * inv_t
@@ -72,7 +82,8 @@ def _scaled_rows_kernel(zg_ptr, a_ptr, se_ptr, ast, bad_ptr, first_ptr, own_ptr,
 
 def scaled_rows(zg, a, se, bad, sl, t, opts, g, vals_dtype):
     """zg [C, K1] slot logits (math dtype), a / se [C] (equal row strides), bad [C] bool or None; sl the chunk's
-    Slots, t its Targets, g its row weights. Returns (lse, uk, zy or None, scale [C], vals [C, K1] vals_dtype)."""
+    Slots (col and own are read; duplicates are found here, so sl.first / sl.cid may be None), t its Targets, g
+    its row weights. Returns (lse, uk, zy or None, scale [C], vals [C, K1] vals_dtype)."""
     c, k1 = zg.shape
     k = sl.k
     dt = zg.dtype
@@ -80,14 +91,41 @@ def scaled_rows(zg, a, se, bad, sl, t, opts, g, vals_dtype):
     uk = torch.empty((c, k), dtype=dt, device=zg.device)
     zy = torch.empty(c, dtype=dt, device=zg.device) if opts.needs_ce else None
     scale = torch.empty(c, dtype=dt, device=zg.device)
-    vals = torch.empty((c, k1), dtype=vals_dtype, device=zg.device)
+    vals = torch.empty((c, k1), dtype=_kernel_dtype(vals_dtype), device=zg.device)
     if c:
         assert a.stride(0) == se.stride(0) and zg.is_contiguous()
         prm = _consts(zg.device, dt, 1.0 / opts.temperature, opts.temperature, opts.kl_weight, opts.ce_weight)
         lab = t.labels if opts.needs_ce else g
         _scaled_rows_kernel[(c,)](
-            zg, a, se, a.stride(0), bad if bad is not None else g, sl.first.contiguous(), sl.own.contiguous(),
-            sl.cid.contiguous(), t.logp.contiguous(), t.valid.contiguous(), g, lab, lse, uk,
+            zg, a, se, a.stride(0), bad if bad is not None else g, sl.col.contiguous(), sl.own.contiguous(),
+            t.logp.contiguous(), t.valid.contiguous(), g, lab, lse, uk,
             zy if zy is not None else lse, scale, vals, prm, k, k1, HAS_BAD=bad is not None,
             NEED_KL=opts.needs_kl, NEED_CE=opts.needs_ce, KP=max(2, triton.next_power_of_2(k1)), ACC=_acc(dt))
-    return lse, uk, zy, scale, vals
+    return lse, uk, zy, scale, vals.to(vals_dtype)
+
+
+@triton.jit
+def _scale_rows_kernel(src_ptr, src_stride, scale_ptr, out_ptr, out_stride, H, BLOCK: tl.constexpr, ACC: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    cs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cs < H
+    s = tl.load(scale_ptr + r).to(ACC)
+    x = tl.load(src_ptr + r * src_stride + cs, mask=m, other=0.0).to(ACC)
+    y = tl.where(s != 0.0, x * s, 0.0)  # where, not x * 0: a flagged row's values may be inf
+    tl.store(out_ptr + r * out_stride + cs, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def scale_rows(src, scale, out):
+    """out[r] = scale[r] * src[r] (0 where scale[r] == 0), computed in scale's dtype, one rounding to out's dtype:
+    one pass instead of torch's multiply, mask and cast."""
+    c, hdim = src.shape
+    if c and hdim:
+        assert src.stride(1) == 1 and out.stride(1) == 1 and scale.is_contiguous()
+        dst = out if _kernel_dtype(out.dtype) == out.dtype else \
+            torch.empty(out.shape, dtype=torch.float32, device=out.device)
+        block = 1024
+        _scale_rows_kernel[(c, triton.cdiv(hdim, block))](src, src.stride(0), scale, dst, dst.stride(0), hdim,
+                                                          BLOCK=block, ACC=_acc(scale.dtype))
+        if dst is not out:
+            out.copy_(dst)
+    return out

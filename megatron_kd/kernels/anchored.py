@@ -12,7 +12,7 @@ student ranks something far above its logits at the anchor ids; 60 T keeps y / T
 whose sum is not finite, is flagged on the device: its
 row scale is set to 0, so it adds nothing to either gradient, and after the last chunk (one host sync per call)
 the flagged tokens are recomputed alone with fp32 logits (fused.run on those rows). No per-chunk sync.
-Memory: S x V bf16 (settings.anchored_rows: by default 0.9 x the bf16 weight, S = 0.9 H) instead of fp32
+Memory: S x V bf16 (settings.anchored_rows: by default <= 0.9 x the bf16 weight, S <= 0.9 H) instead of fp32
 sub-chunk logits plus the bf16 dz buffer.
 """
 import torch

@@ -8,8 +8,8 @@ Forward does all the work (no recompute GEMM), token chunk by token chunk:
 
 Logits (settings LOGITS, default "anchored"): with bf16 inputs on the scaled path (below), kernels/anchored.py
 writes anchored bf16 logits y^T = (z - b)^T [V, S] straight from the GEMM's epilogue and turns them into E in
-place: one buffer of S x V bf16 (S = 0.9 H rows by default: 0.9 x the bf16 weight), no fp32 logits; tokens
-whose logits stray too far above their anchor are redone with fp32 logits. Otherwise (LOGITS="fp32", fp32
+place: one buffer of S x V bf16 (S <= 0.9 H rows, a multiple of 128: <= 0.9 x the bf16 weight), no fp32
+logits; tokens whose logits stray too far above their anchor are redone with fp32 logits. Otherwise (LOGITS="fp32", fp32
 inputs, TP > 1, two-pass) the fp32 sub-chunk logits below.
 
 Two ways to get dz (both exact up to bf16 rounding of dz):
@@ -35,16 +35,18 @@ Settings (DEFAULTS below; each overridable by an environment variable, ranked by
   LOGITS   MEGATRON_KD_FUSED_LOGITS    "anchored" (default, above), "fp32", or "bf16": plain bf16 logits (no
            anchor; half the sweep's reads). Rounding z itself to bf16 costs |z| 2^-9 per logit: ~1.2e-2
            gradient error at |z| ~ 30 (simulated), which the anchor avoids.
-  H200, N=32768, V=128256, weight grad into main_grad (benchmarks/results/loss_fused_v128k_h200.json):
-  anchored 129.9 ms, 3.49 GiB peak; "fp32" 121.7 ms, 5.39 GiB; the three GEMMs alone 110.9 ms.
+  ROWS     MEGATRON_KD_FUSED_ROWS      "kernel" (default): the scaled path's per-row statistics, coefficients and
+           scale in one Triton launch per chunk (ops/scaled.py); "torch": sparse.py's ~60 small ops instead.
+  H200, N=32768, V=128256, weight grad into main_grad (benchmarks/results/loss_fused_v128k_h200.json, code 9ac97e4):
+  anchored 122.6 ms, 3.40 GiB peak; "fp32" 121.2 ms, 5.31 GiB; the three GEMMs alone 109.0 ms.
 
 Weight gradient: fp32 accumulator, or straight into weight.main_grad when the weight has an fp32 one
 (Megatron's gradient-accumulation fusion: no extra memory); a bf16 main_grad (grad_reduce_in_fp32 off,
 train.optimizer=lean_adam) gets the fp32 accumulator added once in forward (no bf16 weight-grad copy).
 main_grad is written during forward assuming grad_output == weight.megatron_kd_grad_scale (default 1.0);
-backward checks (one host sync) and, if grad_output differs, adds the difference by recomputing. Then, like
-Megatron's linear layers, backward returns no weight gradient (or a dummy one and sets grad_added_to_main_grad, when the weight
-carries that attribute).
+backward reads grad_output (one host sync, in every mode: 1.0 skips scaling the gradients) and, if it
+differs, adds the difference by recomputing. Then, like Megatron's linear layers, backward returns no weight
+gradient (or a dummy one and sets grad_added_to_main_grad, when the weight carries that attribute).
 reduction="none" needs per-position upstream grads, unknown in forward: it runs the torch "chunked" impl.
 """
 
@@ -365,7 +367,7 @@ class FusedTopKKL(torch.autograd.Function):
 def fused_topk_kl(h, weight, t, opts, shard, reduce_grad_input=True, **tuning):
     """h [N, H] (hidden dtype), weight [V_local, H]; returns the reduced loss (scalar) or [N] for "none".
     tuning (tests/benchmarks): sub / sup (chunk rows), block (Triton tile), force_two_pass, overlap,
-    logits ("fp32" / "bf16"); None or absent: the module settings (DEFAULTS / environment)."""
+    logits ("fp32" / "bf16"), row_math ("torch"); None or absent: the module settings (DEFAULTS / environment)."""
     if opts.reduction == "none" or h.shape[0] == 0:
         from ..loss.api import default_chunk_size
         chunk = int(opts.chunk_size or default_chunk_size(shard.local_valid))

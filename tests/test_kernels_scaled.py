@@ -75,8 +75,46 @@ def test_run_kernel_rows_equal_torch_rows(logits, kw):
     """The whole fused loss with either bookkeeping: same loss and gradients up to rounding."""
     inp = make_inputs(n_shape=(5, 9), V=300, H=24, K=9, dtype=torch.float32, seed=5)
     inp["hidden"], inp["weight"] = inp["hidden"].bfloat16(), (inp["weight"] * 0.3).bfloat16()
+    ids = inp["ids"]
+    inp["ids"] = torch.where((ids >= 0) & (torch.arange(9) % 3 == 2), ids[..., :1], ids)  # duplicate ids
+    inp["labels"] = torch.where(torch.arange(9) % 2 == 0, inp["ids"][..., 1].clamp_min(0), inp["labels"])
     tune = dict(sub=8, sup=16, block=128, logits=logits)
     a = run_fused(inp, 1.0, dict(tune, row_math="kernel"), **kw)
     b = run_fused(inp, 1.0, dict(tune, row_math="torch"), **kw)
     errs = [rel(x, y) for x, y in zip(a, b)]
     assert errs[0] <= 1e-5 and max(errs[1:]) <= 1e-2, errs  # bf16 gradients: one rounding apart
+
+
+def test_scaled_rows_refuses_what_it_does_not_cover():
+    zg, stat, bad, sl, t, opts, shard, g = case(1, torch.float32, ce_weight=0.5, temperature=2.0)
+    with pytest.raises(ValueError, match="CE only at T = 1"):
+        scaled_rows(zg, stat[:, 0], stat[:, 1], None, sl, t, opts, g, torch.float32)
+
+
+def test_many_slots_fall_back_to_torch_rows(monkeypatch):
+    """K1 above ops.scaled.MAX_SLOTS: the fused loss keeps the torch bookkeeping (and stays exact)."""
+    from megatron_kd.kernels import fused
+    from test_kernels import run_ref
+    monkeypatch.setattr(fused, "MAX_SLOTS", 8)
+    called = []
+    monkeypatch.setattr(fused, "scaled_rows", lambda *a, **k: called.append(1))
+    inp = make_inputs(n_shape=(20,), V=200, H=16, K=9, dtype=torch.float64, seed=4)
+    got = run_fused(inp, 1.0, dict(sub=8, sup=16, block=128), ce_weight=0.3)
+    want = run_ref(inp, 1.0, ce_weight=0.3)
+    assert not called and max(rel(a, b) for a, b in zip(got, want)) <= 1e-9
+
+
+def test_main_grad_backward_runs_once():
+    """With main_grad the input gradient is handed over (not kept): a second backward is refused, clearly."""
+    inp = make_inputs(n_shape=(20,), V=200, H=16, K=5, dtype=torch.float32, seed=2)
+    h = inp["hidden"].to(DEV).requires_grad_(True)
+    w = inp["weight"].to(DEV).requires_grad_(True)
+    w.main_grad = torch.zeros(w.shape, device=DEV)
+    from megatron_kd import topk_kl_loss
+    loss = topk_kl_loss(h, w, inp["ids"].to(DEV), inp["logp"].to(DEV), impl="fused")
+    loss.backward(retain_graph=True)
+    g1 = h.grad.clone()
+    h.grad.mul_(0)  # a caller's in-place change must not reach anything the loss still holds
+    with pytest.raises(RuntimeError, match="cannot run twice"):
+        loss.backward()
+    assert torch.isfinite(g1).all() and g1.abs().sum() > 0

@@ -44,9 +44,10 @@ Weight gradient: fp32 accumulator, or straight into weight.main_grad when the we
 (Megatron's gradient-accumulation fusion: no extra memory); a bf16 main_grad (grad_reduce_in_fp32 off,
 train.optimizer=lean_adam) gets the fp32 accumulator added once in forward (no bf16 weight-grad copy).
 main_grad is written during forward assuming grad_output == weight.megatron_kd_grad_scale (default 1.0);
-backward reads grad_output (one host sync, in every mode: 1.0 skips scaling the gradients) and, if it
-differs, adds the difference by recomputing. Then, like Megatron's linear layers, backward returns no weight
-gradient (or a dummy one and sets grad_added_to_main_grad, when the weight carries that attribute).
+backward reads grad_output (one host sync; 1.0 skips scaling grad_h, which is handed over, so backward runs
+once) and, if it differs from that scale, adds the difference by recomputing. Then, like Megatron's linear
+layers, backward returns no weight gradient (or a dummy one and sets grad_added_to_main_grad, when the weight
+carries that attribute).
 reduction="none" needs per-position upstream grads, unknown in forward: it runs the torch "chunked" impl.
 """
 
@@ -60,10 +61,11 @@ from .ops.rows import row_grad, row_sweep, slot_gather_mask
 from .sparse import combine_stats, grad_coefficients, prepare_slots
 
 from .anchored import AnchoredLogits, anchor_columns, anchor_ids
-from .ops.scaled import scale_rows, scaled_rows
+from .ops.scaled import MAX_SLOTS, scale_rows, scaled_rows
 from .settings import A_BYTES, DEFAULTS, E_BYTES, LOGITS, MIB, OVERLAP, ROWS, Z_BYTES, anchored_rows  # noqa: F401
 SLACK = 20.0  # anchor slack (nats): E <= e^20, and rows are re-swept only beyond it
 GRAD_SCALE_ATTR = "megatron_kd_grad_scale"
+_TAKEN = object()  # backward has handed grad_h over
 
 
 def _round(x: int, q: int) -> int:
@@ -206,7 +208,8 @@ def run(h, weight, t, opts, shard, *, grad_h=None, acc=None, wscale=1.0, sub=Non
     want = grad_h is not None or acc is not None
     scaled = want and _use_scaled(opts, shard, h.dtype) and not force_two_pass
     mode = _logits_mode(logits)
-    row_kernel = scaled and (ROWS if row_math is None else row_math) == "kernel"
+    k1 = t.ids.shape[1] + int(opts.needs_ce)
+    row_kernel = scaled and (ROWS if row_math is None else row_math) == "kernel" and k1 <= MAX_SLOTS
     anchored = scaled and mode == "anchored" and h.dtype == torch.bfloat16 and v > 0 and mdt == torch.float32
     # rows follow the global vocabulary, so a TP rank's buffers shrink with its shard
     if anchored:
@@ -341,19 +344,29 @@ class FusedTopKKL(torch.autograd.Function):
         ctx.opts, ctx.shard, ctx.t, ctx.weight_dtype = opts, shard, t, weight.dtype
         grad_w = None if (acc is None or main is not None) else acc.to(weight.dtype)
         del acc
-        ctx.save_for_backward(grad_h, grad_w, hidden if ctx.main else None, weight if ctx.main else None)
+        if ctx.main:  # handed over in backward (see there), not kept: no saved tensor aliases a caller's .grad
+            ctx.grad_h = grad_h
+            ctx.save_for_backward(hidden, weight)
+        else:
+            ctx.save_for_backward(grad_h, grad_w)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_h, grad_w, hidden, weight = ctx.saved_tensors
         # a 0-dim grad_out keeps the result's dtype but multiplies in its own precision (not rounded to bf16)
-        g0 = float(grad_out)  # host sync (the loss is queued by now); 1.0 saves a pass over [N, H] and [V, H]
-        gh = None if grad_h is None else (grad_h if g0 == 1.0 else grad_h * grad_out)
-        if not ctx.main:
-            gw = None if grad_w is None else (grad_w if g0 == 1.0 else grad_w * grad_out)
+        if not ctx.main:  # fresh tensors, no sync: a second backward (retain_graph) works
+            grad_h, grad_w = ctx.saved_tensors
+            gh = None if grad_h is None else grad_h * grad_out
+            gw = None if grad_w is None else grad_w * grad_out
             return gh, gw, None, None, None, None, None
-        # main_grad already holds expect * dL/dW
+        if ctx.grad_h is _TAKEN:
+            raise RuntimeError("the fused loss wrote its weight gradient into main_grad in forward and hands its "
+                               "input gradient over once: backward cannot run twice (retain_graph); call the loss "
+                               "again instead")
+        hidden, weight = ctx.saved_tensors
+        grad_h, ctx.grad_h = ctx.grad_h, _TAKEN
+        g0 = float(grad_out)  # host sync: main_grad already holds expect * dL/dW
+        gh = None if grad_h is None else (grad_h if g0 == 1.0 else grad_h * grad_out)  # 1.0: no pass over [N, H]
         if g0 != ctx.expect:
             _add_to_main(hidden, weight, ctx.t, ctx.opts, ctx.shard, weight.main_grad, g0 - ctx.expect, ctx.tuning)
         gw = None

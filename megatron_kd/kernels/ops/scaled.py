@@ -19,6 +19,9 @@ import triton.language as tl
 from .rows import INTERPRET, _acc, _consts
 
 
+MAX_SLOTS = 256  # K1 above this: the K1 x K1 duplicate search outgrows a program (fused.py uses the torch ops)
+
+
 def _kernel_dtype(dtype):
     """The interpreter (CPU tests) truncates fp32 -> bf16/fp16 where the GPU rounds to nearest even: there the
     kernels write fp32 and torch rounds, so CPU tests see the GPU's numerics."""
@@ -85,6 +88,9 @@ def scaled_rows(zg, a, se, bad, sl, t, opts, g, vals_dtype):
     Slots (col and own are read; duplicates are found here, so sl.first / sl.cid may be None), t its Targets, g
     its row weights. Returns (lse, uk, zy or None, scale [C], vals [C, K1] vals_dtype)."""
     c, k1 = zg.shape
+    if k1 > MAX_SLOTS or (opts.needs_ce and opts.temperature != 1.0) or opts.tail != "none":
+        raise ValueError(f"scaled_rows covers tail 'none', CE only at T = 1 and K1 <= {MAX_SLOTS} slots; got "
+                         f"tail={opts.tail!r}, ce_weight={opts.ce_weight}, T={opts.temperature}, K1={k1}")
     k = sl.k
     dt = zg.dtype
     lse = torch.empty(c, dtype=dt, device=zg.device)

@@ -9,8 +9,8 @@ Forward does all the work (no recompute GEMM), token chunk by token chunk:
 Logits (settings LOGITS, default "anchored"): with bf16 inputs on the scaled path (below), kernels/anchored.py
 writes anchored bf16 logits y^T = (z - b)^T [V, S] straight from the GEMM's epilogue and turns them into E in
 place: one buffer of S x V bf16 (S <= 0.9 H rows, a multiple of 128: <= 0.9 x the bf16 weight), no fp32
-logits; tokens whose logits stray too far above their anchor are redone with fp32 logits. Otherwise (LOGITS="fp32", fp32
-inputs, TP > 1, two-pass) the fp32 sub-chunk logits below.
+logits; tokens whose logits stray too far above their anchor are redone with fp32 logits. Otherwise
+(LOGITS="fp32", fp32 inputs, TP > 1, two-pass) the fp32 sub-chunk logits below.
 
 Two ways to get dz (both exact up to bf16 rounding of dz):
   scaled   (tp == 1, tail "none", no CE at T != 1, non-negative weights: the training default)

@@ -64,14 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_recipe(recipe: str) -> None:
     """A recipe is a name in recipes/ or a .yaml path; a missing one exits with the list of known names."""
-    if recipe.endswith((".yaml", ".yml")):
-        if not Path(recipe).is_file():
-            raise SystemExit(f"megatron-kd launch: recipe file {recipe!r} does not exist")
-        return
-    if not (RECIPES / f"{recipe}.yaml").is_file():
-        known = sorted(p.stem for p in RECIPES.glob("*.yaml")) if RECIPES.is_dir() else []
-        raise SystemExit(f"megatron-kd launch: no recipe {recipe!r} in {RECIPES}; "
-                         f"known: {', '.join(known) or 'none'}")
+    from .recipe_names import missing_recipe
+    problem = missing_recipe(recipe, RECIPES)
+    if problem:
+        raise SystemExit(f"megatron-kd launch: {problem}")
 
 
 def recipe_args(recipe: str) -> list:

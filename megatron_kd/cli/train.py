@@ -2,28 +2,66 @@
 
     megatron-kd train                                           # recipes/tiny_cpu.yaml
     megatron-kd train --config-name tiny_cpu kd=ce train.iters=50
-    megatron-kd train --config-name RECIPE --cfg job            # print the resolved config, run nothing
+    megatron-kd train --config-name RECIPE --cfg job            # print the full resolved recipe, run nothing
     NPROC_PER_NODE=2 launch/torchrun.sh train --config-name tiny_cpu parallel=tp2
 
 A Hydra app over recipes/ (or $MEGATRON_KD_RECIPES; --config-path for a recipe elsewhere). Outputs go to
 train.save (default: the Hydra run dir, runs/<recipe>): checkpoints, metrics.jsonl, summary.json. A run that
-finds a checkpoint there resumes from it. recipes/README.md documents every key.
+finds a checkpoint there resumes from it. `--cfg job` prints every key of the schema, with its default where
+the recipe leaves it out; recipes/README.md documents every key. Hydra's own flags: --hydra-help.
 """
 import sys
 
-from ..megatron import quiet_megatron_warnings
-from ..megatron.recipes import recipes_dir, schema_overrides
-
 USAGE_ERROR = 2
+PRINT_FLAGS = ("--cfg", "-c")
+
+
+def _flag_value(argv: list, names: tuple):
+    """The value of `--name VALUE` / `--name=VALUE` (last one wins), else None."""
+    value = None
+    for i, a in enumerate(argv):
+        for n in names:
+            if a == n and i + 1 < len(argv):
+                value = argv[i + 1]
+            elif a.startswith(n + "="):
+                value = a.split("=", 1)[1]
+    return value
+
+
+def _overrides(argv: list) -> list:
+    """Hydra overrides: the words that are not flags or flag values."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a.startswith("-"):
+            skip = "=" not in a and a in ("--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd",
+                                          "--cfg", "-c", "--package", "-p")
+        else:
+            out.append(a)
+    return out
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    quiet_megatron_warnings()
-    if any(a == "--cfg" or a.startswith("--cfg=") or a == "-c" for a in argv) and "--resolve" not in argv:
-        argv.append("--resolve")  # print values, not interpolations
     if any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
+        print(__doc__.rstrip())
+        return 0
+    from ..megatron import quiet_megatron_warnings
+    from ..megatron.recipes import recipes_dir, schema_overrides
+    quiet_megatron_warnings()
+    from .recipe_names import missing_recipe
+    name = _flag_value(argv, ("--config-name", "-cn")) or "tiny_cpu"
+    config_path = _flag_value(argv, ("--config-path", "-cp"))
+    if config_path is None:
+        problem = missing_recipe(name, recipes_dir())
+        if problem:
+            print(f"megatron-kd train: error: {problem}", file=sys.stderr)
+            return USAGE_ERROR
+    if _flag_value(argv, PRINT_FLAGS) == "job" and "--package" not in argv and "-p" not in argv:
+        return print_job(name, config_path, _overrides(argv))
+    if any(a in PRINT_FLAGS or a.startswith("--cfg=") for a in argv) and "--resolve" not in argv:
+        argv.append("--resolve")  # print values, not interpolations
     import hydra
 
     box = {"rc": 0}
@@ -39,6 +77,41 @@ def main(argv=None) -> int:
     finally:
         sys.argv = saved
     return box["rc"]
+
+
+def print_job(name: str, config_path, overrides: list) -> int:
+    """`--cfg job`: the recipe merged onto the schema (every key the run reads, defaults included), resolved;
+    `???` marks a value the user must give. Hydra's own `--cfg job` prints only the keys the yaml files set."""
+    from pathlib import Path
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+    from ..megatron.config import Recipe, RecipeError, _schema_error
+    from ..megatron.recipes import compose
+    target = str(Path(config_path) / f"{name}.yaml") if config_path else name
+    try:
+        cfg = compose(target, overrides)
+        if "hydra" in cfg:
+            cfg = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])
+        try:
+            merged = OmegaConf.merge(OmegaConf.structured(Recipe), cfg)
+        except OmegaConfBaseException as e:
+            raise _schema_error(e) from None
+        _keep_missing(cfg, merged)
+    except RecipeError as e:
+        print(f"megatron-kd train: error: {e}", file=sys.stderr)
+        return USAGE_ERROR
+    print(OmegaConf.to_yaml(merged, resolve=True), end="")
+    return 0
+
+
+def _keep_missing(src, dst) -> None:
+    """OmegaConf's merge lets a schema default win over `???`; put the recipe's `???` back (a required value)."""
+    from omegaconf import DictConfig, OmegaConf
+    for k in src.keys():
+        if OmegaConf.is_missing(src, k):
+            dst[k] = "???"
+        elif isinstance(src[k], DictConfig) and isinstance(dst.get(k), DictConfig):
+            _keep_missing(src[k], dst[k])
 
 
 def run_config(cfg) -> int:
@@ -59,17 +132,27 @@ def run_config(cfg) -> int:
         return USAGE_ERROR
     from ..megatron.dist import is_rank0
     if is_rank0():
-        _print_summary(summary)
+        print(summary_line(summary))
     return 0
 
 
-def _print_summary(s: dict) -> None:
+def summary_line(s: dict) -> str:
+    if s["iteration"] > s["iters"]:
+        return (f"megatron-kd train: nothing trained: {s['save']} already holds iteration {s['iteration']}, past "
+                f"train.iters={s['iters']}. A shorter run needs its own train.save (or "
+                f"train.load={s['save']} train.save=NEW_DIR to continue from it); raise train.iters to train on")
+    if not s.get("step_s") and s["iteration"] == s["iters"]:
+        return (f"megatron-kd train: nothing to do: {s['save']} already holds the finished run "
+                f"({s['iters']} iterations); raise train.iters to train on, or use another train.save")
     parts = [f"done: {s['iteration']}/{s['iters']} iterations ({s['mode']})"]
     if s.get("loss") is not None:
         parts.append(f"train loss {s['loss']:.4f}")
     for k, v in (s.get("eval") or {}).items():
         parts.append(f"eval {k} {v:.4f}")
+    if s["mode"] == "offline" and s.get("eval") and "kl" not in s["eval"]:
+        parts.append("eval kl: not computed (offline runs hold no teacher and the cache covers training samples "
+                     "only; `megatron-kd demo` compares held-out KL)")
     if s.get("tokens_per_s"):
         parts.append(f"{s['tokens_per_s']:.0f} tokens/s, {s['tflops_per_gpu']:.3g} TFLOP/s per device, "
                      f"peak {s['peak_mem_gib']:.2f} GiB")
-    print("megatron-kd train: " + "; ".join(parts) + f"; outputs in {s['save']}")
+    return "megatron-kd train: " + "; ".join(parts) + f"; outputs in {s['save']}"

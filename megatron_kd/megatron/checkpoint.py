@@ -7,8 +7,10 @@ Sharded state: model ('model', or 'model0'.. under virtual pipeline), the Megatr
 and common state (iteration, consumed samples, LR scheduler, the recipe). dist_checkpointing reshards on
 load, so a run may resume (or a teacher load) under another TP/PP layout.
 """
+import contextlib
 import os
 import shutil
+import warnings
 
 import torch
 
@@ -16,6 +18,17 @@ from .dist import barrier, is_rank0
 from .model import unwrap
 
 TRACKER = "latest_checkpointed_iteration.txt"
+
+
+@contextlib.contextmanager
+def _dcp_notice_off():
+    """first-hour (issue 21): torch's distributed checkpoint warns "deprecating ShardedTensor" whenever
+    megatron-core's dist_checkpointing loads (Megatron's own tensor type, nothing a user can change); drop that
+    one FutureWarning around our dist_checkpointing.load calls only."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning,
+                                message="Please use DTensor instead and we are deprecating ShardedTensor")
+        yield
 
 
 # DistributedOptimizer state layout: one ShardedTensor per buffer, resharded across DP only, as Megatron-LM
@@ -197,7 +210,8 @@ def load_checkpoint(root: str, chunks, optimizer, scheduler) -> dict | None:
     common = dist_checkpointing.load_common_state_dict(path)
     if tuple(common.get("layout", ())) == _layout():  # RNG streams only resume under the same TP/PP layout
         sd["rng_state"] = _rng_state(_layout())
-    loaded = dist_checkpointing.load(sd, path)
+    with _dcp_notice_off():
+        loaded = dist_checkpointing.load(sd, path)
     _load_chunks(loaded, chunks)
     optimizer.load_state_dict(loaded["optimizer"])
     _restore_steps(optimizer)
@@ -218,7 +232,8 @@ def load_weights(path: str, chunks) -> int:
     from megatron.core import dist_checkpointing
     d = resolve(path)
     sd = _model_state(chunks)
-    loaded = dist_checkpointing.load(sd, d)
+    with _dcp_notice_off():
+        loaded = dist_checkpointing.load(sd, d)
     _load_chunks(loaded, chunks)
     common = dist_checkpointing.load_common_state_dict(d)
     return int(common.get("iteration", 0))

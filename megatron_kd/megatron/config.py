@@ -151,7 +151,7 @@ class RecipeError(ValueError):
 
 def _schema_error(e) -> RecipeError:
     key = getattr(e, "full_key", None) or ""
-    msg = getattr(e, "msg", None) or str(e).splitlines()[0]
+    msg = (getattr(e, "msg", None) or str(e)).splitlines()[0]  # first-hour: OmegaConf appends its internals
     if "not in struct" in msg or "Key '" in msg and "not in" in msg:
         section = key.rsplit(".", 1)[0] if "." in key else ""
         known = _known_keys(section)

@@ -23,7 +23,7 @@ def build_parser():
     q.add_argument("--output-prefix", required=True, help="writes PREFIX.bin, PREFIX.idx, PREFIX.json")
     q.add_argument("--tokenizer", default=None, help="a tokenizers JSON file; default: train a byte-level BPE")
     q.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary when training one (default 4096)")
-    q.add_argument("--json-key", default="text")
+    q.add_argument("--json-key", default="text", help="JSON field holding the text in .jsonl input (default text)")
     q.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     return p
 
@@ -42,4 +42,12 @@ def main(argv=None) -> int:
         return 2
     print(f"wrote {s['bin']} / .idx: {s['documents']} documents, {s['tokens']} tokens, vocabulary "
           f"{s['vocab_size']} (tokenizer {s['tokenizer']})")
+    print(next_step(args.output_prefix, s["tokenizer"]))
     return 0
+
+
+def next_step(prefix: str, tokenizer: str) -> str:
+    import shlex
+    return ("next: train on it, e.g. (CE only, no teacher; kd=offline adds a teacher cache)\n"
+            f"  megatron-kd train --config-name tiny_cpu data=pydoc data.path={shlex.quote(prefix)} "
+            f"data.tokenizer={shlex.quote(str(tokenizer))} kd=ce")

@@ -1,20 +1,23 @@
 """`megatron-kd demo`: the whole pipeline on a laptop CPU in a few minutes, on real English text.
 
-    megatron-kd demo                    # ~3-4 minutes on 2 cores; results in runs/demo
+    megatron-kd demo                    # 3-7 minutes on 2 CPU cores (3 quiet, 7 busy); results in runs/demo
     megatron-kd demo --small            # CI size (about a minute)
     megatron-kd demo --out DIR --overwrite
 
-1. tokenizes the documentation CPython ships (pydoc_data) with a byte-level BPE trained on it (megatron-kd data prepare)
-2. trains a tiny teacher GPT (megatron-kd train, CE)
-3. builds the teacher's top-K cache over the students' training samples
-4. distills a smaller student three ways on the same data and steps: offline (cache), online (teacher in
-   memory), CE only (no teacher)
-5. prints a table (held-out CE, KL to the teacher, tokens/s, peak memory), writes results.json, results.md
-   and loss_curves.png
+Seven stages, each printed as [demo i/7 STAGE] with the time so far and an estimate of the rest:
+1. data: tokenizes the documentation CPython ships (pydoc_data) with a byte-level BPE trained on it
+   (megatron-kd data prepare)
+2. teacher: trains a tiny teacher GPT (megatron-kd train, CE)
+3. cache: builds the teacher's top-K cache over the students' training samples
+4-6. students: distills a smaller student three ways on the same data and steps: offline (cache), online
+   (teacher in memory), CE only (no teacher)
+7. compare: held-out CE and KL to the teacher's full distribution; prints the table and writes results.md
+   (the README's table), results.json and loss_curves.png
 
 Each training stage is a `megatron-kd train` process (printed as it starts, so it can be rerun by hand);
-peak memory is that process's. An interrupted demo resumes where it stopped; a finished one is kept unless
---overwrite.
+peak memory is that process's. The offline row's time is cache build + training (the online row pays for
+its teacher inside training). An interrupted demo resumes where it stopped and keeps the finished stages'
+times (stage_times.json); a finished one is kept unless --overwrite.
 """
 import argparse
 import dataclasses
@@ -28,6 +31,12 @@ import time
 
 RESULTS = "results.json"
 SETTINGS = "demo_settings.json"
+TIMES = "stage_times.json"  # seconds per finished stage, kept across resumes
+STAGES = ("data", "teacher", "cache", "student_offline", "student_online", "student_ce", "compare")
+# Share of the default demo's time per stage (2 CPU cores, 2026-12-01), for the ETA before a stage's own
+# time is known; teacher and student stages scale with their iteration counts.
+SHARE = {"data": 0.02, "teacher": 0.40, "cache": 0.09, "student_offline": 0.12, "student_online": 0.19,
+         "student_ce": 0.11, "compare": 0.07}
 
 
 @dataclasses.dataclass
@@ -50,17 +59,26 @@ SMALL = dict(seq_length=64, teacher_iters=250, student_iters=60, eval_samples=32
 
 
 def build_parser():
+    d = Settings()
     p = argparse.ArgumentParser(prog="megatron-kd demo", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n", 1)[1])
     p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
-    p.add_argument("--small", action="store_true", help="CI size: smaller vocabulary, sequences and step counts")
+    p.add_argument("--small", action="store_true",
+                   help=f"CI size: sequences of {SMALL['seq_length']}, {SMALL['teacher_iters']} teacher and "
+                        f"{SMALL['student_iters']} student steps (about a minute)")
     p.add_argument("--overwrite", action="store_true", help="discard a previous demo's results in --out")
     p.add_argument("--no-progress", action="store_true", help="log lines instead of progress bars")
-    p.add_argument("--teacher-iters", type=int, default=None)
-    p.add_argument("--student-iters", type=int, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--vocab-size", type=int, default=None)
-    p.add_argument("--seq-length", type=int, default=None)
+    p.add_argument("--teacher-iters", type=int, default=None, metavar="N",
+                   help=f"teacher training steps (default {d.teacher_iters})")
+    p.add_argument("--student-iters", type=int, default=None, metavar="N",
+                   help=f"steps of each of the three students (default {d.student_iters})")
+    p.add_argument("--top-k", type=int, default=None, metavar="K",
+                   help=f"teacher ids per position in the cache and online (default {d.top_k})")
+    p.add_argument("--vocab-size", type=int, default=None, metavar="V",
+                   help=f"size of the BPE vocabulary trained on the text (default {d.vocab_size})")
+    p.add_argument("--seq-length", type=int, default=None, metavar="S",
+                   help=f"tokens per training sample (default {d.seq_length})")
     return p
 
 
@@ -111,41 +129,67 @@ class Demo:
         self.data_prefix = os.path.join(out, "data", "pydoc_text_document")
         self.tokenizer = os.path.join(out, "data", "tokenizer.json")
         self.cache = os.path.join(out, "cache")
-        self.times = {}
+        self.times = load_times(out)  # earlier starts' stage times survive an interruption
+        self.t0 = time.time()
+        self.stage = None
+        import importlib.util
+        self.tensorboard = importlib.util.find_spec("tensorboard") is not None  # said once in run(), not per stage
 
     def say(self, text: str) -> None:
-        print(f"[demo] {text}", flush=True)
+        tag = f"[demo {STAGES.index(self.stage) + 1}/{len(STAGES)} {self.stage}]" if self.stage else "[demo]"
+        print(f"{tag} {text}", flush=True)
+
+    def begin(self, stage: str) -> None:
+        self.stage = stage
+        left = eta_s(self.times, self.s, STAGES[STAGES.index(stage):])
+        eta = "" if left is None else f", about {fmt_s(left)} left"
+        self.say(f"{fmt_s(time.time() - self.t0)} so far{eta}")
+
+    def finish(self, stage: str, seconds: float) -> None:
+        self.times[stage] = seconds
+        with open(os.path.join(self.out, TIMES), "w") as f:
+            json.dump(self.times, f, indent=2)
 
     # --- stages ------------------------------------------------------------------------------------------
 
     def run(self) -> int:
-        t0 = time.time()
+        if not self.tensorboard:
+            self.say("TensorBoard logs off: tensorboard is not installed (pip install tensorboard to get them)")
+        self.begin("data")
         self.stage_data()
+        self.begin("teacher")
         rc = self.stage_train("teacher", self.teacher_overrides())
         if rc:
             return rc
+        self.begin("cache")
         self.stage_cache()
         for mode in ("offline", "online", "ce"):
+            self.begin(f"student_{mode}")
             rc = self.stage_train(f"student_{mode}", self.student_overrides(mode))
             if rc:
                 return rc
+        self.begin("compare")
+        t = time.time()
         results = self.stage_compare()
-        results["total_s"] = time.time() - t0
+        self.finish("compare", time.time() - t)
+        results["stage_s"] = dict(self.times)
+        results["total_s"] = sum(self.times.get(k) or 0.0 for k in STAGES)
+        results["this_start_s"] = time.time() - self.t0
         self.report(results)
         return 0
 
     def stage_data(self) -> None:
         if os.path.exists(self.data_prefix + ".json"):
-            self.say(f"data: {self.data_prefix}.bin present")
+            self.say(f"{self.data_prefix}.bin present")
             return
         from ..megatron.corpus import prepare, pydoc_documents
         t = time.time()
-        self.say("data: tokenizing pydoc_data (CPython's documentation) with a byte-level BPE of "
+        self.say("tokenizing pydoc_data (CPython's documentation) with a byte-level BPE of "
                  f"{self.s.vocab_size} ids  [megatron-kd data prepare --pydoc --output-prefix {self.data_prefix} "
                  f"--vocab-size {self.s.vocab_size}]")
         info = prepare(pydoc_documents(), self.data_prefix, vocab_size=self.s.vocab_size)
-        self.times["data"] = time.time() - t
-        self.say(f"data: {info['documents']} documents, {info['tokens']} tokens ({self.times['data']:.1f} s)")
+        self.finish("data", time.time() - t)
+        self.say(f"{info['documents']} documents, {info['tokens']} tokens ({self.times['data']:.1f} s)")
 
     def common(self, stage: str, iters: int, lr: float) -> list:
         s = self.s
@@ -157,7 +201,8 @@ class Demo:
                 f"train.lr_warmup_iters={max(1, iters // 20)}", f"train.eval_interval={s.eval_interval}",
                 f"train.eval_iters={max(1, s.eval_samples // s.global_batch_size)}", "train.save_interval=null",
                 f"train.log_interval={max(1, iters // 40)}", f"train.progress={str(self.progress).lower()}",
-                f"train.seed={s.seed}", f"train.save={d}", f"hydra.run.dir={d}"]
+                f"train.seed={s.seed}", f"train.save={d}", f"hydra.run.dir={d}",
+                f"train.tensorboard={str(self.tensorboard).lower()}"]
 
     def teacher_overrides(self) -> list:
         return self.common("teacher", self.s.teacher_iters, self.s.teacher_lr) + ["model=tiny_teacher", "kd=ce"]
@@ -175,50 +220,54 @@ class Demo:
         iters = int(next(o.split("=", 1)[1] for o in overrides if o.startswith("train.iters=")))
         d = os.path.join(self.out, stage)
         if latest_iteration(d) == iters and os.path.exists(os.path.join(d, "summary.json")):
-            self.say(f"{stage}: already trained ({d})")
+            self.say(f"already trained ({d})")
             return 0
         cmd = ["megatron-kd", "train", *overrides]
-        self.say(f"{stage}: $ {shlex.join(cmd)}")
+        self.say(f"$ {shlex.join(cmd)}")
         t = time.time()
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                                  "MASTER_PORT")}
         # OpenMP threads that spin while waiting make small CPU steps many times slower whenever another
         # process wants the cores; sleeping waiters cost almost nothing on an idle machine.
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        rc = subprocess.call([sys.executable, "-m", "megatron_kd", "train", *overrides], env=env)
-        self.times[stage] = time.time() - t
+        before = self.times.pop(f"{stage}_partial", 0.0)  # an interrupted start's share of this stage
+        try:
+            rc = subprocess.call([sys.executable, "-m", "megatron_kd", "train", *overrides], env=env)
+        except KeyboardInterrupt:
+            self.finish(f"{stage}_partial", before + time.time() - t)
+            raise
         if rc:
-            self.say(f"{stage}: failed (exit {rc}); rerun `megatron-kd demo --out {self.out}` to resume")
+            self.finish(f"{stage}_partial", before + time.time() - t)
+            self.say(f"failed (exit {rc}); rerun `megatron-kd demo --out {self.out}` to resume")
+        else:
+            self.finish(stage, before + time.time() - t)
         return rc
 
     def stage_cache(self) -> None:
         if os.path.exists(os.path.join(self.cache, "manifest.json")):
-            self.say(f"cache: {self.cache} present")
+            self.say(f"{self.cache} present")
             return
         from ..megatron.config import to_recipe
         from ..megatron.recipes import compose
         from ..megatron.train import build_cache_only
         t = time.time()
-        self.say(f"cache: teacher top-{self.s.top_k} over the students' {self.s.student_iters * self.s.global_batch_size}"
+        self.say(f"teacher top-{self.s.top_k} over the students' {self.s.student_iters * self.s.global_batch_size}"
                  f" training samples -> {self.cache}")
         r = to_recipe(compose("tiny_cpu", recipe_overrides(self.student_overrides("offline"))))
         r.train.progress = self.progress
         m = build_cache_only(r)
-        self.times["cache"] = time.time() - t
-        self.say(f"cache: {m['num_samples']} samples, {m['bytes_per_token']:.1f} bytes/token "
-                 f"({self.times['cache']:.1f} s)")
+        self.finish("cache", time.time() - t)
+        self.say(f"{m['num_samples']} samples, {m['bytes_per_token']:.1f} bytes/token ({self.times['cache']:.1f} s)")
 
     def stage_compare(self) -> dict:
         from ..megatron.config import to_recipe
         from ..megatron.evaluate import compare
         from ..megatron.recipes import compose
-        t = time.time()
         r = to_recipe(compose("tiny_cpu", recipe_overrides(self.student_overrides("online"))))
         students = {mode: (r.model, os.path.join(self.out, f"student_{mode}")) for mode in ("offline", "online", "ce")}
-        self.say(f"compare: held-out CE and KL(teacher || student) over {self.s.eval_samples} validation samples")
+        self.say(f"held-out CE and KL(teacher || student) over {self.s.eval_samples} validation samples")
         metrics = compare(r, os.path.join(self.out, "teacher"), students, self.s.eval_samples,
                           min(self.s.micro_batch_size, self.s.eval_samples))
-        self.times["compare"] = time.time() - t
         rows = {}
         for stage in ("teacher", "student_offline", "student_online", "student_ce"):
             summary = json.load(open(os.path.join(self.out, stage, "summary.json")))
@@ -226,7 +275,9 @@ class Demo:
             rows[key] = {**metrics[key], "tokens_per_s": summary["tokens_per_s"],
                          "peak_mem_gib": summary["peak_mem_gib"], "train_s": self.times.get(stage),
                          "iters": summary["iters"]}
-        return {"settings": dataclasses.asdict(self.s), "rows": rows, "stage_s": self.times,
+        rows["offline"]["cache_s"] = self.times.get("cache")
+        return {"settings": dataclasses.asdict(self.s), "rows": rows, "machine": machine(),
+                "date": time.strftime("%Y-%m-%d", time.gmtime()),
                 "offline_beats_ce_on_kl": rows["offline"]["kl"] < rows["ce"]["kl"]}
 
     # --- outputs -----------------------------------------------------------------------------------------
@@ -235,15 +286,64 @@ class Demo:
         table = format_table(results)
         print("\n" + table + "\n", flush=True)
         png = os.path.join(self.out, "loss_curves.png")
-        plot_curves(self.out, png)
+        plot_curves(self.out, png, results["rows"])
         results["loss_curves"] = png
         with open(os.path.join(self.out, "results.md"), "w") as f:
-            f.write(table + "\n")
+            f.write(results_md(results, table))
         with open(os.path.join(self.out, RESULTS), "w") as f:
             json.dump(results, f, indent=2)
+        rows = results["rows"]
+        self.say("held-out " + "; ".join(f"{k} CE {rows[k]['ce']:.4f} KL {rows[k]['kl']:.4f}"
+                                         for k in ("offline", "online", "ce")))
         verdict = "beats" if results["offline_beats_ce_on_kl"] else "does NOT beat"
-        self.say(f"offline top-{self.s.top_k} KD {verdict} CE-only on KL to the teacher; "
-                 f"total {results['total_s']:.0f} s; {png}, {os.path.join(self.out, RESULTS)}")
+        resumed = "" if abs(results["this_start_s"] - results["total_s"]) < 5 else \
+            f" ({fmt_s(results['this_start_s'])} in this start)"
+        self.say(f"offline top-{self.s.top_k} KD {verdict} CE-only on KL to the teacher; total "
+                 f"{fmt_s(results['total_s'])}{resumed}; {png}, {os.path.join(self.out, 'results.md')}")
+
+
+def load_times(out: str) -> dict:
+    path = os.path.join(out, TIMES)
+    return json.load(open(path)) if os.path.exists(path) else {}
+
+
+def fmt_s(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
+
+
+def expected_share(stage: str, s: Settings) -> float:
+    """SHARE of the default run, scaled by this run's steps x sequence length where a stage is made of steps."""
+    d = Settings()
+    work = s.seq_length / d.seq_length
+    if stage == "teacher":
+        work *= s.teacher_iters / d.teacher_iters
+    elif stage.startswith("student") or stage == "cache":
+        work *= s.student_iters / d.student_iters
+    else:
+        work = 1.0
+    return SHARE[stage] * work
+
+
+def eta_s(times: dict, s: Settings, remaining) -> float | None:
+    """Seconds the remaining stages should take, at the pace of the stages already timed (data excluded: its
+    time does not grow with the steps); None before any stage is timed."""
+    timed = [k for k in STAGES if k not in remaining and times.get(k) and k != "data"] or \
+        [k for k in STAGES if k not in remaining and times.get(k)]
+    if not timed:
+        return None
+    pace = sum(times[k] for k in timed) / sum(expected_share(k, s) for k in timed)
+    return pace * sum(expected_share(k, s) for k in remaining if not times.get(k))
+
+
+def machine() -> str:
+    import platform
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, {platform.system()}"
 
 
 def recipe_overrides(argv: list) -> list:
@@ -251,19 +351,34 @@ def recipe_overrides(argv: list) -> list:
     return [a for a in argv[2:] if not a.startswith("hydra.")]
 
 
+NAMES = {"teacher": "teacher (reference)", "offline": "student: offline top-K KD", "online":
+         "student: online KD (teacher in memory)", "ce": "student: CE only"}
+
+
 def format_table(results: dict) -> str:
     rows = results["rows"]
-    head = "| model | held-out CE | KL to teacher | tokens/s | peak memory | train time |"
+    head = "| model | held-out CE | KL to teacher | tokens/s | peak memory | time |"
     lines = [head, "|---|---|---|---|---|---|"]
-    names = {"teacher": "teacher (reference)", "offline": "student: offline top-K KD", "online":
-             "student: online KD (teacher in memory)", "ce": "student: CE only"}
     for key in ("teacher", "offline", "online", "ce"):
         r = rows[key]
         kl = "-" if "kl" not in r else f"{r['kl']:.4f}"
         tt = "-" if r.get("train_s") is None else f"{r['train_s']:.0f} s"
-        lines.append(f"| {names[key]} | {r['ce']:.4f} | {kl} | {r['tokens_per_s']:.0f} | "
+        if key == "offline" and r.get("cache_s") is not None and r.get("train_s") is not None:
+            tt = f"{r['cache_s']:.0f} s cache + {r['train_s']:.0f} s = {r['cache_s'] + r['train_s']:.0f} s"
+        lines.append(f"| {NAMES[key]} | {r['ce']:.4f} | {kl} | {r['tokens_per_s']:.0f} | "
                      f"{r['peak_mem_gib'] * 1024:.0f} MiB | {tt} |")
     return "\n".join(lines)
+
+
+def results_md(results: dict, table: str) -> str:
+    """runs/demo/results.md: the README's demo table with its caption (the README pastes this file)."""
+    s = results["settings"]
+    small = "" if s == dataclasses.asdict(Settings()) else " (non-default settings: see results.json)"
+    return (f"`megatron-kd demo`{small} on {results['date']}, {results['machine']}; "
+            f"{fmt_s(results['total_s'])} in all:\n\n{table}\n\n"
+            f"Held-out: {s['eval_samples']} validation samples; KL to the teacher's full distribution. tokens/s: "
+            "median training step; peak memory: the stage's process (CPU resident set). Offline time: cache build "
+            "+ training; online pays for its teacher inside training.\n")
 
 
 def read_metrics(path: str) -> dict:
@@ -276,28 +391,44 @@ def read_metrics(path: str) -> dict:
     return out
 
 
-def plot_curves(out: str, png: str) -> None:
+def plot_curves(out: str, png: str, rows: dict | None = None) -> None:
+    """Left: train KL to the teacher top-K (offline solid circles, online dashed crosses, so neither hides the
+    other) and each student's final held-out KL, CE-only included (stars; online's hollow and larger, so an equal
+    offline value shows inside it). Right: train and held-out CE, with the teacher's held-out CE as a line."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    colors = {"offline": "tab:blue", "online": "tab:orange", "ce": "tab:green"}
-    for mode, color in colors.items():
+    style = {"offline": dict(color="tab:blue", linestyle="-", marker="o", markevery=0.1),
+             "online": dict(color="tab:orange", linestyle="--", marker="x", markevery=(0.05, 0.1)),
+             "ce": dict(color="tab:green", linestyle=":", marker="s", markevery=0.1)}
+    last = 0
+    for mode, st in style.items():
         m = read_metrics(os.path.join(out, f"student_{mode}", "metrics.jsonl"))
         train = sorted(m.get("train", {}).values(), key=lambda r: r["iteration"])
         ev = sorted(m.get("eval", {}).values(), key=lambda r: r["iteration"])
+        last = max([last] + [r["iteration"] for r in train])
         if mode != "ce":
-            axes[0].plot([r["iteration"] for r in train], [r["kl"] for r in train], color=color,
-                         linestyle="--" if mode == "online" else "-", label=f"{mode}: KL to teacher top-K (train)")
-        axes[1].plot([r["iteration"] for r in train], [r["ce"] for r in train], color=color, alpha=0.5,
+            axes[0].plot([r["iteration"] for r in train], [r["kl"] for r in train], ms=4, **st,
+                         label=f"{mode}: train KL to teacher top-K")
+        axes[1].plot([r["iteration"] for r in train], [r["ce"] for r in train], alpha=0.5, ms=3, **st,
                      label=f"{mode}: train CE")
-        axes[1].plot([r["iteration"] for r in ev], [r["ce"] for r in ev], "o-", color=color,
-                     label=f"{mode}: held-out CE")
+        hollow = dict(mfc="none", ms=9, mew=2) if mode == "online" else dict(ms=6)  # online rings offline's dots
+        axes[1].plot([r["iteration"] for r in ev], [r["ce"] for r in ev], color=st["color"], lw=2,
+                     marker="o", linestyle=st["linestyle"], label=f"{mode}: held-out CE", **hollow)
+    for mode, st in style.items():
+        if rows and mode in rows and "kl" in rows[mode]:
+            hollow = dict(mfc="none", ms=18, mew=1.5) if mode == "online" else dict(ms=11)
+            axes[0].plot([last], [rows[mode]["kl"]], marker="*", color=st["color"], linestyle="none",
+                         label=f"{mode}: held-out KL (full teacher) {rows[mode]['kl']:.3f}", **hollow)
+    if rows and "teacher" in rows:
+        axes[1].axhline(rows["teacher"]["ce"], color="black", linestyle="-.", lw=1,
+                        label=f"teacher: held-out CE {rows['teacher']['ce']:.3f}")
     axes[0].set(title="distillation loss: offline cache vs online teacher", xlabel="iteration", ylabel="nats/token")
     axes[1].set(title="cross-entropy", xlabel="iteration", ylabel="nats/token")
     for a in axes:
         a.grid(alpha=0.3)
-        a.legend(fontsize=8)
+        a.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)

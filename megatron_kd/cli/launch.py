@@ -9,7 +9,9 @@ image with docker; --nodes > 1 (or --slurm) submits launch/slurm.sbatch. The per
 under a dry run comes from launch/torchrun.sh itself (DRY_RUN=1), so what is printed is what runs.
 """
 import argparse
+import math
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -163,10 +165,43 @@ def make_plan(a) -> Plan:
         raise SystemExit("megatron-kd launch: --nodes and --gpus-per-node must be >= 1")
     check_recipe(a.recipe)
     if a.nodes > 1 or a.slurm:
-        return plan_slurm(a)
-    if a.container:
-        return plan_docker(a)
-    return plan_local(a)
+        plan = plan_slurm(a)
+        workers = a.gpus_per_node or 8
+    elif a.container:
+        plan = plan_docker(a)
+        workers = a.gpus_per_node  # None: every GPU the container sees, unknown here
+    else:
+        plan = plan_local(a)
+        m = re.search(r"--nproc-per-node (\d+)", plan.notes[-1])
+        workers = int(m.group(1)) if m else None
+    plan.notes += recipe_warnings(a, None if workers is None else workers * a.nodes)
+    return plan
+
+
+def recipe_warnings(a, world: int | None) -> list:
+    """What the command would stop on, said before it runs: values the recipe leaves to the user (`???`) and a
+    world size its layout does not divide into."""
+    try:
+        from omegaconf import OmegaConf
+        from ..megatron.config import Recipe
+        from ..megatron.recipes import compose
+        cfg = compose(a.recipe, a.overrides, save="/dev/null")
+        missing = [f"{sec}.{k}" for sec in cfg if sec != "hydra" and OmegaConf.is_dict(cfg[sec])
+                   for k in cfg[sec] if OmegaConf.is_missing(cfg[sec], k)]
+        par = OmegaConf.merge(OmegaConf.structured(Recipe).parallel, cfg.get("parallel", {}))
+    except Exception as e:  # noqa: BLE001  a dry run still prints the commands; train names the problem
+        return [f"warning: could not compose the recipe to check it ({str(e).splitlines()[0]})"]
+    notes = []
+    if missing:
+        notes.append(f"warning: required, the recipe leaves them `???`: {', '.join(missing)}; pass them as "
+                     f"overrides, e.g. {' '.join(k + '=...' for k in missing)}")
+    mp = par.tp * par.pp * par.cp
+    unit = math.lcm(mp, (par.etp or 1) * par.ep * par.pp)
+    if world is not None and world % unit:
+        notes.append(f"warning: {world} worker(s) do not fit the recipe's layout (parallel.tp={par.tp} x pp={par.pp}"
+                     f" x cp={par.cp}, ep={par.ep}): it needs a multiple of {unit} GPUs; pass --gpus-per-node "
+                     f"(and --nodes) for the machine it will run on, or change parallel.*")
+    return notes
 
 
 def main(argv=None) -> int:

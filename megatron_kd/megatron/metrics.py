@@ -61,8 +61,15 @@ class Sink:
             try:
                 from torch.utils.tensorboard import SummaryWriter
                 self.tb = SummaryWriter(os.path.join(out_dir, "tensorboard"))
-            except Exception:  # tensorboard not installed: console and JSON lines only
+            except ImportError:  # first-hour (issue 21): say so once, instead of dropping the logs silently
                 self.tb = None
+                print("note: train.tensorboard=true but tensorboard is not installed (pip install tensorboard); "
+                      "metrics go to metrics.jsonl only. train.tensorboard=false silences this.", file=sys.stderr,
+                      flush=True)
+            except Exception as e:  # noqa: BLE001  a writer that cannot start must not stop training
+                self.tb = None
+                print(f"note: TensorBoard writer not started ({e}); metrics go to metrics.jsonl only", file=sys.stderr,
+                      flush=True)
         if progress:
             from tqdm import tqdm
             self.bar = tqdm(total=total, initial=start, unit="it", dynamic_ncols=True, file=sys.stderr,

@@ -14,7 +14,8 @@ import sys
 
 def build_parser():
     p = argparse.ArgumentParser(prog="megatron-kd data", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n", 1)[1])
     sub = p.add_subparsers(dest="cmd", required=True)
     q = sub.add_parser("prepare", help="text -> .bin/.idx (+ tokenizer.json)")
     src = q.add_mutually_exclusive_group(required=True)

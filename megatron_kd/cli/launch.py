@@ -44,11 +44,12 @@ class Plan:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megatron-kd launch", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n", 1)[1])
     p.add_argument("recipe", help="recipe name in recipes/ (e.g. tiny_cpu) or a path to a recipe .yaml")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. kd.top_k=64 parallel.tp=4")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
-    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--nodes", type=int, default=1, help="nodes (default 1; more than one submits to Slurm)")
     p.add_argument("--gpus-per-node", type=int, default=None,
                    help="workers per node (default: all visible GPUs locally, 8 on Slurm)")
     p.add_argument("--container", metavar="IMAGE", default=None,
@@ -56,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(Slurm), e.g. registry#org/megatron-kd:0.1.0 or a .sqsh file")
     p.add_argument("--mounts", default="", help="extra mounts src:dst[,src:dst]")
     p.add_argument("--slurm", action="store_true", help="submit with sbatch even for one node")
-    p.add_argument("--partition", default=None)
-    p.add_argument("--account", default=None)
+    p.add_argument("--partition", default=None, help="Slurm partition (sbatch --partition)")
+    p.add_argument("--account", default=None, help="Slurm account (sbatch --account)")
     p.add_argument("--time", default=None, help="Slurm time limit per start, e.g. 04:00:00")
     p.add_argument("--job-name", default=None, help="Slurm job name (default: the recipe name); keys the run dir")
     p.add_argument("--run-dir", default=None, help="logs and checkpoints (default: runs/<job name>)")

@@ -26,22 +26,25 @@ from ..plan.shapes import Layout, ModelShape, PRESETS, active_params, preset, to
 
 def build_parser():
     p = argparse.ArgumentParser(prog="megatron-kd plan", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n", 1)[1])
     p.add_argument("target", help=f"recipe name/path, or a model shape: {', '.join(PRESETS)}")
     p.add_argument("overrides", nargs="*", help="recipe overrides (Hydra syntax), e.g. parallel.tp=2")
     g = p.add_argument_group("layout")
-    for k in ("tp", "pp", "ep", "etp", "cp", "dp"):
-        g.add_argument(f"--{k}", type=int)
+    names = {"tp": "tensor", "pp": "pipeline", "ep": "expert", "etp": "expert tensor", "cp": "context",
+             "dp": "data"}
+    for k, what in names.items():
+        g.add_argument(f"--{k}", type=int, help=f"{what}-parallel size (default: the recipe's or shape's layout; dp from --gpus)")
     g.add_argument("--gpus", type=int, help="total GPUs (sets dp = gpus / (tp*pp*cp))")
     g.add_argument("--no-sp", action="store_true", help="sequence parallel off (default on when tp > 1)")
     t = p.add_argument_group("step")
     t.add_argument("--seq", type=int, help="tokens per sequence")
     t.add_argument("--mbs", type=int, help="micro-batch size")
     t.add_argument("--micro-batches", type=int, help="micro-batches per step per DP rank (PP in flight)")
-    t.add_argument("--recompute", choices=("full", "selective", "none"))
+    t.add_argument("--recompute", choices=("full", "selective", "none"), help="activation recompute granularity")
     t.add_argument("--recompute-layers", type=int, help="full recompute of only this many layers per stage")
-    t.add_argument("--loss", choices=("fused", "chunked", "forward_chunked", "dense"))
-    t.add_argument("--topk", type=int)
+    t.add_argument("--loss", choices=("fused", "chunked", "forward_chunked", "dense"), help="KD loss impl (kd.impl)")
+    t.add_argument("--topk", type=int, help="teacher top-K slots per position (kd.top_k)")
     t.add_argument("--online", nargs="?", const="", metavar="TEACHER",
                    help="online KD with a teacher shape in memory (default: the recipe's teacher)")
     t.add_argument("--teacher-loss", choices=("topk", "dense"), help="online: teacher top-K or dense logits")
@@ -49,16 +52,17 @@ def build_parser():
     t.add_argument("--grad-bf16", action="store_true", help="bf16 DDP grad buffer (grad_reduce_in_fp32 off)")
     t.add_argument("--no-dist-opt", action="store_true", help="no distributed optimizer")
     t.add_argument("--lean-adam", action="store_true", help="train.optimizer=lean_adam (bf16 grads, 12 B/param)")
-    t.add_argument("--adam", choices=("fused", "foreach", "for_loop"))
+    t.add_argument("--adam", choices=("fused", "foreach", "for_loop"), help="Adam implementation (its temporaries)")
     t.add_argument("--swiglu-fusion", action="store_true", help="Megatron's bias_activation_fusion")
     m = p.add_argument_group("model")
     m.add_argument("--layers", type=int, help="override the student's depth")
     o = p.add_argument_group("output")
-    o.add_argument("--gpu-gib", type=float, default=H200_GIB)
-    o.add_argument("--reserve-gib", type=float, default=RESERVE_GIB)
+    o.add_argument("--gpu-gib", type=float, default=H200_GIB, help="usable memory per GPU (default: H200, %(default)s)")
+    o.add_argument("--reserve-gib", type=float, default=RESERVE_GIB,
+                   help="left for CUDA context and allocator slack (default %(default)s)")
     o.add_argument("--stage", type=int, help="pipeline stage (default: the worst)")
     o.add_argument("--search", help="GPU counts (comma list): print every layout, fitting ones first")
-    o.add_argument("--json", action="store_true")
+    o.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_kd.cli import data as data_cli, demo, launch, main as cli_main, train as train_cli
+from megatron_kd.cli import data as data_cli, demo, launch, loss_demo, main as cli_main, plan, train as train_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 # plan's --help still imports torch: megatron_kd.plan.memory reads loss.api's CHUNK_ELEMENTS (BOARD.md)
@@ -39,7 +39,8 @@ def test_package_import_is_lazy_but_topk_kl_loss_still_imports():
     assert p.returncode == 0 and "ok" in p.stdout, p.stderr
 
 
-@pytest.mark.parametrize("name,parser", [("demo", demo.build_parser), ("data", None), ("launch", launch.build_parser)])
+@pytest.mark.parametrize("name,parser", [("demo", demo.build_parser), ("data", None), ("launch", launch.build_parser),
+                                         ("plan", plan.build_parser), ("loss-demo", loss_demo.build_parser)])
 def test_every_flag_has_help(name, parser):
     if parser is None:  # data's flags live on its `prepare` sub-parser
         p = data_cli.build_parser()
@@ -48,12 +49,19 @@ def test_every_flag_has_help(name, parser):
     assert actions and all(a.help for a in actions), [a.dest for a in actions if not a.help]
 
 
-def test_demo_help_prints_the_description_once(capsys):
+@pytest.mark.parametrize("module", [demo, data_cli, launch, loss_demo, plan])
+def test_help_prints_the_description_once(module, capsys):
+    with pytest.raises(SystemExit):
+        module.build_parser().parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert out.count(module.__doc__.splitlines()[0]) == 1
+
+
+def test_demo_help_states_the_run_time_and_stages(capsys):
     with pytest.raises(SystemExit):
         demo.build_parser().parse_args(["--help"])
     out = capsys.readouterr().out
-    first = demo.__doc__.splitlines()[0]
-    assert out.count(first) == 1 and "3-7 minutes" in out and "[demo i/7 STAGE]" in out
+    assert "3-7 minutes" in out and "[demo i/7 STAGE]" in out
 
 
 def test_train_help_without_hydra(capsys):

@@ -1,6 +1,6 @@
 """`megatron-kd demo`: the whole pipeline on a laptop CPU in a few minutes, on real English text.
 
-    megatron-kd demo                    # 3-7 minutes on 2 CPU cores (3 quiet, 7 busy); results in runs/demo
+    megatron-kd demo                    # 3-8 minutes on 2 CPU cores (3 idle, 8 shared); results in runs/demo
     megatron-kd demo --small            # CI size (about a minute)
     megatron-kd demo --out DIR --overwrite
 
@@ -33,10 +33,10 @@ RESULTS = "results.json"
 SETTINGS = "demo_settings.json"
 TIMES = "stage_times.json"  # seconds per finished stage, kept across resumes
 STAGES = ("data", "teacher", "cache", "student_offline", "student_online", "student_ce", "compare")
-# Share of the default demo's time per stage (2 CPU cores, 2026-12-01), for the ETA before a stage's own
-# time is known; teacher and student stages scale with their iteration counts.
-SHARE = {"data": 0.02, "teacher": 0.40, "cache": 0.09, "student_offline": 0.12, "student_online": 0.19,
-         "student_ce": 0.11, "compare": 0.07}
+# Share of the default demo's time per stage (2 CPU cores, 2026-12-01; an idle machine's run), for the ETA
+# before a stage's own time is known; teacher, cache and student stages scale with their steps.
+SHARE = {"data": 0.02, "teacher": 0.45, "cache": 0.10, "student_offline": 0.13, "student_online": 0.19,
+         "student_ce": 0.09, "compare": 0.02}
 
 
 @dataclasses.dataclass
@@ -372,13 +372,15 @@ def format_table(results: dict) -> str:
 
 def results_md(results: dict, table: str) -> str:
     """runs/demo/results.md: the README's demo table with its caption (the README pastes this file)."""
-    s = results["settings"]
+    s, r = results["settings"], results["rows"]
     small = "" if s == dataclasses.asdict(Settings()) else " (non-default settings: see results.json)"
     return (f"`megatron-kd demo`{small} on {results['date']}, {results['machine']}; "
             f"{fmt_s(results['total_s'])} in all:\n\n{table}\n\n"
             f"Held-out: {s['eval_samples']} validation samples; KL to the teacher's full distribution. tokens/s: "
             "median training step; peak memory: the stage's process (CPU resident set). Offline time: cache build "
-            "+ training; online pays for its teacher inside training.\n")
+            "+ training; online pays for its teacher inside training. Offline - online: "
+            f"CE {r['offline']['ce'] - r['online']['ce']:+.6f}, KL {r['offline']['kl'] - r['online']['kl']:+.6f} "
+            "(cached fp16 top-K vs the teacher's fp32 top-K each step).\n")
 
 
 def read_metrics(path: str) -> dict:

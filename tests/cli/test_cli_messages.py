@@ -61,7 +61,7 @@ def test_demo_help_states_the_run_time_and_stages(capsys):
     with pytest.raises(SystemExit):
         demo.build_parser().parse_args(["--help"])
     out = capsys.readouterr().out
-    assert "3-7 minutes" in out and "[demo i/7 STAGE]" in out
+    assert "3-8 minutes" in out and "[demo i/7 STAGE]" in out
 
 
 def test_train_help_without_hydra(capsys):

@@ -82,6 +82,9 @@ def cmd_verify(args) -> int:
     problems = verify_cache(args.dir, checksums=not args.quick)
     for p in problems:
         print(f"FAIL {p}", file=sys.stderr)
+    inner = os.path.join(args.dir, "cache")  # first-hour (issue 21): a demo/run dir holding its cache in cache/
+    if problems and os.path.isfile(os.path.join(inner, "manifest.json")):
+        print(f"hint: {args.dir} holds a cache in cache/: megatron-kd cache verify {inner}", file=sys.stderr)
     if not problems:
         print(f"ok: {args.dir}" + (" (sizes only; checksums skipped)" if args.quick else " (all checksums match)"))
     return 1 if problems else 0

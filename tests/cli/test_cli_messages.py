@@ -129,3 +129,10 @@ def test_loss_demo_says_fused_needs_a_gpu():
     assert p.returncode == 0, p.stderr
     fused = [line for line in p.stdout.splitlines() if line.startswith("fused")]
     assert len(fused) == 1 and "needs a CUDA GPU with Triton" in fused[0]
+
+
+def test_cache_verify_of_a_run_dir_points_at_its_cache(tmp_path):
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "manifest.json").write_text("{}")
+    p = py("-m", "megatron_kd", "cache", "verify", str(tmp_path))
+    assert p.returncode == 1 and f"megatron-kd cache verify {tmp_path / 'cache'}" in p.stderr, p.stderr

@@ -53,7 +53,7 @@ def test_demo_runs_end_to_end(finished):
     # one counter over the seven stages, with an estimate of what is left once a stage is timed
     for i, stage in enumerate(demo_cli.STAGES, 1):
         assert f"[demo {i}/7 {stage}]" in stdout
-    assert "left" in stdout.split("[demo 2/7 teacher]", 1)[1].splitlines()[0]
+    assert "left" in stdout.split("[demo 3/7 cache]", 1)[1].splitlines()[0]
     # every student's held-out CE and KL on the final lines, the offline one included
     final = [line for line in stdout.splitlines() if "held-out offline CE" in line]
     assert final and all(f"{k} CE {rows[k]['ce']:.4f} KL {rows[k]['kl']:.4f}" in final[0]

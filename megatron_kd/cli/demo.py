@@ -92,6 +92,10 @@ def settings_from(args) -> Settings:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    # OpenMP threads that spin while waiting make small CPU steps many times slower whenever another process
+    # wants the cores (the cache stage runs in this process: 17 s idle, 184-273 s on a shared 2-core machine
+    # before this). libgomp reads it once, when torch loads, which has not happened yet here.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from ..megatron import quiet_megatron_warnings
     quiet_megatron_warnings()
     s = settings_from(args)
@@ -142,7 +146,8 @@ class Demo:
     def begin(self, stage: str) -> None:
         self.stage = stage
         left = eta_s(self.times, self.s, STAGES[STAGES.index(stage):])
-        eta = "" if left is None else f", about {fmt_s(left)} left"
+        eta = f", about {fmt_s(left)} left" if left is not None else \
+            " (the default demo: 3-8 minutes on 2 CPU cores; an estimate follows the teacher)" if stage == "data" else ""
         self.say(f"{fmt_s(time.time() - self.t0)} so far{eta}")
 
     def finish(self, stage: str, seconds: float) -> None:
@@ -227,9 +232,7 @@ class Demo:
         t = time.time()
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                                  "MASTER_PORT")}
-        # OpenMP threads that spin while waiting make small CPU steps many times slower whenever another
-        # process wants the cores; sleeping waiters cost almost nothing on an idle machine.
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see main(); sleeping waiters cost little on an idle machine
         before = self.times.pop(f"{stage}_partial", 0.0)  # an interrupted start's share of this stage
         try:
             rc = subprocess.call([sys.executable, "-m", "megatron_kd", "train", *overrides], env=env)
@@ -326,9 +329,8 @@ def expected_share(stage: str, s: Settings) -> float:
 
 def eta_s(times: dict, s: Settings, remaining) -> float | None:
     """Seconds the remaining stages should take, at the pace of the stages already timed (data excluded: its
-    time does not grow with the steps); None before any stage is timed."""
-    timed = [k for k in STAGES if k not in remaining and times.get(k) and k != "data"] or \
-        [k for k in STAGES if k not in remaining and times.get(k)]
+    time does not grow with the steps); None until one is."""
+    timed = [k for k in STAGES if k not in remaining and times.get(k) and k != "data"]
     if not timed:
         return None
     pace = sum(times[k] for k in timed) / sum(expected_share(k, s) for k in timed)
@@ -343,7 +345,8 @@ def machine() -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"{cpu}, {os.cpu_count()} cores, {platform.system()}"
+    load = f", load average {os.getloadavg()[1]:.1f} (5 min)" if hasattr(os, "getloadavg") else ""
+    return f"{cpu}, {os.cpu_count()} cores, {platform.system()}{load}"
 
 
 def recipe_overrides(argv: list) -> list:

@@ -139,8 +139,8 @@ def run_config(cfg) -> int:
 def summary_line(s: dict) -> str:
     if s["iteration"] > s["iters"]:
         return (f"megatron-kd train: nothing trained: {s['save']} already holds iteration {s['iteration']}, past "
-                f"train.iters={s['iters']}. A shorter run needs its own train.save (or "
-                f"train.load={s['save']} train.save=NEW_DIR to continue from it); raise train.iters to train on")
+                f"train.iters={s['iters']}. A shorter run needs its own train.save (train.pretrained={s['save']} "
+                "train.save=NEW_DIR starts one from these weights); raise train.iters to train on")
     if not s.get("step_s") and s["iteration"] == s["iters"]:
         return (f"megatron-kd train: nothing to do: {s['save']} already holds the finished run "
                 f"({s['iters']} iterations); raise train.iters to train on, or use another train.save")

@@ -95,6 +95,7 @@ def test_a_run_past_its_iters_says_nothing_was_trained():
     s = {"iteration": 320, "iters": 50, "save": "runs/x", "mode": "ce", "step_s": None}
     line = train_cli.summary_line(s)
     assert "320/50" not in line and "nothing trained" in line and "train.iters=50" in line
+    assert "train.pretrained=runs/x" in line and "train.load" not in line  # a load would resume at 320 again
     done = train_cli.summary_line({**s, "iteration": 50})
     assert "nothing to do" in done and "finished" in done
 

@@ -26,7 +26,6 @@ from .shapes import Layout, ModelShape, padded_vocab, param_counts
 GIB = float(1 << 30)
 RESERVE_GIB = 3.0          # CUDA context, NCCL buffers, allocator rounding: not in max_memory_allocated
 H200_GIB = 139.8           # usable HBM of one H200 (torch.cuda.mem_get_info total)
-from ..loss.api import CHUNK_ELEMENTS as LOSS_CHUNK_ELEMENTS  # noqa: E402  (torch chunked impls)
 from ..kernels.settings import anchored_rows  # noqa: E402  (anchored bf16 logits / dz rows, tp == 1)
 from ..kernels.settings import E_BYTES as FUSED_E_BYTES  # noqa: E402  (bf16 dz of one super-chunk)
 from ..kernels.settings import LOGITS as FUSED_LOGITS  # noqa: E402
@@ -257,6 +256,8 @@ def loss_buffers(shape: ModelShape, lay: Layout, tr: Training, T: int) -> dict:
         held = gath + targets + stats + 2 * T * h + wcopy
         return dict(fwd=gath + targets + stats + 2 * T * h + z + e + acc + wcopy, held=held,
                     bwd=held + 2 * T * h + 2 * vh, tail=tied_tail)
+    from ..loss.api import CHUNK_ELEMENTS as LOSS_CHUNK_ELEMENTS  # first-hour (issue 21): here, not at import, so
+    # `megatron-kd plan --help` loads no torch (loss.api imports it)
     c = _pow2_floor(max(16, LOSS_CHUNK_ELEMENTS // max(1, shape.vocab)))
     cv = min(T, c) * vloc * 4
     if tr.loss == "chunked":

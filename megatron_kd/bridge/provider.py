@@ -10,6 +10,7 @@ import dataclasses
 
 from megatron.bridge.data.base import DatasetProvider
 from megatron.bridge.data.utils import get_dataset_provider
+from megatron.bridge.utils.instantiate_utils import register_allowed_target_prefix
 
 from .config import OfflineKDConfig
 from .data import build_kd_datasets
@@ -57,6 +58,9 @@ class OfflineKDDatasetProvider(DatasetProvider):
         else:
             object.__setattr__(self, name, value)
 
+
+# Bridge instantiates `_target_`s of a saved run config (ConfigContainer.from_yaml) only from allowed packages.
+register_allowed_target_prefix("megatron_kd.bridge")
 
 _OWN = frozenset(f.name for f in dataclasses.fields(OfflineKDDatasetProvider))
 _SHARED = _OWN - {"base", "kd"}  # DataloaderConfig's fields

@@ -250,3 +250,17 @@ def test_bridge_yaml_examples_fit_bridges_schema(path):
     merged, _ = create_omegaconf_dict_config(tiny_cfg())
     OmegaConf.set_struct(merged, True)
     OmegaConf.merge(merged, OmegaConf.create(bridge_yaml))  # raises on an unknown key
+
+
+# --- the cache command's refusals -----------------------------------------------------------------------------------
+
+def test_cache_command_refuses_bad_input_before_any_work(tmp_path, capsys):
+    from megatron_kd.bridge.cache import main
+    base = ["build", "--recipe", "helpers:tiny_cfg", "--no-progress"]
+    assert main(base + ["--teacher", "helpers:table_teacher"]) == 2  # no kd.cache_path, no --out
+    assert "no cache directory" in capsys.readouterr().err
+    out = tmp_path / "c"
+    assert main(base + ["--teacher", "helpers:table_teacher", "--teacher-args", '{"vocab": 128}', "--out",
+                        str(out)]) == 2  # the recipe's tokenizer has 256 ids
+    assert "teacher and student must share a tokenizer" in capsys.readouterr().err
+    assert not out.exists()  # nothing written

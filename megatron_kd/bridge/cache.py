@@ -10,9 +10,10 @@ length), and the first train_samples of the train split are what the teacher see
 (or --out) with kd.top_k (default 100) and kd.temperature, so `megatron_kd.bridge.run` with the same file trains
 on it. A restart of the same command resumes an unfinished cache; under torchrun, data-parallel ranks split it.
 
-Teachers: `hf:DIR` (a local transformers checkpoint, megatron_kd.cache.HFTeacher, one GPU per rank) or
-`module:function` returning a teacher (megatron_kd.cache.teacher: MegatronTeacher, CallableTeacher, ...), called
-with --teacher-args (JSON).
+Teachers: `hf:DIR` (a local transformers checkpoint, megatron_kd.cache.HFTeacher, one GPU per rank),
+`mkd:SAVE_DIR` (a `megatron-kd train` checkpoint: its recipe's model section and weights, megatron_kd_teacher
+below; --teacher-args {"tp": 2, "precision": "bf16"}) or `module:function` returning a teacher
+(megatron_kd.cache.teacher: MegatronTeacher, CallableTeacher, ...), called with --teacher-args (JSON).
 """
 import argparse
 import json
@@ -56,7 +57,39 @@ def bridge_train_samples(cfg):
     return train_head(train, counts[0]), tokenizer
 
 
-def make_teacher(spec: str, args: dict):
+def megatron_kd_teacher(save_dir: str, vocab_size: int, seq_length: int, tp: int = 1, precision: str = "bf16",
+                        device: str = "auto"):
+    """A `megatron-kd train` save dir (or iter_* dir) as a Megatron teacher: the model section of the recipe it
+    saved, its weights (any layout they were saved at), tensor parallel over `tp` ranks of this job; the other
+    ranks split the samples (data parallel)."""
+    import dataclasses
+    from megatron.core import parallel_state as ps
+    from ..cache.teacher import MegatronTeacher
+    from ..megatron import checkpoint as ckpt
+    from ..megatron.config import ModelConfig, ParallelConfig
+    from ..megatron.dist import init_model_parallel, init_process_group, use_cuda
+    from ..megatron.model import build_gpt
+    from ..megatron.teacher import freeze
+    saved = (ckpt.read_common(save_dir).get("recipe") or {}).get("model")
+    if not saved:
+        raise ValueError(f"--teacher mkd:{save_dir}: no recipe in its checkpoint (not a `megatron-kd train` save dir)")
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    m = ModelConfig(**{k: v for k, v in saved.items() if k in known})
+    m.hf_weights = None
+    cuda = use_cuda(device)
+    init_process_group(cuda)
+    p = ParallelConfig(tp=int(tp))
+    if not ps.model_parallel_is_initialized():
+        init_model_parallel(p, cuda)
+    model = build_gpt(m, p, vocab_size, seq_length, precision)
+    ckpt.load_weights(save_dir, [model])
+    freeze(model)
+    return MegatronTeacher(model, vocab_size, name=m.name, tp_group=ps.get_tensor_model_parallel_group())
+
+
+def make_teacher(spec: str, args: dict, vocab_size: int | None = None, seq_length: int | None = None):
+    if spec.startswith("mkd:"):
+        return megatron_kd_teacher(spec[4:], vocab_size=vocab_size, seq_length=seq_length, **args)
     if spec.startswith("hf:"):
         import torch
         from ..cache.teacher import HFTeacher
@@ -91,8 +124,9 @@ def build(a) -> dict:
     top_k = a.top_k or kd.top_k or 100
     _init_distributed()
     train, tokenizer = bridge_train_samples(cfg)
-    teacher = make_teacher(a.teacher, json.loads(a.teacher_args or "{}"))
     vocab = int(getattr(tokenizer, "vocab_size", 0) or 0)
+    teacher = make_teacher(a.teacher, json.loads(a.teacher_args or "{}"), vocab_size=vocab or None,
+                           seq_length=int(cfg.model.seq_length))
     if vocab and int(teacher.vocab_size) < vocab:
         raise ValueError(f"the teacher's vocabulary ({teacher.vocab_size}) is smaller than the recipe tokenizer's "
                          f"({vocab}): teacher and student must share a tokenizer (tokenizer: in the YAML)")
@@ -108,7 +142,8 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="run a teacher over the recipe's train samples and write (or resume) a cache")
     add_config_args(b)
-    b.add_argument("--teacher", required=True, help="hf:MODEL_DIR or module:function returning a teacher")
+    b.add_argument("--teacher", required=True, help="hf:MODEL_DIR, mkd:MEGATRON_KD_SAVE_DIR or module:function "
+                   "returning a teacher")
     b.add_argument("--teacher-args", default="{}", help='JSON keyword arguments, e.g. \'{"dtype": "bfloat16"}\'')
     b.add_argument("--out", default=None, help="cache directory (default: kd.cache_path)")
     b.add_argument("--top-k", type=int, default=None, help="default: kd.top_k, else 100")

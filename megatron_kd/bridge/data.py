@@ -1,7 +1,6 @@
-"""Cache rows next to Bridge's training samples: build the user's datasets as Bridge would, wrap the train split
-with the cache's TopKDataset. The Bridge DatasetProvider subclass lives in provider.py, imported only when a
-Bridge config is wrapped."""
-import dataclasses
+"""Cache rows next to Bridge's training samples: build the user's datasets as Bridge would, keep the first
+train_samples of the train split (what the run consumes: Bridge's GPTDataset rounds up to whole epochs) and add
+the cache's rows to them. Nothing here imports Bridge; the Bridge DatasetProvider subclass is provider.py."""
 import functools
 import inspect
 
@@ -16,23 +15,39 @@ def bind_provider(provider, tokenizer=None, pg_collection=None):
     return provider
 
 
-def build_kd_datasets(base, kd, context, provider):
-    """Train/valid/test from Bridge's provider for `base`; the train split gets the teacher rows of `kd`'s cache
-    (sample i <-> cache row i, token hashes checked). Validation and test stay plain LM batches."""
-    from ..cache import TopKDataset
-
+def build_base_datasets(base, context, provider):
+    """(train, valid, test) exactly as Bridge builds them for `base`: its provider, its sample counts."""
     provider = bind_provider(provider, getattr(context, "tokenizer", None), getattr(context, "pg_collection", None))
-    train, valid, test = provider([context.train_samples, context.valid_samples, context.test_samples], base)
+    return provider([context.train_samples, context.valid_samples, context.test_samples], base)
+
+
+def train_head(train, train_samples: int):
+    """The first `train_samples` samples of Bridge's train split: sample i is Bridge's sample i."""
+    from ..megatron.data import Head
+    n = int(train_samples)
+    if len(train) < n:
+        raise ValueError(f"the train split yields {len(train)} samples, the run needs {n} (train.train_iters x "
+                         "train.global_batch_size); add data (dataset.blend) or lower train.train_iters")
+    return Head(train, n)
+
+
+def kd_train_split(train, kd, train_samples: int, reader=None):
+    """Bridge's train samples [0, train_samples) with the teacher rows of kd's cache (row i <-> sample i, token
+    hashes checked per sample). The cache must cover what the run consumes, not the split's whole epoch."""
+    from ..cache import CacheReader, TopKDataset
+    head = train_head(train, train_samples)
+    reader = reader if reader is not None else CacheReader(kd.cache_path)
+    if len(reader) < len(head):
+        raise ValueError(f"kd.cache_path={kd.cache_path!r} holds {len(reader)} samples, the run needs {len(head)} "
+                         "(train.train_iters x train.global_batch_size); rebuild it for this recipe with `python -m "
+                         "megatron_kd.bridge.cache build --recipe ... --config-file ...` or lower train.train_iters")
+    return TopKDataset(head, reader, check_tokens=kd.check_tokens, top_k=kd.top_k)
+
+
+def build_kd_datasets(base, kd, context, provider):
+    """Train/valid/test from Bridge's provider for `base`; the train split gets the teacher rows of `kd`'s cache.
+    Validation and test stay plain LM batches."""
+    train, valid, test = build_base_datasets(base, context, provider)
     if train is not None:
-        train = TopKDataset(train, kd.cache_path, check_tokens=kd.check_tokens, top_k=kd.top_k)
+        train = kd_train_split(train, kd, context.train_samples)
     return train, valid, test
-
-
-def wrap_dataset_config(base, kd):
-    """cfg.dataset -> a provider that builds it as before and adds the cache rows to the train split."""
-    from .provider import OfflineKDDatasetProvider  # imports Bridge
-
-    # The dataloader settings (workers, sharding, pinning, ...) stay the user's: copy the ones both have.
-    names = {f.name for f in dataclasses.fields(OfflineKDDatasetProvider) if f.init} - {"base", "kd"}
-    loader = {k: getattr(base, k) for k in names if hasattr(base, k)}
-    return OfflineKDDatasetProvider(base=base, kd=kd, **loader)

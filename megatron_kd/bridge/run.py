@@ -4,7 +4,10 @@
         --config-file recipes/bridge/llama32_3b_offline_kd.yaml [overrides: train.train_iters=100 kd.top_k=100]
 
 Everything but `kd` is merged onto the recipe's ConfigContainer the way Bridge's own example scripts do
-(OmegaConf merge, then Hydra-syntax overrides); `kd` becomes an OfflineKDConfig.
+(OmegaConf merge, then Hydra-syntax overrides); `kd` becomes an OfflineKDConfig. Where Transformer Engine does
+not import, the model is built from megatron-core's local layers with SDPA attention (--layers, recipes.py).
+A checkpoint in checkpoint.load resumes the run: Bridge restores its consumed-sample count, and sample i of the
+train split keeps cache row i, so the KD targets continue at the right sample.
 """
 import argparse
 import importlib
@@ -33,23 +36,27 @@ def load_recipe(name: str):
     return getattr(importlib.import_module(module), func)()
 
 
-def build(argv=None):
-    """(ConfigContainer with overrides applied and KD enabled, forward step)."""
-    p = argparse.ArgumentParser(prog="python -m megatron_kd.bridge.run", description=__doc__.split("\n")[0])
-    p.add_argument("--recipe", required=True, help="Bridge recipe function, e.g. llama32_3b_pretrain_config")
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--recipe", required=True, help="Bridge recipe function, e.g. llama32_3b_pretrain_config, or "
+                   "module:function (megatron_kd.bridge.recipes:tiny_local_config)")
     p.add_argument("--config-file", default=None, help="Bridge-style override YAML with a kd: section")
+    p.add_argument("--layers", choices=["auto", "local", "recipe"], default="auto",
+                   help="auto: the recipe's layers when Transformer Engine imports, else megatron-core's local "
+                   "layers with SDPA attention; local: always those; recipe: never change them")
     p.add_argument("overrides", nargs="*", help="Hydra-syntax overrides; kd.* go to the kd section")
-    a = p.parse_args(argv)
 
+
+def load_config(a) -> tuple:
+    """(ConfigContainer with the YAML and overrides applied, OfflineKDConfig, notes): no KD wiring yet."""
     kd_overrides, bridge_overrides = split_kd_overrides(a.overrides)
     bridge_yaml, kd_yaml = read_config_file(a.config_file)
-    kd = apply_kd_overrides(OfflineKDConfig.from_dict(kd_yaml), kd_overrides).validate()
+    kd = apply_kd_overrides(OfflineKDConfig.from_dict(kd_yaml), kd_overrides)
 
     from omegaconf import OmegaConf
     from megatron.bridge.training.utils.omegaconf_utils import (apply_overrides, create_omegaconf_dict_config,
                                                                   parse_hydra_overrides)
 
-    from .api import enable_offline_kd
+    from .recipes import have_te, use_local_layers
 
     cfg = load_recipe(a.recipe)
     merged, excluded = create_omegaconf_dict_config(cfg)
@@ -57,14 +64,40 @@ def build(argv=None):
     if bridge_overrides:
         merged = parse_hydra_overrides(merged, bridge_overrides)
     apply_overrides(cfg, OmegaConf.to_container(merged, resolve=True), excluded)
-    return cfg, enable_offline_kd(cfg, kd)
+    notes = []
+    if a.layers == "local" or (a.layers == "auto" and not have_te()):
+        changed = use_local_layers(cfg.model)
+        if changed:
+            notes.append("Transformer Engine is not used here: " + ", ".join(changed))
+    return cfg, kd, notes
 
 
-def main(argv=None) -> int:
-    cfg, forward_step = build(argv)
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m megatron_kd.bridge.run", description=__doc__.split("\n")[0])
+    add_config_args(p)
+    p.add_argument("--loss-log", default=None, help="append one JSON line per step (iteration, losses) here")
+    return p
+
+
+def build(argv=None):
+    """(ConfigContainer with overrides applied and KD enabled, forward step, parsed args)."""
+    a = parser().parse_args(argv)
+    cfg, kd, notes = load_config(a)
+    from .api import enable_offline_kd
+    for n in notes:
+        print(f"megatron_kd.bridge.run: note: {n}", flush=True)
+    return cfg, enable_offline_kd(cfg, kd.validate()), a
+
+
+def main(argv=None, callbacks=None) -> int:
+    cfg, forward_step, a = build(argv)
     from megatron.bridge.training.pretrain import pretrain
 
-    pretrain(cfg, forward_step)
+    callbacks = list(callbacks or [])
+    if a.loss_log:
+        from .callbacks import LossLog
+        callbacks.append(LossLog(a.loss_log))
+    pretrain(cfg, forward_step, callbacks=callbacks or None)
     return 0
 
 

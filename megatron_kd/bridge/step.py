@@ -33,17 +33,29 @@ def kd_settings(kd: OfflineKDConfig) -> KDConfig:
                     check_tokens=kd.check_tokens, log_ce=kd.log_ce, **extra)
 
 
-def next_batch(data_iterator, device) -> dict:
+def next_batch(data_iterator, device, keep_attention_mask: bool = False) -> dict:
     """The next batch, the tensors this step uses moved to `device`. Every pipeline stage takes the whole batch:
-    the cache rows ([b, s, K], a few tens of MB at 32K) are small next to the activations."""
+    the cache rows ([b, s, K], a few tens of MB at 32K) are small next to the activations.
+
+    attention_mask stays behind, as in Bridge's get_batch, unless the dataset config sets
+    skip_getting_attention_mask_from_dataset=False: Bridge's datasets build a [b, 1, s, s] mask by default
+    (about 1 GiB per sample at 32K) that causal attention does not read."""
     if data_iterator is None:
         return {}
     batch = next(data_iterator)
     if any(batch.get(k) is not None for k in PACKED_KEYS):
         raise ValueError("offline KD does not support packed sequences (cu_seqlens in the batch): the cache holds "
                          "one row per position of an unpacked sample")
-    return {k: batch[k].to(device, non_blocking=True) for k in MODEL_KEYS + KD_KEYS
-            if torch.is_tensor(batch.get(k))}
+    keys = MODEL_KEYS + KD_KEYS if keep_attention_mask else tuple(k for k in MODEL_KEYS + KD_KEYS
+                                                                  if k != "attention_mask")
+    return {k: batch[k].to(device, non_blocking=True) for k in keys if torch.is_tensor(batch.get(k))}
+
+
+def keeps_attention_mask(state) -> bool:
+    """Bridge's rule (gpt_step.get_batch): the dataset's mask is used only when the dataset config sets
+    skip_getting_attention_mask_from_dataset=False."""
+    dataset = getattr(getattr(state, "cfg", None), "dataset", None)
+    return not getattr(dataset, "skip_getting_attention_mask_from_dataset", True)
 
 
 def kd_loss_func(loss_mask, head, output_tensor, *, prefix="kd", check_for_nan=False):
@@ -77,7 +89,7 @@ class OfflineKDForwardStep:
         if timers is not None:
             timers("batch-generator", log_level=2).start()
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        batch = next_batch(data_iterator, device)
+        batch = next_batch(data_iterator, device, keeps_attention_mask(state))
         cp_group = getattr(getattr(unwrap(model), "pg_collection", None), "cp", None)
         batch = slice_for_context_parallel(batch, cp_group)
         if timers is not None:

@@ -17,10 +17,12 @@ def te_available() -> bool:
     if not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None:
         return False
     try:
-        import megatron.core.extensions.transformer_engine  # noqa: F401
-        return True
+        import megatron.core.extensions.transformer_engine as mcore_te
     except Exception:  # TE present but broken (CUDA/cuDNN mismatch): fall back to the local spec
         return False
+    # [bridge hook, issue 18] megatron-core's own verdict: on an ImportError it puts a MagicMock in TE's place
+    # and sets HAVE_TE = False, while a stand-in module can still satisfy find_spec above.
+    return bool(getattr(mcore_te, "HAVE_TE", False))
 
 
 def apex_available() -> bool:

@@ -16,7 +16,9 @@ class LossLog:
         if dist.is_initialized() and dist.get_rank() != dist.get_world_size() - 1:
             return  # the reduced losses live on the last pipeline stage; the last rank has them
         losses = {k: float(v.item() if hasattr(v, "item") else v) for k, v in (context.loss_dict or {}).items()}
-        rec = {"iteration": int(context.state.train_state.step), "losses": losses,
+        # Bridge fires on_train_step_end before it advances train_state.step (training/train.py), so the step
+        # that just ran is step + 1, the number Bridge's console line shows for it.
+        rec = {"iteration": int(context.state.train_state.step) + 1, "losses": losses,
                "grad_norm": None if context.grad_norm is None else float(context.grad_norm),
                "skipped": bool(context.skipped_iter)}
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)

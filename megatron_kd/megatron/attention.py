@@ -52,6 +52,7 @@ class SDPAttention(MegatronModule):
     # the sink [heads] is split over TP ranks per head (column-parallel), as DotProductAttention's.
     tensor_model_parallel = True
     partition_dim = 0
+    supports_sinks_and_window = True  # megatron_kd.hf's layer spec keeps this class for GPT-OSS checkpoints
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale=None, cp_comm_type=None, pg_collection=None):

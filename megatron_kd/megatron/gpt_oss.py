@@ -107,6 +107,10 @@ def _expert_row_linear():
         is being modified inplace"): GPT-OSS could not train on one GPU. With one rank there is nothing to
         reduce, so the expert path without the reduce (megatron-core's explicit_expert_comm) is the same math."""
 
+        # Bridge's AutoMapping finds the TP layout of an unregistered class from these: row-parallel.
+        tensor_model_parallel = True
+        partition_dim = 1
+
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             if self.is_expert and self.skip_bias_add and self.tp_group.size() == 1:

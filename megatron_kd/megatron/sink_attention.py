@@ -47,6 +47,8 @@ def block_mask(seq: int, window, device, block: int = FLEX_BLOCK):
         if window is not None:
             some &= lo_i - hi_j <= window         # the closest pair is inside the window
             full &= hi_i - lo_j <= window         # the farthest pair is too
+        whole = (hi - lo == block - 1)            # a block cut by the sequence end is never "full" (as
+        full &= whole[:, None] & whole[None, :]   # create_block_mask): the kernel masks it element-wise
         partial = some & ~full
         kv_num, kv_idx = _kv_blocks(partial)
         full_num, full_idx = _kv_blocks(full)

@@ -123,6 +123,7 @@ def build_via_recipe(path, hf_cfg, tp):
 
 def logits(model, ids):
     from megatron.core import parallel_state as ps
+    model.eval()  # megatron-core refuses MoE + TP without sequence parallel in training mode only
     pos = torch.arange(ids.shape[1]).expand_as(ids)
     with torch.no_grad():
         out = model(input_ids=ids, position_ids=pos, attention_mask=None)

@@ -230,3 +230,21 @@ def test_gpu_flex_matches_reference_and_saved_bytes():
     want = sum(attention_activation_bytes(s, h, hk, d, sink=True, window=127).values())
     got = sum(seen.values()) + out.numel() * out.element_size()  # the scaled output linear_proj saves
     assert abs(got - want) <= 0.02 * want, (got, want, seen)
+
+
+@pytest.mark.parametrize("recipe,layers,experts", [("gpt_oss_20b", 24, 32), ("gpt_oss_120b", 36, 128)])
+def test_recipes_are_the_real_architectures(recipe, layers, experts):
+    """recipes/model/gpt_oss_*.yaml carry what Bridge's GPT-OSS mapping makes of the published config.json."""
+    transformers = pytest.importorskip("transformers")
+    import os
+    from omegaconf import OmegaConf
+    from megatron_kd.megatron.gpt_oss import hf_model_fields
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "model")
+    base = OmegaConf.load(os.path.join(root, "gpt_oss_20b.yaml"))
+    m = OmegaConf.to_container(OmegaConf.merge(base, OmegaConf.load(os.path.join(root, f"{recipe}.yaml"))))
+    hf = transformers.GptOssConfig(num_hidden_layers=layers, num_local_experts=experts, vocab_size=201088,
+                                   hidden_size=2880, intermediate_size=2880, num_attention_heads=64,
+                                   num_key_value_heads=8, head_dim=64, sliding_window=128, num_experts_per_tok=4,
+                                   tie_word_embeddings=False, rope_theta=150000)
+    want = hf_model_fields(hf)
+    assert {k: m.get(k) for k in want} == want

@@ -10,6 +10,7 @@ from typing import Any, Optional
 MODES = ("offline", "online", "ce")
 ATTENTION_BACKENDS = ("auto", "te", "sdpa", "local")
 PRECISIONS = ("fp32", "bf16", "fp16")
+GATED_ACTIVATIONS = ("swiglu", "quick_geglu")     # gated MLPs (fc1 is 2 x ffn wide); quick_geglu: GPT-OSS
 
 
 @dataclass

@@ -10,6 +10,7 @@ from typing import Any, Optional
 MODES = ("offline", "online", "ce")
 ATTENTION_BACKENDS = ("auto", "te", "sdpa", "local")
 PRECISIONS = ("fp32", "bf16", "fp16")
+GATED_ACTIVATIONS = ("swiglu", "quick_geglu")     # gated MLPs (fc1 is 2 x ffn wide); quick_geglu: GPT-OSS
 
 
 @dataclass
@@ -42,6 +43,14 @@ class ModelConfig:
     recompute_granularity: Optional[str] = None  # null | full | selective
     recompute_method: Optional[str] = None       # uniform | block (with full)
     recompute_num_layers: Optional[int] = None
+    # gpt-oss (issue 17; megatron/gpt_oss.py maps these onto TransformerConfig): GPT-OSS's attention sinks,
+    # sliding window, clamped GLU and YaRN (recipes/model/gpt_oss_20b.yaml); the defaults turn them off
+    softmax_type: str = "vanilla"                # vanilla | learnable (per-head sinks) | off-by-one
+    window_size: Optional[list] = None           # [left, 0]: keys i - left .. i (HF sliding_window W: [W - 1, 0])
+    window_attn_skip_freq: Optional[int] = None  # every Nth layer full attention (GPT-OSS: 2); null: all windowed
+    activation_func_clamp_value: Optional[float] = None  # clamped GLU (GPT-OSS: 7.0)
+    glu_linear_offset: float = 0.0               # + this on the GLU's linear half (GPT-OSS: 1.0)
+    yarn: dict = field(default_factory=dict)     # position_embedding_type=yarn: megatron's yarn_* without the prefix
     megatron: dict = field(default_factory=dict)  # any other TransformerConfig field, passed through as is
     hf_weights: Optional[str] = None             # local HF model dir loaded via Megatron-Bridge's AutoBridge
 
@@ -200,10 +209,15 @@ def check_model(m: ModelConfig, section: str, tp: int) -> None:
     _need(groups % tp == 0, f"{section}.num_query_groups={groups} must divide by parallel.tp={tp}")
     _need(m.normalization in ("RMSNorm", "LayerNorm"), f"{section}.normalization={m.normalization!r}: "
           "use RMSNorm or LayerNorm")
-    _need(m.activation in ("swiglu", "gelu", "squared_relu"), f"{section}.activation={m.activation!r}: use "
-          "swiglu, gelu or squared_relu")
-    _need(m.position_embedding_type in ("rope", "learned_absolute", "none"),
-          f"{section}.position_embedding_type={m.position_embedding_type!r}: use rope, learned_absolute or none")
+    _need(m.activation in ("swiglu", "gelu", "squared_relu", "quick_geglu"), f"{section}.activation="
+          f"{m.activation!r}: use swiglu, gelu, squared_relu or quick_geglu (GPT-OSS)")
+    _need(m.position_embedding_type in ("rope", "yarn", "learned_absolute", "none"),
+          f"{section}.position_embedding_type={m.position_embedding_type!r}: use rope, yarn, learned_absolute or none")
+    from . import gpt_oss  # gpt-oss: sinks, window, clamp, YaRN fields
+    try:
+        gpt_oss.check(m, section)
+    except ValueError as e:
+        raise RecipeError(str(e)) from None
     _need(m.attention_backend in ATTENTION_BACKENDS,
           f"{section}.attention_backend={m.attention_backend!r}: use one of {ATTENTION_BACKENDS}")
     _need(m.make_vocab_size_divisible_by >= 1, f"{section}.make_vocab_size_divisible_by must be >= 1")

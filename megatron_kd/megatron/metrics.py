@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from .config import ModelConfig
+from .config import GATED_ACTIVATIONS, ModelConfig
 
 
 def gpt_params(m: ModelConfig, vocab: int, active: bool = False) -> int:
@@ -16,7 +16,7 @@ def gpt_params(m: ModelConfig, vocab: int, active: bool = False) -> int:
     groups = m.num_query_groups or heads
     attn = h * heads * hd + 2 * h * groups * hd + heads * hd * h
     ffn = m.ffn_hidden_size or 4 * h
-    gated = 2 if m.activation == "swiglu" else 1
+    gated = 2 if m.activation in GATED_ACTIVATIONS else 1
     if m.num_moe_experts:
         e_ffn = m.moe_ffn_hidden_size or ffn
         n_exp = m.moe_router_topk if active else m.num_moe_experts

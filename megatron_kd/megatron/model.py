@@ -36,6 +36,9 @@ def apex_available() -> bool:
 
 
 def _activation(name: str):
+    from . import gpt_oss  # gpt-oss: quick_geglu
+    if gpt_oss.activation(name):
+        return gpt_oss.activation(name)
     if name == "swiglu":
         return F.silu, True
     if name == "gelu":
@@ -77,8 +80,12 @@ def transformer_config(m: ModelConfig, p: ParallelConfig, precision: str = "fp32
         masked_softmax_fusion=False,
         persist_layer_norm=False,
     )
+    from . import gpt_oss  # gpt-oss: sinks, window, clamped GLU, YaRN
+    kw.update(gpt_oss.config_kwargs(m))
     kw.update(m.megatron or {})
-    return TransformerConfig(**kw)
+    config = TransformerConfig(**kw)
+    gpt_oss.apply_yarn(config, m)
+    return config
 
 
 def _backend(m: ModelConfig) -> str:
@@ -103,6 +110,9 @@ def layer_spec(m: ModelConfig):
     if backend == "sdpa":
         from .attention import SDPAttention
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    if m.num_moe_experts and m.add_bias_linear:  # gpt-oss: expert biases train at EP=1 / expert TP=1
+        from .gpt_oss import fix_local_moe_spec
+        fix_local_moe_spec(spec)
     return spec
 
 

@@ -96,6 +96,7 @@ def vocab_size(r) -> int:
 
 def shape_from_config(m, vocab: int, seq_length: int) -> ModelShape:
     """ModelShape of a ModelConfig/TeacherConfig, with model.py's defaults for its null keys."""
+    from megatron_kd.megatron.config import GATED_ACTIVATIONS as gated  # swiglu, quick_geglu (GPT-OSS)
     mg = dict(m.megatron or {})
     heads = m.num_attention_heads
     ffn = m.ffn_hidden_size or 4 * m.hidden_size
@@ -107,7 +108,7 @@ def shape_from_config(m, vocab: int, seq_length: int) -> ModelShape:
         name=m.name, num_layers=m.num_layers, hidden=m.hidden_size, num_heads=heads,
         num_kv_heads=m.num_query_groups or heads, head_dim=m.kv_channels or m.hidden_size // heads,
         ffn_hidden=ffn, vocab=vocab, tied_embeddings=bool(m.tie_embeddings),
-        gated_mlp=m.activation == "swiglu", norm="rmsnorm" if m.normalization == "RMSNorm" else "layernorm",
+        gated_mlp=m.activation in gated, norm="rmsnorm" if m.normalization == "RMSNorm" else "layernorm",
         add_bias_linear=bool(m.add_bias_linear), add_qkv_bias=bool(m.add_qkv_bias),
         qk_layernorm=bool(m.qk_layernorm), num_experts=experts,
         moe_topk=int(m.moe_router_topk) if experts else 0,

@@ -9,7 +9,6 @@ On CPU (tests, --smoke) the same code runs with gloo, and LiveMemory stands in f
 This is deliberately small; megatron_kd.megatron's training loop is the product. Stand-ins written here until
 that lands: the SDPA core attention (build.py) and the hidden-states hook for megatron-core < 0.19.
 """
-import contextlib
 import gc
 import time
 
@@ -293,8 +292,3 @@ def init_distributed():
     else:
         dist.init_process_group("gloo")
 
-
-@contextlib.contextmanager
-def maybe_no_grad(flag: bool):
-    with torch.no_grad() if flag else contextlib.nullcontext():
-        yield

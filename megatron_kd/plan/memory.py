@@ -19,7 +19,7 @@ The peak is the largest of four phases: end of forward (loss), backward (recompu
 (embedding gradient) and optimizer step. Every term is a closed formula of the shape and layout; the
 activation terms name the tensors they count (tests/test_plan.py checks them against autograd on CPU).
 """
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from .shapes import Layout, ModelShape, padded_vocab, param_counts
 
@@ -395,6 +395,3 @@ def plan_memory(shape: ModelShape, layout: Layout = Layout(), training: Training
     stages = sorted({0, layout.pp - 1} | ({1} if layout.pp > 2 else set()))
     return max((plan_stage(shape, layout, training, s) for s in stages), key=lambda p: p.peak_bytes)
 
-
-def with_training(tr: Training, **kw) -> Training:
-    return replace(tr, **kw)

@@ -29,10 +29,10 @@ def recipe_dataset(recipe: str = "tiny_cpu", overrides=None):
 def recipe_teacher(recipe: str = "tiny_cpu", overrides=None):
     """The recipe's teacher (weights from teacher.load) as a cache-builder teacher, on this rank's TP shard."""
     from megatron.core import parallel_state as ps
-    from ..cache.teacher import HFTeacher, MegatronTeacher
+    from ..cache.teacher import HFTeacher
     from .dist import init_model_parallel, init_process_group, set_seed, use_cuda
     from .model import build_gpt
-    from .teacher import freeze
+    from .teacher import MegatronTeacher, freeze
     r = _recipe(recipe, overrides)
     if r.teacher.hf_path:
         return HFTeacher(r.teacher.hf_path, device="cuda" if use_cuda(r.train.device) else "cpu")

@@ -304,7 +304,8 @@ def build_teacher_cache(r: Recipe, tok, train_ds, num_samples: int) -> dict:
     """kd.build_cache: run the recipe's teacher over the training samples and write kd.cache (resumable)."""
     from megatron.core import parallel_state as ps
     from ..cache import build_cache
-    from ..cache.teacher import HFTeacher, MegatronTeacher
+    from ..cache.teacher import HFTeacher
+    from .teacher import MegatronTeacher
     check_model(r.teacher, "teacher", r.parallel.tp)
     if r.parallel.pp > 1:
         raise RecipeError("kd.build_cache runs the teacher with parallel.pp=1; build the cache separately "

@@ -172,8 +172,9 @@ class UserDatasetConfig:  # stands in for Bridge's GPTDatasetConfig
 
 
 def test_dataset_provider_wraps_the_users_config(fake_bridge, cache_path):
+    from megatron_kd.bridge.provider import wrap_dataset_config
     base = UserDatasetConfig()
-    wrapped = kd_data.wrap_dataset_config(base, OfflineKDConfig(cache_path=cache_path))
+    wrapped = wrap_dataset_config(base, OfflineKDConfig(cache_path=cache_path))
     assert isinstance(wrapped, fake_bridge.DatasetProvider)
     assert wrapped.seq_length == S and wrapped.num_workers == 8 and wrapped.pin_memory is False
     wrapped.finalize()
@@ -399,7 +400,8 @@ def test_with_real_bridge():
     assert needs_global_state_injection(step)
     base = MockGPTDatasetConfig(random_seed=1, seq_length=S, reset_position_ids=False, reset_attention_mask=False,
                                 eod_mask_loss=False)
-    wrapped = kd_data.wrap_dataset_config(base, OfflineKDConfig(cache_path="/c"))
+    from megatron_kd.bridge.provider import wrap_dataset_config
+    wrapped = wrap_dataset_config(base, OfflineKDConfig(cache_path="/c"))
     assert isinstance(wrapped, DatasetProvider) and wrapped.seq_length == S
     assert callable(get_dataset_provider(wrapped))
 

@@ -32,6 +32,6 @@ def enable_offline_kd(cfg, kd: OfflineKDConfig | dict, *, reader=None) -> Offlin
                               vocab_size=getattr(model, "vocab_size", None))
     if getattr(model, "use_mup", False):
         raise ValueError("offline KD does not apply MuP logit scaling; set model.use_mup=False")
-    from .data import wrap_dataset_config
+    from .provider import wrap_dataset_config  # imports Bridge
     cfg.dataset = wrap_dataset_config(cfg.dataset, kd)
     return OfflineKDForwardStep(kd, valid_vocab_size=int(reader.vocab_size))

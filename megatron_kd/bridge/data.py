@@ -1,7 +1,6 @@
 """Cache rows next to Bridge's training samples: build the user's datasets as Bridge would, wrap the train split
-with the cache's TopKDataset. The Bridge DatasetProvider subclass lives in provider.py, imported only when a
-Bridge config is wrapped."""
-import dataclasses
+with the cache's TopKDataset. The Bridge DatasetProvider subclass (and wrap_dataset_config) live in provider.py,
+which imports this module and Bridge, and is imported only when a Bridge config is wrapped."""
 import functools
 import inspect
 
@@ -27,12 +26,3 @@ def build_kd_datasets(base, kd, context, provider):
         train = TopKDataset(train, kd.cache_path, check_tokens=kd.check_tokens, top_k=kd.top_k)
     return train, valid, test
 
-
-def wrap_dataset_config(base, kd):
-    """cfg.dataset -> a provider that builds it as before and adds the cache rows to the train split."""
-    from .provider import OfflineKDDatasetProvider  # imports Bridge
-
-    # The dataloader settings (workers, sharding, pinning, ...) stay the user's: copy the ones both have.
-    names = {f.name for f in dataclasses.fields(OfflineKDDatasetProvider) if f.init} - {"base", "kd"}
-    loader = {k: getattr(base, k) for k in names if hasattr(base, k)}
-    return OfflineKDDatasetProvider(base=base, kd=kd, **loader)

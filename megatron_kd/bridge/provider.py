@@ -1,5 +1,5 @@
 """The Bridge DatasetProvider that adds cache rows to the user's own dataset config. Imports Bridge: load it only
-through data.wrap_dataset_config. A module-level class, so Bridge's saved run config can name it (_target_)."""
+through wrap_dataset_config (api.enable_offline_kd does). A module-level class, so Bridge's saved run config can name it (_target_)."""
 import dataclasses
 
 from megatron.bridge.data.base import DatasetProvider
@@ -29,3 +29,11 @@ class OfflineKDDatasetProvider(DatasetProvider):
         if base is None or name.startswith("__"):
             raise AttributeError(name)
         return getattr(base, name)
+
+
+def wrap_dataset_config(base, kd):
+    """cfg.dataset -> a provider that builds it as before and adds the cache rows to the train split."""
+    # The dataloader settings (workers, sharding, pinning, ...) stay the user's: copy the ones both have.
+    names = {f.name for f in dataclasses.fields(OfflineKDDatasetProvider) if f.init} - {"base", "kd"}
+    loader = {k: getattr(base, k) for k in names if hasattr(base, k)}
+    return OfflineKDDatasetProvider(base=base, kd=kd, **loader)

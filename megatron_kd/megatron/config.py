@@ -208,7 +208,7 @@ def check_model(m: ModelConfig, section: str, tp: int) -> None:
           f"{section}.attention_backend={m.attention_backend!r}: use one of {ATTENTION_BACKENDS}")
     _need(m.make_vocab_size_divisible_by >= 1, f"{section}.make_vocab_size_divisible_by must be >= 1")
     if m.hf_weights:
-        from ..bridge.weights import check_hf_dir, require_bridge
+        from .hf_weights import check_hf_dir, require_bridge
         check_hf_dir(m.hf_weights, f"{section}.hf_weights")
         require_bridge(f"{section}.hf_weights")
     if m.megatron:

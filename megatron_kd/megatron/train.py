@@ -98,7 +98,7 @@ class Trainer:
         self.chunks, self.config = build_model_chunks(r.model, r.parallel, self.vocab, r.data.seq_length,
                                                       t.precision)
         if r.model.hf_weights:  # real weights instead of random init (a resume below still wins)
-            from ..bridge.weights import load_hf_weights
+            from .hf_weights import load_hf_weights
             load_hf_weights(self.chunks, r.model.hf_weights)
         self.chunks = wrap_ddp(wrap_float16(self.chunks, self.config), self.config, r.parallel, cuda, t)
         self.optimizer = build_optimizer(self.chunks, t, r.parallel, cuda)

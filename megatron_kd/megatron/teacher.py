@@ -14,8 +14,9 @@ from ..cache.teacher import TeacherOutput
 from ..parallel.comm import all_reduce_sum, group_rank, group_size
 from ..parallel.sequence import gather_sequence
 from ..parallel.topk import topk_from_hidden
+from . import checkpoint as ckpt
 from .hook import forward_with_head, output_layer_replaced, output_layout
-from .model import unwrap
+from .model import build_gpt, unwrap
 
 
 class OnlineTeacher:
@@ -48,6 +49,27 @@ def freeze(model) -> None:
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
+
+
+def build_teacher(r, vocab_size: int, parallel=None):
+    """The recipe's teacher GPTModel on this rank (layout `parallel`, default the recipe's), its weights from
+    teacher.load when set (else random), frozen. Online mode, kd.build_cache and `cache build` all build it here."""
+    m = build_gpt(r.teacher, parallel or r.parallel, vocab_size, r.data.seq_length, r.train.precision)
+    if r.teacher.load:
+        ckpt.load_weights(r.teacher.load, [m])
+    freeze(m)
+    return m
+
+
+def cache_teacher(r, vocab_size: int, hf_device: str, parallel=None):
+    """The cache builder's teacher of recipe r: teacher.hf_path's HF model on hf_device, else the Megatron
+    teacher of build_teacher on this rank's TP shard."""
+    if r.teacher.hf_path:
+        from ..cache.teacher import HFTeacher
+        return HFTeacher(r.teacher.hf_path, device=hf_device)
+    from megatron.core import parallel_state as ps
+    model = build_teacher(r, vocab_size, parallel)
+    return MegatronTeacher(model, vocab_size, name=r.teacher.name, tp_group=ps.get_tensor_model_parallel_group())
 
 
 # Fields of a TransformerConfig that define the function a GPT computes. Parallel layout fields are left out

@@ -53,24 +53,24 @@ GIB = float(1 << 30)
 def shapes(smoke: bool):
     from megatron_kd.plan import ModelShape, preset
     if smoke:
-        return (ModelShape("llama-tiny", 2, 64, 4, 2, 16, 128, 1024, tied_embeddings=True),
+        return (ModelShape("llama-tiny", 2, 64, 4, 2, 16, 128, 1024, tie_embeddings=True),
                 ModelShape("llama-tiny-teacher", 2, 96, 6, 2, 16, 192, 1024))
     return preset("llama-3.2-3b"), preset("llama-3.1-8b")
 
 
 def model_flops(shape, seq: int) -> float:
     from megatron_kd.plan import total_params
-    return 6.0 * total_params(shape) * seq + 6.0 * shape.num_layers * seq * seq * shape.hidden
+    return 6.0 * total_params(shape) * seq + 6.0 * shape.num_layers * seq * seq * shape.hidden_size
 
 
 # ---------------------------------------------------------------------------------------------- baseline
 
 def hf_model(shape, device):
     from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn_hidden,
-                      num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
-                      num_key_value_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-                      tie_word_embeddings=shape.tied_embeddings, max_position_embeddings=131072,
+    cfg = LlamaConfig(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.ffn_hidden_size,
+                      num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_attention_heads,
+                      num_key_value_heads=shape.num_query_groups, head_dim=shape.kv_channels,
+                      tie_word_embeddings=shape.tie_embeddings, max_position_embeddings=131072,
                       rope_theta=500000.0, rms_norm_eps=1e-5, use_cache=False, attn_implementation="sdpa")
     with torch.device(device):
         model = LlamaForCausalLM(cfg)
@@ -173,7 +173,7 @@ def make_teacher(tshape, lay, seq, k, dev):
         with torch.no_grad():
             h = hidden_states_forward(teacher, batch["tokens"], batch["position_ids"])  # [s, 1, H]
             ids, lp = topk_from_hidden(h.reshape(-1, h.shape[-1]), output_weight(teacher), k,
-                                       valid_vocab_size=tshape.vocab)
+                                       valid_vocab_size=tshape.vocab_size)
         return ids.view(seq, 1, k), lp.view(seq, 1, k)
     return fn
 

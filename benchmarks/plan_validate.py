@@ -45,8 +45,8 @@ GIB = float(1 << 30)
 
 def student(layers: int, smoke: bool) -> ModelShape:
     if smoke:  # same structure, tiny: 8 experts top-2 keep every expert busy
-        return ModelShape("gpt-oss-tiny", layers, 64, 8, 4, 16, 64, 1024, add_qkv_bias=True, num_experts=8,
-                          moe_topk=2, moe_ffn_hidden=64)
+        return ModelShape("gpt-oss-tiny", layers, 64, 8, 4, 16, 64, 1024, add_qkv_bias=True, num_moe_experts=8,
+                          moe_router_topk=2, moe_ffn_hidden_size=64)
     return preset("gpt-oss-20b").with_(num_layers=layers, add_bias_linear=False,
                                        name=f"gpt-oss-20b-shaped ({layers} layers, no expert bias)")
 

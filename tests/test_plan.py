@@ -15,13 +15,13 @@ from megatron_kd.plan.shapes import padded_vocab, param_counts, total_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-DENSE_TIED = ModelShape("t-dense", 2, 64, 8, 2, 16, 96, 256, tied_embeddings=True)
-DENSE_BIAS = ModelShape("t-dense-ln", 3, 64, 4, 4, 16, 80, 384, norm="layernorm", add_bias_linear=True,
-                        add_qkv_bias=True, qk_layernorm=True, gated_mlp=False)
-MOE = ModelShape("t-moe", 2, 64, 8, 2, 16, 96, 256, add_bias_linear=True, add_qkv_bias=True, num_experts=4,
-                 moe_topk=2, moe_ffn_hidden=48)
-MOE_SHARED = ModelShape("t-moe-sh", 2, 64, 8, 2, 16, 96, 256, num_experts=4, moe_topk=2, moe_ffn_hidden=32,
-                        moe_shared_ffn=64)
+DENSE_TIED = ModelShape("t-dense", 2, 64, 8, 2, 16, 96, 256, tie_embeddings=True)
+DENSE_BIAS = ModelShape("t-dense-ln", 3, 64, 4, 4, 16, 80, 384, normalization="LayerNorm", add_bias_linear=True,
+                        add_qkv_bias=True, qk_layernorm=True, activation="gelu")
+MOE = ModelShape("t-moe", 2, 64, 8, 2, 16, 96, 256, add_bias_linear=True, add_qkv_bias=True, num_moe_experts=4,
+                 moe_router_topk=2, moe_ffn_hidden_size=48)
+MOE_SHARED = ModelShape("t-moe-sh", 2, 64, 8, 2, 16, 96, 256, num_moe_experts=4, moe_router_topk=2,
+                        moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=64)
 
 
 def _megatron(layout):
@@ -103,7 +103,7 @@ def _saved_bytes(rank, world, shape, T, moe, tol):
     for i, layer in enumerate(m.decoder.layers):
         layer.register_forward_pre_hook(lambda mod, a, i=i: cur.__setitem__(0, f"layer{i}"))
         layer.register_forward_hook(lambda mod, a, o: cur.__setitem__(0, "out"))
-    ids = torch.randint(0, shape.vocab, (1, T))
+    ids = torch.randint(0, shape.vocab_size, (1, T))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         hidden_states_forward(m, ids, torch.arange(T)[None])
     got = sum(saved["layer0"].values())
@@ -153,7 +153,7 @@ def test_activation_and_loss_formulas():
     # unfused SwiGLU keeps 5 [T, ffn] bf16 tensors' worth (fc1 out is 2 wide)
     a = layer_activations(s, Layout(), T, False)
     assert a["fc1 output"] + a["silu(gate), linear + offset"] + a["fc2 input"] == 2 * T * 8192 * 5
-    V = s.vocab
+    V = s.vocab_size
     d = loss_buffers(s, Layout(), Training(seq_len=T, loss="dense"), T)
     assert d["fwd"] >= 3 * 4 * T * V                                          # logits, exp temporaries
     f = loss_buffers(s, Layout(), Training(seq_len=T, loss="fused"), T)
@@ -216,8 +216,8 @@ def test_cli_reads_a_recipe(tmp_path):
     d = json.loads(out)
     assert rc == 0 and d["layout"]["ep"] == 8 and d["layout"]["dp"] == 8 and d["training"]["seq_len"] == 4096
     assert d["training"]["topk"] == 64 and d["training"]["recompute"] == "selective"
-    assert d["training"]["num_microbatches"] == 2 and d["shape"]["ffn_hidden"] == 1024
-    assert d["shape"]["moe_ffn_hidden"] == 1024 and d["shape"]["tied_embeddings"] is True
+    assert d["training"]["num_microbatches"] == 2 and d["shape"]["ffn_hidden_size"] == 1024
+    assert d["shape"]["moe_ffn_hidden_size"] == 1024 and d["shape"]["tie_embeddings"] is True
     rc, out = _cli(str(r), "kd.mode=ce", "--json")
     assert json.loads(out)["training"]["mode"] == "ce"
 
@@ -254,7 +254,7 @@ def test_real_recipes_are_read_as_training_reads_them(name):
     assert rp.training.recompute_layers == want["layers"]
     if want["layers"] is not None:
         assert cfg.model.recompute_method == "block" and cfg.model.recompute_num_layers == want["layers"]
-    assert rp.shape.name == want["shape"] and rp.shape.vocab == cfg.data.vocab_size
+    assert rp.shape.name == want["shape"] and rp.shape.vocab_size == cfg.data.vocab_size
     assert rp.training.seq_len == cfg.data.seq_length == want["seq"]
     assert rp.training.micro_batch == want["mbs"] and rp.training.mode == want["mode"] == cfg.kd.mode
     assert rp.training.topk == want["topk"] == cfg.kd.top_k

@@ -43,9 +43,9 @@ def transformer_config(shape: ModelShape, layout: Layout = Layout(), *, recomput
     """Megatron TransformerConfig of `shape` on `layout` (no dropout, RoPE, no fusions needing TE/apex)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
     kw = dict(
-        num_layers=shape.num_layers, hidden_size=shape.hidden, num_attention_heads=shape.num_heads,
-        num_query_groups=shape.num_kv_heads, kv_channels=shape.head_dim, ffn_hidden_size=shape.ffn_hidden,
-        normalization="RMSNorm" if shape.norm == "rmsnorm" else "LayerNorm",
+        num_layers=shape.num_layers, hidden_size=shape.hidden_size, num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups, kv_channels=shape.kv_channels, ffn_hidden_size=shape.ffn_hidden_size,
+        normalization=shape.normalization,
         gated_linear_unit=shape.gated_mlp,
         activation_func=torch.nn.functional.silu if shape.gated_mlp else torch.nn.functional.gelu,
         add_bias_linear=shape.add_bias_linear, add_qkv_bias=shape.add_qkv_bias, qk_layernorm=shape.qk_layernorm,
@@ -60,13 +60,13 @@ def transformer_config(shape: ModelShape, layout: Layout = Layout(), *, recomput
         gradient_accumulation_fusion=False,
     )
     if shape.is_moe:
-        kw.update(num_moe_experts=shape.num_experts, moe_router_topk=shape.moe_topk,
-                  moe_ffn_hidden_size=shape.moe_ffn_hidden, expert_model_parallel_size=layout.ep,
+        kw.update(num_moe_experts=shape.num_moe_experts, moe_router_topk=shape.moe_router_topk,
+                  moe_ffn_hidden_size=shape.moe_ffn_hidden_size, expert_model_parallel_size=layout.ep,
                   expert_tensor_parallel_size=layout.expert_tp, moe_grouped_gemm=False,
                   moe_token_dispatcher_type="allgather" if cpu else "alltoall",
                   moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-3)
-        if shape.moe_shared_ffn:
-            kw["moe_shared_expert_intermediate_size"] = shape.moe_shared_ffn
+        if shape.moe_shared_expert_intermediate_size:
+            kw["moe_shared_expert_intermediate_size"] = shape.moe_shared_expert_intermediate_size
         if shape.moe_layer_freq != 1:
             kw["moe_layer_freq"] = shape.moe_layer_freq
     if recompute == "full":
@@ -82,10 +82,10 @@ def transformer_config(shape: ModelShape, layout: Layout = Layout(), *, recomput
 def layer_spec(shape: ModelShape, core_attention=None):
     """Megatron's local GPT layer spec (no TE), MoE with SequentialMLP, core attention swapped for SDPA."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    kw = dict(num_experts=shape.num_experts or None, moe_grouped_gemm=False, qk_layernorm=shape.qk_layernorm)
+    kw = dict(num_experts=shape.num_moe_experts or None, moe_grouped_gemm=False, qk_layernorm=shape.qk_layernorm)
     params = inspect.signature(get_gpt_layer_local_spec).parameters
     if "normalization" in params:
-        kw["normalization"] = "RMSNorm" if shape.norm == "rmsnorm" else "LayerNorm"
+        kw["normalization"] = shape.normalization
     spec = get_gpt_layer_local_spec(**{k: v for k, v in kw.items() if k in params or not params})
     if core_attention is not False:
         spec.submodules.self_attention.submodules.core_attention = core_attention or core_attention_class()
@@ -99,10 +99,10 @@ def build_gpt(shape: ModelShape, layout: Layout = Layout(), config=None, *, core
     megatron_compat()
     cfg = config or transformer_config(shape, layout, **config_kw)
     return GPTModel(config=cfg, transformer_layer_spec=layer_spec(shape, core_attention),
-                    vocab_size=padded_vocab(shape.vocab, layout.tp, layout.vocab_divisible_by),
+                    vocab_size=padded_vocab(shape.vocab_size, layout.tp, layout.vocab_divisible_by),
                     max_sequence_length=max(shape.learned_pos_emb, 1 << 17),
                     pre_process=pre_process, post_process=post_process, parallel_output=True,
-                    share_embeddings_and_output_weights=shape.tied_embeddings,
+                    share_embeddings_and_output_weights=shape.tie_embeddings,
                     position_embedding_type="learned_absolute" if shape.learned_pos_emb else "rope")
 
 

@@ -154,11 +154,11 @@ def set_adam_impl(opt, impl: str) -> str:
 def synthetic_batch(shape: ModelShape, seq: int, k: int, device, seed: int = 0, mbs: int = 1):
     """tokens/positions [b, s] and a sharp random teacher top-K in Megatron's [s, b, K] layout."""
     g = torch.Generator(device="cpu").manual_seed(seed)
-    tokens = torch.randint(0, shape.vocab, (mbs, seq), generator=g).to(device)
+    tokens = torch.randint(0, shape.vocab_size, (mbs, seq), generator=g).to(device)
     pos = torch.arange(seq, device=device).unsqueeze(0).expand(mbs, seq)
     n = seq * mbs
-    base = torch.randint(0, shape.vocab, (n, 1), generator=g)
-    ids = (base + torch.arange(k) * 7919) % shape.vocab
+    base = torch.randint(0, shape.vocab_size, (n, 1), generator=g)
+    ids = (base + torch.arange(k) * 7919) % shape.vocab_size
     x = torch.randn(n, k, generator=g).mul_(3.0).sort(dim=1, descending=True).values
     logp = torch.log_softmax(x, dim=1) + torch.log(torch.tensor(0.9))
     ids = ids.view(mbs, seq, k).transpose(0, 1).contiguous().to(device)
@@ -172,7 +172,7 @@ def kd_loss(ddp, batch, shape, layout, impl, teacher_targets=None):
     hidden = hidden_states_forward(ddp, batch["tokens"], batch["position_ids"])   # [s(/tp), b, H]
     ids, logp = teacher_targets or (batch["topk_ids"], batch["topk_logprobs"])
     return topk_kl_loss(hidden, output_weight(ddp), ids, logp, impl=impl, tp_group=tp_group(),
-                        sequence_parallel=layout.sp, valid_vocab_size=shape.vocab)
+                        sequence_parallel=layout.sp, valid_vocab_size=shape.vocab_size)
 
 
 class Meter:

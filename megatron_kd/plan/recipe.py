@@ -7,7 +7,7 @@ dataclasses of megatron_kd.megatron.config (to_recipe: schema defaults for missi
 Every key is then read as megatron_kd/megatron/{model,optim}.py read it:
 
   model / teacher    a ModelShape: ffn_hidden_size null = 4 x hidden, num_query_groups null = one per head,
-                     kv_channels null = hidden / heads, swiglu = gated MLP, tie_embeddings (default true),
+                     kv_channels null = hidden / heads, activation swiglu = gated MLP, tie_embeddings (default true),
                      moe_ffn_hidden_size null = ffn_hidden_size (Megatron's default), learned_absolute positions
                      = data.seq_length rows; vocabulary = data.vocab_size (else the data.tokenizer file's)
   model.recompute_*  granularity null = no recompute; selective; full + method block = recompute_num_layers
@@ -104,15 +104,15 @@ def shape_from_config(m, vocab: int, seq_length: int) -> ModelShape:
     if not isinstance(freq, int):
         raise ValueError(f"model.megatron.moe_layer_freq={freq!r}: the plan models an integer frequency only")
     return ModelShape(
-        name=m.name, num_layers=m.num_layers, hidden=m.hidden_size, num_heads=heads,
-        num_kv_heads=m.num_query_groups or heads, head_dim=m.kv_channels or m.hidden_size // heads,
-        ffn_hidden=ffn, vocab=vocab, tied_embeddings=bool(m.tie_embeddings),
-        gated_mlp=m.activation == "swiglu", norm="rmsnorm" if m.normalization == "RMSNorm" else "layernorm",
+        name=m.name, num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=heads,
+        num_query_groups=m.num_query_groups or heads, kv_channels=m.kv_channels or m.hidden_size // heads,
+        ffn_hidden_size=ffn, vocab_size=vocab, tie_embeddings=bool(m.tie_embeddings),
+        activation=m.activation, normalization=m.normalization,
         add_bias_linear=bool(m.add_bias_linear), add_qkv_bias=bool(m.add_qkv_bias),
-        qk_layernorm=bool(m.qk_layernorm), num_experts=experts,
-        moe_topk=int(m.moe_router_topk) if experts else 0,
-        moe_ffn_hidden=int(m.moe_ffn_hidden_size or ffn) if experts else 0,
-        moe_shared_ffn=int(mg.get("moe_shared_expert_intermediate_size") or 0) if experts else 0,
+        qk_layernorm=bool(m.qk_layernorm), num_moe_experts=experts,
+        moe_router_topk=int(m.moe_router_topk) if experts else 0,
+        moe_ffn_hidden_size=int(m.moe_ffn_hidden_size or ffn) if experts else 0,
+        moe_shared_expert_intermediate_size=int(mg.get("moe_shared_expert_intermediate_size") or 0) if experts else 0,
         moe_layer_freq=freq if experts else 1,
         learned_pos_emb=seq_length if m.position_embedding_type == "learned_absolute" else 0)
 

@@ -11,6 +11,7 @@ from dist_utils import run_ranks
 from megatron_kd.kernels.settings import E_BYTES, Z_BYTES
 from megatron_kd.plan import GIB, Layout, ModelShape, Training, layer_activations, plan_memory, preset
 from megatron_kd.plan.memory import loss_buffers
+from megatron_kd.plan.recipe import model_config, parallel_config
 from megatron_kd.plan.shapes import padded_vocab, param_counts, total_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,8 +26,18 @@ MOE_SHARED = ModelShape("t-moe-sh", 2, 64, 8, 2, 16, 96, 256, num_moe_experts=4,
 
 
 def _megatron(layout):
-    from megatron_kd.plan.measure import init_parallel
-    init_parallel(layout)
+    """Megatron's groups for `layout` on CPU, as `megatron-kd train` sets them up."""
+    from megatron_kd.megatron.cpu_patches import megatron_compat
+    from megatron_kd.megatron.dist import init_model_parallel, set_seed
+    megatron_compat()
+    init_model_parallel(parallel_config(layout), cuda=False)
+    set_seed(1234)
+
+
+def _build(shape, layout, seq_length=512):
+    """The GPTModel `megatron-kd train` builds for this shape (training's builder, bf16 weights)."""
+    from megatron_kd.megatron.model import build_gpt
+    return build_gpt(model_config(shape, layout), parallel_config(layout), shape.vocab_size, seq_length, "bf16")
 
 
 def _counts(model):
@@ -40,10 +51,9 @@ def _counts(model):
 
 
 def _check_counts(rank, world, layout, shapes):
-    from megatron_kd.plan.build import build_gpt
     _megatron(layout)
     for shape in shapes:
-        m = build_gpt(shape, layout, recompute="none", cpu=True)
+        m = _build(shape, layout)
         dense, expert = _counts(m)
         pc = param_counts(shape, layout)
         assert (dense, expert) == (pc.dense, pc.expert), (shape.name, layout, (dense, expert), (pc.dense, pc.expert))
@@ -60,6 +70,16 @@ def test_param_counts_match_megatron_tp2_and_ep2():
     # needs it, so MoE is checked at EP=2 (the counting code path for TP-sharded experts is the dense one's)
     run_ranks(2, _check_counts, Layout(tp=2, sequence_parallel=False), [DENSE_TIED, DENSE_BIAS])
     run_ranks(2, _check_counts, Layout(ep=2, dp=2), [MOE, MOE_SHARED])
+
+
+def test_model_config_is_the_inverse_of_shape_from_config():
+    """The planner's shapes become the recipe `model` section training builds from, and read back the same."""
+    from megatron_kd.plan.recipe import shape_from_config
+    for s in [DENSE_TIED, DENSE_BIAS, MOE, MOE_SHARED, *(preset(n) for n in ("llama-3.2-3b", "gpt-oss-20b"))]:
+        assert shape_from_config(model_config(s), s.vocab_size, 4096) == s, s.name
+    m = model_config(DENSE_TIED, Layout(vocab_divisible_by=64), recompute="full", recompute_layers=2)
+    assert (m.recompute_granularity, m.recompute_method, m.recompute_num_layers) == ("full", "block", 2)
+    assert m.make_vocab_size_divisible_by == 64 and m.num_moe_experts is None
 
 
 def test_preset_totals_are_the_published_counts():
@@ -89,9 +109,9 @@ def test_padded_vocab_and_sharding():
 def _saved_bytes(rank, world, shape, T, moe, tol):
     """Per-layer bytes autograd saves (storages, parameters excluded) against layer_activations (CPU norms)."""
     import torch
-    from megatron_kd.plan.build import build_gpt, hidden_states_forward
+    from megatron_kd.megatron.hook import forward_with_head
     _megatron(Layout())
-    m = build_gpt(shape, Layout(), recompute="none", cpu=True)
+    m = _build(shape, Layout(), T)
     params = {p.untyped_storage()._cdata for p in m.parameters()}
     cur, saved = ["out"], {}
 
@@ -105,7 +125,7 @@ def _saved_bytes(rank, world, shape, T, moe, tol):
         layer.register_forward_hook(lambda mod, a, o: cur.__setitem__(0, "out"))
     ids = torch.randint(0, shape.vocab_size, (1, T))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        hidden_states_forward(m, ids, torch.arange(T)[None])
+        forward_with_head(m, lambda hidden, weight: hidden, ids, torch.arange(T)[None], None)
     got = sum(saved["layer0"].values())
     want = sum(layer_activations(shape, Layout(), T, moe, fused_norm=False).values())
     assert abs(got / want - 1) <= tol, (shape.name, got, want)

@@ -117,6 +117,39 @@ def shape_from_config(m, vocab: int, seq_length: int) -> ModelShape:
         learned_pos_emb=seq_length if m.position_embedding_type == "learned_absolute" else 0)
 
 
+def model_config(shape: ModelShape, layout: Layout = Layout(), recompute: str = "none",
+                 recompute_layers: int | None = None, **fields):
+    """The recipe `model` section (megatron_kd.megatron.config.ModelConfig) of a ModelShape: the inverse of
+    shape_from_config, so the planner's checks build their GPTModels with training's builder
+    (megatron_kd.megatron.model.build_gpt). `fields` sets any other ModelConfig field."""
+    from megatron_kd.megatron.config import ModelConfig
+    s = shape
+    mg = {}
+    if s.is_moe and s.moe_shared_expert_intermediate_size:
+        mg["moe_shared_expert_intermediate_size"] = s.moe_shared_expert_intermediate_size
+    if s.is_moe and s.moe_layer_freq != 1:
+        mg["moe_layer_freq"] = s.moe_layer_freq
+    rc = {"none": {}, "selective": dict(recompute_granularity="selective"),
+          "full": dict(recompute_granularity="full", recompute_method="uniform" if recompute_layers is None
+                       else "block", recompute_num_layers=1 if recompute_layers is None else recompute_layers)}
+    return ModelConfig(
+        name=s.name, num_layers=s.num_layers, hidden_size=s.hidden_size, ffn_hidden_size=s.ffn_hidden_size,
+        num_attention_heads=s.num_attention_heads, num_query_groups=s.num_query_groups, kv_channels=s.kv_channels,
+        normalization=s.normalization, activation=s.activation, add_bias_linear=s.add_bias_linear,
+        add_qkv_bias=s.add_qkv_bias, qk_layernorm=s.qk_layernorm, tie_embeddings=s.tie_embeddings,
+        position_embedding_type="learned_absolute" if s.learned_pos_emb else "rope",
+        make_vocab_size_divisible_by=layout.vocab_divisible_by,
+        num_moe_experts=s.num_moe_experts or None, moe_router_topk=s.moe_router_topk if s.is_moe else 2,
+        moe_ffn_hidden_size=s.moe_ffn_hidden_size if s.is_moe else None, megatron=mg, **rc[recompute], **fields)
+
+
+def parallel_config(layout: Layout):
+    """The recipe `parallel` section of a Layout (data parallel is the world size's, not a recipe key)."""
+    from megatron_kd.megatron.config import ParallelConfig
+    return ParallelConfig(tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, etp=layout.etp,
+                          sequence_parallel=layout.sp)
+
+
 def recompute_of(m) -> tuple:
     """(recompute, recompute_layers) of model.recompute_granularity / _method / _num_layers, as Megatron runs it."""
     g = m.recompute_granularity

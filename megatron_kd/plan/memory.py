@@ -27,6 +27,8 @@ GIB = float(1 << 30)
 RESERVE_GIB = 3.0          # CUDA context, NCCL buffers, allocator rounding: not in max_memory_allocated
 H200_GIB = 139.8           # usable HBM of one H200 (torch.cuda.mem_get_info total)
 from ..loss.api import CHUNK_ELEMENTS as LOSS_CHUNK_ELEMENTS  # noqa: E402  (torch chunked impls)
+# CHUNK PLAN (switch to loss-core's plan function): the fused loss's chunk rows below re-derive fused.plan_chunks /
+# default_chunk_size from kernels.settings; replace loss_buffers' "fused" branch by a call once loss/ exposes it.
 from ..kernels.settings import anchored_rows  # noqa: E402  (anchored bf16 logits / dz rows, tp == 1)
 from ..kernels.settings import E_BYTES as FUSED_E_BYTES  # noqa: E402  (bf16 dz of one super-chunk)
 from ..kernels.settings import LOGITS as FUSED_LOGITS  # noqa: E402

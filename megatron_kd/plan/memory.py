@@ -17,7 +17,7 @@ see RESERVE_GIB):
 
 The peak is the largest of four phases: end of forward (loss), backward (recomputed layer), end of backward
 (embedding gradient) and optimizer step. Every term is a closed formula of the shape and layout; the
-activation terms name the tensors they count (tests/test_plan.py checks them against autograd on CPU).
+activation terms name the tensors they count (tests/plan/test_plan.py checks them against autograd on CPU).
 """
 from dataclasses import dataclass, field
 
@@ -139,7 +139,7 @@ def layer_activations(shape: ModelShape, lay: Layout, T: int, moe: bool, b: int 
 
     T = tokens of the micro-batch on this rank; the norms and residuals see T / tp under sequence
     parallelism (Megatron's linears save the sequence shard and re-gather it in backward). Every entry is a
-    tensor that megatron-core 0.16/0.19 + torch keep (checked on CPU by tests/test_plan.py):
+    tensor that megatron-core 0.16/0.19 + torch keep (checked on CPU by tests/plan/test_plan.py):
     RMSNorm: CUDA's fused kernel keeps its bf16 input and an fp32 rstd (fused_norm=False: the composite CPU
     path, two fp32 copies); SDPA: q, k (new after RoPE), v (a view that keeps the whole qkv output alive),
     output and fp32 log-sum-exp; the output reshape for linear_proj is a view when micro_batch == 1;

@@ -5,7 +5,7 @@ everything that decides the parameter count of a `megatron.core.models.gpt.GPTMo
 dense or MoE, GQA, SwiGLU, RMSNorm/LayerNorm, biases, tied embeddings. `param_counts(shape, layout)`
 returns what one rank of a (TP, PP, EP, ETP) layout holds, split into the groups Megatron's optimizer
 shards differently (dense parameters over DP x CP, expert parameters over the expert-data-parallel group).
-tests/test_plan.py checks these counts against real GPTModels built on CPU.
+tests/plan/test_plan.py checks these counts against real GPTModels built on CPU.
 """
 from dataclasses import asdict, dataclass, field, replace
 

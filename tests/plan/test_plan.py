@@ -14,7 +14,7 @@ from megatron_kd.plan.memory import loss_buffers
 from megatron_kd.plan.recipe import model_config, parallel_config
 from megatron_kd.plan.shapes import padded_vocab, param_counts, total_params
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 DENSE_TIED = ModelShape("t-dense", 2, 64, 8, 2, 16, 96, 256, tie_embeddings=True)
 DENSE_BIAS = ModelShape("t-dense-ln", 3, 64, 4, 4, 16, 80, 384, normalization="LayerNorm", add_bias_linear=True,

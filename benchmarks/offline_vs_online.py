@@ -17,6 +17,7 @@ probability mass 1 at every position) and that our loss with K = V, tail none eq
 
     python benchmarks/offline_vs_online.py                  # ~5-7 min on 2 CPU cores; runs/offline_vs_online
     python benchmarks/offline_vs_online.py --small          # smoke test (~2 min)
+    python benchmarks/offline_vs_online.py --lean-adam      # lean_adam (bf16) vs fp32 Adam, same data (~6 min more)
 
 Writes benchmarks/results/offline_vs_online_cpu.json (settings, curves, finals, gaps, checks, environment) and
 offline_vs_online_cpu.png (held-out CE and KL vs step, one line per mode); prints the table of final numbers and the
@@ -232,16 +233,83 @@ def plot(res: dict, png: str) -> None:
     plt.close(fig)
 
 
+LEAN_MODES = {"adam_fp32": ["train.precision=fp32"],
+         "lean_bf16": ["train.precision=bf16", "train.optimizer=lean_adam"]}
+
+
+def lean_adam_quality(a, s, out, bench, t0) -> int:
+    """--lean-adam: train.optimizer=lean_adam trains as well as Megatron's fp32 Adam. After the shared stages (data,
+    teacher, cache), the K=100 offline student twice on the same samples, steps and seed:
+        adam_fp32    train.precision=fp32, Megatron's FP32Optimizer around torch AdamW (fp32 weights and moments)
+        lean_bf16    train.precision=bf16, train.optimizer=lean_adam (bf16 weights + int16 master remainder,
+                     bf16 exp_avg, fp32 exp_avg_sq; bf16 gradients)
+    Each checkpoint is scored on the same held-out samples; the difference includes bf16 compute in the model.
+    Bar: final CE and KL within 2% of adam_fp32. Writes results/lean_adam_quality_cpu.json and .png."""
+    commands = {}
+    for m, extra in LEAN_MODES.items():
+        o = [x.replace("student_offline_k100", f"student_lean_{m}") for x in bench.student_overrides("offline_k100")]
+        o += extra
+        commands[m] = "megatron-kd train " + " ".join(o)
+        if bench.stage_train(f"student_lean_{m}", o):
+            return 2
+    from megatron_kd.megatron.checkpoint import iter_dir
+    from megatron_kd.megatron.evaluate import compare
+    r = bench.recipe("offline_k100")
+    its = list(range(s.eval_interval, s.student_iters + 1, s.eval_interval))
+    curves = {m: [] for m in LEAN_MODES}
+    for it in its:
+        students = {m: (r.model, iter_dir(os.path.join(out, f"student_lean_{m}"), it)) for m in LEAN_MODES}
+        met = compare(r, os.path.join(out, "teacher"), students, s.eval_samples,
+                      min(s.micro_batch_size, s.eval_samples))
+        for m in LEAN_MODES:
+            curves[m].append({"iteration": it, **met[m]})
+        print(f"[lean-adam] eval @ {it}: " + ", ".join(f"{m} CE {met[m]['ce']:.4f} KL {met[m]['kl']:.4f}"
+                                                         for m in LEAN_MODES), flush=True)
+    final = {m: {k: curves[m][-1][k] for k in ("ce", "kl")} for m in LEAN_MODES}
+    gap = {k: (final["lean_bf16"][k] - final["adam_fp32"][k]) / final["adam_fp32"][k] for k in ("ce", "kl")}
+    from common import environment
+    res = {"benchmark": "lean_adam (bf16) vs fp32 Adam, offline K=100 KD on pydoc text", "device": "CPU",
+           "command": "python benchmarks/offline_vs_online.py --lean-adam" + (" --small" if a.small else ""),
+           "environment": environment(), "settings": dataclasses.asdict(s), "student_commands": commands,
+           "final": final, "gap_lean_vs_fp32": gap, "curves": curves, "bar": f"|gap| <= {BAR:.0%}",
+           "bar_met": all(abs(v) <= BAR for v in gap.values()), "total_s": time.time() - t0}
+    with open(a.results + ".json", "w") as f:
+        json.dump(res, f, indent=2)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for m, style in (("adam_fp32", "-"), ("lean_bf16", "--")):
+        its_ = [c["iteration"] for c in curves[m]]
+        for ax, k in zip(axes, ("ce", "kl")):
+            ax.plot(its_, [c[k] for c in curves[m]], style, marker="o", markersize=3, label=m)
+    for ax, t in zip(axes, ("held-out CE", "held-out KL(teacher || student)")):
+        ax.set(title=t, xlabel="student step", ylabel="nats/token")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"lean_adam (bf16) vs fp32 Adam: final gap CE {gap['ce'] * 100:+.2f}%, KL {gap['kl'] * 100:+.2f}%",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(a.results + ".png", dpi=110)
+    print(json.dumps({"final": final, "gap": gap, "bar_met": res["bar_met"]}, indent=1))
+    return 0 if res["bar_met"] else 1
+
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/offline_vs_online", help="work directory (data, checkpoints, cache)")
-    p.add_argument("--results", default=os.path.join(HERE, "results", "offline_vs_online_cpu"),
-                   help="results path without extension (.json and .png are written)")
+    p.add_argument("--results", default=None, help="results path without extension (.json and .png are written; "
+                   "default results/offline_vs_online_cpu, with --lean-adam results/lean_adam_quality_cpu)")
+    p.add_argument("--lean-adam", action="store_true", help="instead: lean_adam (bf16) vs fp32 Adam on the same "
+                   "offline K=100 student (lean_adam_quality)")
     p.add_argument("--small", action="store_true", help="smoke-test sizes")
     p.add_argument("--overwrite", action="store_true", help="discard a previous run in --out")
     p.add_argument("--progress", action="store_true", help="tqdm bars instead of log lines")
     args = p.parse_args(argv)
+    args.results = args.results or os.path.join(HERE, "results", "lean_adam_quality_cpu" if args.lean_adam
+                                                else "offline_vs_online_cpu")
     from megatron_kd.megatron import quiet_megatron_warnings
     quiet_megatron_warnings()
     s = BenchSettings(**(SMALL if args.small else {}))
@@ -253,6 +321,8 @@ def main(argv=None) -> int:
     if bench.stage_train("teacher", bench.teacher_overrides()):
         return 2
     bench.stage_cache()
+    if args.lean_adam:
+        return lean_adam_quality(args, s, out, bench, t0)
     t = time.time()
     check = check_full_kl(bench, min(32, s.eval_samples))
     bench.times["check_full_kl"] = time.time() - t

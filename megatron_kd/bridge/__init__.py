@@ -15,8 +15,8 @@ or from a Bridge-style YAML with a `kd:` section (recipes/bridge/):
 Importing this package never imports Bridge (or megatron-core); that happens when a run starts.
 """
 import importlib
-import importlib.util
 
+from ..megatron.hf_weights import bridge_available
 from .config import OfflineKDConfig, apply_kd_overrides, split_kd_overrides
 
 _LAZY = {
@@ -26,14 +26,6 @@ _LAZY = {
 }
 
 __all__ = ["OfflineKDConfig", "apply_kd_overrides", "split_kd_overrides", "bridge_available", *_LAZY]
-
-
-def bridge_available() -> bool:
-    """True when Megatron-Bridge is installed (its import also needs Transformer Engine and a GPU stack)."""
-    try:
-        return importlib.util.find_spec("megatron.bridge") is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def __getattr__(name):

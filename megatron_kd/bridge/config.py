@@ -1,24 +1,19 @@
 """The `kd` section a Bridge user adds next to their ConfigContainer. Plain dataclass: no Bridge import."""
 from dataclasses import asdict, dataclass, fields
 
-from ..loss import LossOptions
+from ..loss import KDLoss
 
 
 @dataclass
-class OfflineKDConfig:
-    """Offline top-K distillation settings; loss keys mean what they mean in `megatron_kd.topk_kl_loss`."""
+class OfflineKDConfig(KDLoss):
+    """Offline top-K distillation settings; the loss keys (kl_weight, ce_weight, temperature, tail, impl,
+    chunk_size) are loss.KDLoss's, the same schema as the recipes' `kd` section. temperature must equal the
+    temperature the cache was captured at (checked before any step)."""
 
     cache_path: str = ""
     """Teacher top-K cache (a directory with manifest.json) built over the same training dataset."""
     top_k: int | None = None
     """K to train with: None takes the cache's; a smaller K keeps each row's most probable entries."""
-    kl_weight: float = 1.0
-    ce_weight: float = 0.0
-    temperature: float = 1.0
-    """Must equal the temperature the cache was captured at (checked before any step)."""
-    tail: str = "none"
-    impl: str = "auto"
-    chunk_size: int | None = None
     check_tokens: bool = True
     """Compare each sample's token hash with the cache's: catches a cache built for other data."""
     log_ce: bool = False
@@ -33,8 +28,7 @@ class OfflineKDConfig:
         if self.top_k is not None and int(self.top_k) < 1:
             raise ValueError(f"kd.top_k={self.top_k} must be a positive integer (or null: the cache's K)")
         try:
-            LossOptions(kl_weight=float(self.kl_weight), ce_weight=float(self.ce_weight), tail=self.tail,
-                        temperature=float(self.temperature), impl=self.impl, chunk_size=self.chunk_size)
+            self.loss_options()
         except ValueError as e:
             raise ValueError(f"kd: {e}") from None
         return self

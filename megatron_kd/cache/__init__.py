@@ -6,9 +6,9 @@ from .build import build_cache
 from .dataset import TopKDataset, collate_topk
 from .errors import CacheError
 from .reader import CacheReader
-from .teacher import CallableTeacher, HFTeacher, MegatronTeacher, TeacherOutput
+from .teacher import CallableTeacher, HFTeacher, TeacherOutput
 from .verify import inspect_cache, verify_cache
 from .writer import CacheWriter
 
 __all__ = ["CacheReader", "CacheWriter", "build_cache", "TopKDataset", "collate_topk", "verify_cache",
-           "inspect_cache", "CacheError", "CallableTeacher", "MegatronTeacher", "HFTeacher", "TeacherOutput"]
+           "inspect_cache", "CacheError", "CallableTeacher", "HFTeacher", "TeacherOutput"]

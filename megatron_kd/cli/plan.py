@@ -133,7 +133,7 @@ def format_plan(p, gpu_gib=H200_GIB, reserve_gib=RESERVE_GIB) -> str:
     mode = tr.mode + (f" (teacher {tr.teacher.name}, {tr.teacher_loss})" if tr.mode == "online" else "")
     lines = [
         f"model     {s.name}: {total_params(s) / 1e9:.3f} B params ({active_params(s) / 1e9:.3f} B active), "
-        f"{s.num_layers} layers, hidden {s.hidden}, vocab {s.vocab}" + (", MoE" if s.is_moe else ""),
+        f"{s.num_layers} layers, hidden {s.hidden_size}, vocab {s.vocab_size}" + (", MoE" if s.is_moe else ""),
         f"layout    tp={lay.tp} pp={lay.pp} ep={lay.ep} etp={lay.expert_tp} cp={lay.cp} dp={lay.dp} "
         f"(world {lay.world}, sp={'on' if lay.sp else 'off'}), stage {p.stage}",
         f"step      seq {tr.seq_len} x mbs {tr.micro_batch} ({p.tokens_local} tokens/rank), {tr.num_microbatches} "

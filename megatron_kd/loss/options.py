@@ -1,5 +1,7 @@
-"""Loss options, checked once."""
-from dataclasses import dataclass
+"""Loss options, checked once; KDLoss, the loss settings of a KD run (one schema for the recipe's `kd` section,
+Bridge's `kd` section and the loss call)."""
+from dataclasses import dataclass, fields
+from typing import Optional
 
 TAILS = ("none", "renormalize", "bucket")
 REDUCTIONS = ("mean", "sum", "none")
@@ -36,3 +38,23 @@ class LossOptions:
     @property
     def needs_kl(self) -> bool:
         return self.kl_weight != 0.0
+
+
+@dataclass
+class KDLoss:
+    """The loss keys of a KD run's `kd` section, one schema: megatron_kd.megatron.config.KDConfig (recipes) and
+    megatron_kd.bridge.OfflineKDConfig (Bridge YAMLs) extend it; loss_options() is the topk_kl_loss call's."""
+    kl_weight: float = 1.0                       # ce mode trains on CE alone (weight 1)
+    ce_weight: float = 0.0                       # adds this x CE on the labels
+    temperature: float = 1.0
+    tail: str = "none"                           # none | renormalize | bucket (see topk_kl_loss)
+    impl: str = "auto"                           # auto | dense | chunked | forward_chunked | fused
+    chunk_size: Optional[int] = None
+
+    def loss_options(self, **overrides) -> LossOptions:
+        """The checked LossOptions of these keys (ValueError naming the key when one is wrong)."""
+        kw = {f.name: getattr(self, f.name) for f in fields(KDLoss)}
+        kw.update(overrides)
+        return LossOptions(kl_weight=float(kw["kl_weight"]), ce_weight=float(kw["ce_weight"]),
+                           temperature=float(kw["temperature"]), tail=kw["tail"], impl=kw["impl"],
+                           chunk_size=kw["chunk_size"])

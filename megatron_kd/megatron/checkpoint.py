@@ -120,7 +120,7 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, scheduler, com
         os.makedirs(path)
     barrier()
     sd = _model_state(chunks)
-    _debug(f"save {iteration}", optimizer)
+    _notify("save", iteration, optimizer)
     sd["optimizer"] = optimizer.sharded_state_dict(sd, metadata=OPTIM_METADATA)
     sd["scheduler"] = scheduler.state_dict()
     sd["rng_state"] = _rng_state(_layout())
@@ -138,29 +138,14 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, scheduler, com
     return path
 
 
-def optimizer_fingerprint(optimizer) -> dict:
-    """Sums of every optimizer state by key and of the optimized (main) params: compares a saved and a
-    resumed run (MEGATRON_KD_DEBUG_RESUME=1 prints it at save and after load)."""
-    out = {}
-    for i, o in enumerate(getattr(optimizer, "chained_optimizers", None) or [optimizer]):
-        inner = getattr(o, "optimizer", None)
-        if inner is None:
-            continue
-        for g in inner.param_groups:
-            for p in g["params"]:
-                out[f"{i}.params"] = out.get(f"{i}.params", 0.0) + float(p.detach().double().abs().sum())
-                for k, v in inner.state.get(p, {}).items():
-                    if torch.is_tensor(v):
-                        out[f"{i}.{k}"] = out.get(f"{i}.{k}", 0.0) + float(v.double().abs().sum())
-        out[f"{i}.group_steps"] = [g.get("step") for g in inner.param_groups]
-    return out
+# Test seam: callables (event, iteration, optimizer) run after each save ("save") and load ("load") of the
+# optimizer state. Tests install one to compare a saved run's optimizer with the resumed one.
+OPTIMIZER_OBSERVERS: list = []
 
 
-def _debug(tag, optimizer):
-    if os.environ.get("MEGATRON_KD_DEBUG_RESUME") == "1":
-        import torch.distributed as tdist
-        rank = tdist.get_rank() if tdist.is_initialized() else 0
-        print(f"[resume-debug rank {rank}] {tag}: {optimizer_fingerprint(optimizer)}", flush=True)
+def _notify(event: str, iteration: int, optimizer) -> None:
+    for observer in OPTIMIZER_OBSERVERS:
+        observer(event, iteration, optimizer)
 
 
 def _materialize_optimizer_state(optimizer) -> None:
@@ -215,7 +200,7 @@ def load_checkpoint(root: str, chunks, optimizer, scheduler) -> dict | None:
     _load_chunks(loaded, chunks)
     optimizer.load_state_dict(loaded["optimizer"])
     _restore_steps(optimizer)
-    _debug(f"loaded {it}", optimizer)
+    _notify("load", it, optimizer)
     scheduler.load_state_dict(common["scheduler"])
     rng = loaded.get("rng_state")
     if rng:

@@ -7,6 +7,8 @@ name, then checks what depends on several sections (TP dividing heads, batch siz
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
+from ..loss.options import KDLoss
+
 MODES = ("offline", "online", "ce")
 ATTENTION_BACKENDS = ("auto", "te", "sdpa", "local")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -94,18 +96,14 @@ class DataConfig:
 
 
 @dataclass
-class KDConfig:
+class KDConfig(KDLoss):
+    """The `kd` section: the loss keys (kl_weight, ce_weight, temperature, tail, impl, chunk_size: loss.KDLoss)
+    plus the mode and where the teacher's targets come from."""
     mode: str = "offline"                        # offline (top-K cache) | online (teacher beside) | ce (labels only)
     cache: Optional[str] = None                  # offline: the teacher top-K cache directory
     build_cache: bool = False                    # offline: build the cache from `teacher` first when it is missing
     cache_encoding: str = "fp16"                 # when building: fp16 | compact
     top_k: int = 32
-    temperature: float = 1.0
-    tail: str = "none"                           # none | renormalize | bucket (see topk_kl_loss)
-    kl_weight: float = 1.0                       # offline/online; ce mode trains on CE alone (weight 1)
-    ce_weight: float = 0.0                       # offline/online: adds this x CE on the labels
-    impl: str = "auto"                           # auto | dense | chunked | forward_chunked | fused
-    chunk_size: Optional[int] = None
     check_tokens: bool = True                    # compare each sample's token hash with the cache's
     log_ce: bool = True                          # report the student's CE in KD modes (one forward-only output-
                                                  # layer pass per micro-batch; large GPU runs may turn it off)
@@ -222,7 +220,7 @@ def check_model(m: ModelConfig, section: str, tp: int) -> None:
           f"{section}.attention_backend={m.attention_backend!r}: use one of {ATTENTION_BACKENDS}")
     _need(m.make_vocab_size_divisible_by >= 1, f"{section}.make_vocab_size_divisible_by must be >= 1")
     if m.hf_weights:
-        from ..bridge.weights import check_hf_dir, require_bridge
+        from .hf_weights import check_hf_dir, require_bridge
         check_hf_dir(m.hf_weights, f"{section}.hf_weights")
         require_bridge(f"{section}.hf_weights")
     if m.megatron:
@@ -284,10 +282,8 @@ def check_recipe(r: Recipe, world_size: int | None = 1, cuda: bool = False) -> N
     if kd.mode == "online":
         _need(p.teacher_tp in (None, p.tp), f"parallel.teacher_tp={p.teacher_tp} must equal parallel.tp={p.tp}: "
               "the online teacher shares the student's tensor-parallel group")
-    from ..loss import LossOptions
     try:
-        LossOptions(kl_weight=kd.kl_weight, ce_weight=kd.ce_weight, temperature=kd.temperature, tail=kd.tail,
-                    impl=kd.impl, chunk_size=kd.chunk_size)
+        kd.loss_options()
     except ValueError as e:
         raise RecipeError(f"kd: {e}") from None
     _need(d.kind in ("mock", "indexed"), f"data.kind={d.kind!r}: use mock or indexed")

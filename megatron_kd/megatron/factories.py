@@ -8,7 +8,6 @@ Both take the recipe name (or a .yaml path) and Hydra overrides. The dataset is 
 samples (train.iters x train.global_batch_size of data's train split), so its sample indices are the run's.
 Under torchrun every rank runs the command; the teacher factory sets up Megatron's parallel groups.
 """
-from . import checkpoint as ckpt
 from .config import check_model, check_vocab, to_recipe
 from .data import build_datasets, load_tokenizer, samples_needed
 from .recipes import compose
@@ -28,14 +27,11 @@ def recipe_dataset(recipe: str = "tiny_cpu", overrides=None):
 
 def recipe_teacher(recipe: str = "tiny_cpu", overrides=None):
     """The recipe's teacher (weights from teacher.load) as a cache-builder teacher, on this rank's TP shard."""
-    from megatron.core import parallel_state as ps
-    from ..cache.teacher import HFTeacher, MegatronTeacher
     from .dist import init_model_parallel, init_process_group, set_seed, use_cuda
-    from .model import build_gpt
-    from .teacher import freeze
+    from .teacher import cache_teacher
     r = _recipe(recipe, overrides)
     if r.teacher.hf_path:
-        return HFTeacher(r.teacher.hf_path, device="cuda" if use_cuda(r.train.device) else "cpu")
+        return cache_teacher(r, None, "cuda" if use_cuda(r.train.device) else "cpu")
     tok = load_tokenizer(r.data)
     check_model(r.teacher, "teacher", r.parallel.tp)
     check_vocab(tok.vocab_size, r.teacher, "teacher", r.parallel.tp)
@@ -47,7 +43,4 @@ def recipe_teacher(recipe: str = "tiny_cpu", overrides=None):
     p.pp = p.cp = 1  # the builder runs the teacher unpipelined; its TP group is the recipe's
     init_model_parallel(p, cuda)
     set_seed(r.train.seed)
-    model = build_gpt(r.teacher, p, tok.vocab_size, r.data.seq_length, r.train.precision)
-    ckpt.load_weights(r.teacher.load, [model])
-    freeze(model)
-    return MegatronTeacher(model, tok.vocab_size, name=r.teacher.name, tp_group=ps.get_tensor_model_parallel_group())
+    return cache_teacher(r, tok.vocab_size, "cpu", parallel=p)

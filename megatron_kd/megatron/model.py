@@ -162,13 +162,3 @@ def unwrap(model):
         model = model.module
     return model
 
-
-def count_parameters(model, exclude_embeddings: bool = False) -> int:
-    """Parameters of this rank's chunks (shared embedding counted once)."""
-    seen, n = set(), 0
-    for name, prm in unwrap(model).named_parameters():
-        if id(prm) in seen or (exclude_embeddings and ("embedding" in name or "output_layer" in name)):
-            continue
-        seen.add(id(prm))
-        n += prm.numel()
-    return n

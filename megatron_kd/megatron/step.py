@@ -9,11 +9,12 @@ schedule.py. The student's output layer never makes logits: the head below compu
 the hidden states and the output weight (hook.py). loss_func returns (sum of masked per-token losses, token
 count, report) so Megatron divides by the global token count (calculate_per_token_loss=True).
 """
+from dataclasses import fields
 from functools import partial
 
 import torch
 
-from ..loss import topk_kl_loss
+from ..loss import KDLoss, topk_kl_loss
 from .config import KDConfig
 from .hook import forward_with_head, output_layout
 from .model import unwrap
@@ -25,8 +26,7 @@ def loss_kwargs(kd: KDConfig) -> dict:
     """topk_kl_loss options of a mode: ce mode is CE alone (weight 1)."""
     if kd.mode == "ce":
         return dict(kl_weight=0.0, ce_weight=1.0, temperature=1.0, tail="none", impl=kd.impl, chunk_size=kd.chunk_size)
-    return dict(kl_weight=kd.kl_weight, ce_weight=kd.ce_weight, temperature=kd.temperature, tail=kd.tail,
-                impl=kd.impl, chunk_size=kd.chunk_size)
+    return {f.name: getattr(kd, f.name) for f in fields(KDLoss)}
 
 
 class KDHead:

@@ -21,11 +21,11 @@ from .config import KDConfig, Recipe, RecipeError, check_model, check_recipe, ch
 from .data import (build_datasets, check_cache, dataset_id, load_tokenizer, loader, samples_needed, with_cache)
 from .dist import barrier, distributed, is_rank0, set_seed, use_cuda
 from .metrics import Sink, forward_flops_per_step, peak_memory_gib, train_flops_per_step
-from .model import apex_available, build_gpt, build_model_chunks, te_available, wrap_float16
+from .model import apex_available, build_model_chunks, te_available, wrap_float16
 from .optim import build_optimizer, build_scheduler, set_model_hooks, wrap_ddp
 from .schedule import forward_backward
 from .step import KDStep
-from .teacher import OnlineTeacher, freeze
+from .teacher import OnlineTeacher, build_teacher, cache_teacher
 
 ARCH_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
              "kv_channels", "normalization", "activation", "position_embedding_type", "tie_embeddings",
@@ -98,7 +98,7 @@ class Trainer:
         self.chunks, self.config = build_model_chunks(r.model, r.parallel, self.vocab, r.data.seq_length,
                                                       t.precision)
         if r.model.hf_weights:  # real weights instead of random init (a resume below still wins)
-            from ..bridge.weights import load_hf_weights
+            from .hf_weights import load_hf_weights
             load_hf_weights(self.chunks, r.model.hf_weights)
         self.chunks = wrap_ddp(wrap_float16(self.chunks, self.config), self.config, r.parallel, cuda, t)
         self.optimizer = build_optimizer(self.chunks, t, r.parallel, cuda)
@@ -132,9 +132,7 @@ class Trainer:
 
     def _online_teacher(self):
         r = self.r
-        m = build_gpt(r.teacher, r.parallel, self.vocab, r.data.seq_length, r.train.precision)
-        ckpt.load_weights(r.teacher.load, [m])
-        model = wrap_float16([m], self.config)[0]
+        model = wrap_float16([build_teacher(r, self.vocab)], self.config)[0]
         return OnlineTeacher(model, r.kd.top_k, self.vocab, r.kd.temperature, r.kd.chunk_size)
 
     def _resume(self):
@@ -304,23 +302,14 @@ def build_teacher_cache(r: Recipe, tok, train_ds, num_samples: int) -> dict:
     """kd.build_cache: run the recipe's teacher over the training samples and write kd.cache (resumable)."""
     from megatron.core import parallel_state as ps
     from ..cache import build_cache
-    from ..cache.teacher import HFTeacher, MegatronTeacher
     check_model(r.teacher, "teacher", r.parallel.tp)
     if r.parallel.pp > 1:
         raise RecipeError("kd.build_cache runs the teacher with parallel.pp=1; build the cache separately "
                           "(`megatron-kd cache build`) for a pipelined teacher")
-    if r.teacher.hf_path:
-        teacher = HFTeacher(r.teacher.hf_path, device="cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        m = build_gpt(r.teacher, r.parallel, tok.vocab_size, r.data.seq_length, r.train.precision)
-        if r.teacher.load:
-            ckpt.load_weights(r.teacher.load, [m])
-        elif is_rank0():
-            print("note: teacher.load is null: the cache comes from a randomly initialized teacher (a pipeline "
-                  "check, not a distillation); set teacher.load to a trained teacher's save dir", flush=True)
-        freeze(m)
-        teacher = MegatronTeacher(m, tok.vocab_size, name=r.teacher.name,
-                                  tp_group=ps.get_tensor_model_parallel_group())
+    if not r.teacher.hf_path and not r.teacher.load and is_rank0():
+        print("note: teacher.load is null: the cache comes from a randomly initialized teacher (a pipeline "
+              "check, not a distillation); set teacher.load to a trained teacher's save dir", flush=True)
+    teacher = cache_teacher(r, tok.vocab_size, "cuda" if torch.cuda.is_available() else "cpu")
     manifest = build_cache(teacher, train_ds, r.kd.cache, top_k=r.kd.top_k, encoding=r.kd.cache_encoding,
                            temperature=r.kd.temperature, num_samples=num_samples,
                            micro_batch_size=r.train.micro_batch_size, chunk_size=r.kd.chunk_size,

@@ -1,4 +1,4 @@
-"""Sequence-parallel gather/scatter along dim 0, as autograd Functions.
+"""Sequence-parallel gather along dim 0 (backward: reduce-scatter), as an autograd Function.
 
 Own small versions rather than megatron.core.tensor_parallel.mappings so the loss works on any
 torch.distributed group (gloo included) without Megatron's CUDA-bound buffers.
@@ -45,24 +45,7 @@ class _GatherSequence(torch.autograd.Function):
         return _reduce_scatter_dim0(grad, ctx.group), None
 
 
-class _ScatterSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        tp, r = group_size(group), group_rank(group)
-        n = x.shape[0] // tp
-        return x[r * n:(r + 1) * n].contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_dim0(grad, ctx.group), None
-
-
 def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     """[s/tp, ...] shard -> [s, ...]; backward reduce-scatters the (partial) gradient."""
     return _GatherSequence.apply(x, group)
 
-
-def scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
-    """[s, ...] -> this rank's [s/tp, ...] slice; backward all-gathers."""
-    return _ScatterSequence.apply(x, group)

@@ -17,15 +17,17 @@ see RESERVE_GIB):
 
 The peak is the largest of four phases: end of forward (loss), backward (recomputed layer), end of backward
 (embedding gradient) and optimizer step. Every term is a closed formula of the shape and layout; the
-activation terms name the tensors they count (tests/test_plan.py checks them against autograd on CPU).
+activation terms name the tensors they count (tests/plan/test_plan.py checks them against autograd on CPU).
 """
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from .shapes import Layout, ModelShape, padded_vocab, param_counts
 
 GIB = float(1 << 30)
 RESERVE_GIB = 3.0          # CUDA context, NCCL buffers, allocator rounding: not in max_memory_allocated
 H200_GIB = 139.8           # usable HBM of one H200 (torch.cuda.mem_get_info total)
+# CHUNK PLAN (switch to loss-core's plan function): the fused loss's chunk rows below re-derive fused.plan_chunks /
+# default_chunk_size from kernels.settings; replace loss_buffers' "fused" branch by a call once loss/ exposes it.
 from ..kernels.settings import anchored_rows  # noqa: E402  (anchored bf16 logits / dz rows, tp == 1)
 from ..kernels.settings import E_BYTES as FUSED_E_BYTES  # noqa: E402  (bf16 dz of one super-chunk)
 from ..kernels.settings import LOGITS as FUSED_LOGITS  # noqa: E402
@@ -136,7 +138,7 @@ def layer_activations(shape: ModelShape, lay: Layout, T: int, moe: bool, b: int 
 
     T = tokens of the micro-batch on this rank; the norms and residuals see T / tp under sequence
     parallelism (Megatron's linears save the sequence shard and re-gather it in backward). Every entry is a
-    tensor that megatron-core 0.16/0.19 + torch keep (checked on CPU by tests/test_plan.py):
+    tensor that megatron-core 0.16/0.19 + torch keep (checked on CPU by tests/plan/test_plan.py):
     RMSNorm: CUDA's fused kernel keeps its bf16 input and an fp32 rstd (fused_norm=False: the composite CPU
     path, two fp32 copies); SDPA: q, k (new after RoPE), v (a view that keeps the whole qkv output alive),
     output and fp32 log-sum-exp; the output reshape for linear_proj is a view when micro_batch == 1;
@@ -144,10 +146,10 @@ def layer_activations(shape: ModelShape, lay: Layout, T: int, moe: bool, b: int 
     (linear + glu_linear_offset), and the product (fc2's input); MoE experts also keep the product before
     the routing-prob scale.
     """
-    t, h, d = lay.tp, shape.hidden, shape.head_dim
+    t, h, d = lay.tp, shape.hidden_size, shape.kv_channels
     ts = T // t if lay.sp else T
     s = T // max(1, micro_batch)
-    nq, nkv = shape.num_heads // t, shape.num_kv_heads // t
+    nq, nkv = shape.num_attention_heads // t, shape.num_query_groups // t
     norm = (b * ts * h + 4 * ts) if fused_norm else 2 * 4 * ts * h + 4 * ts
     a = {
         "norm1 input (residual)": norm,
@@ -163,15 +165,15 @@ def layer_activations(shape: ModelShape, lay: Layout, T: int, moe: bool, b: int 
     a["mlp input (norm2 out)"] = b * ts * h
     gated = shape.gated_mlp
     if not moe:
-        f = shape.ffn_hidden // t
+        f = shape.ffn_hidden_size // t
         a["fc1 output"] = b * T * (2 if gated else 1) * f
         if gated and not swiglu_fusion:
             a["silu(gate), linear + offset"] = 2 * b * T * f
         a["fc2 input"] = b * T * f
         return a
-    fe = shape.moe_ffn_hidden // lay.expert_tp
+    fe = shape.moe_ffn_hidden_size // lay.expert_tp
     R = routed_tokens(shape, lay, T)
-    a["router (logits, probs, routing map)"] = ts * shape.num_experts * 7 + ts * shape.moe_topk * 20 + 2 * R
+    a["router (logits, probs, routing map)"] = ts * shape.num_moe_experts * 7 + ts * shape.moe_router_topk * 20 + 2 * R
     a["expert inputs (dispatched)"] = b * R * h
     a["expert fc1 outputs"] = b * R * (2 if gated else 1) * fe
     fusion = swiglu_fusion and gated and not shape.add_bias_linear
@@ -180,15 +182,15 @@ def layer_activations(shape: ModelShape, lay: Layout, T: int, moe: bool, b: int 
     if not fusion:
         a["expert act outputs (before probs)"] = b * R * fe
     a["expert fc2 inputs (x probs)"] = b * R * fe
-    if shape.moe_shared_ffn:
-        fs = shape.moe_shared_ffn // t
+    if shape.moe_shared_expert_intermediate_size:
+        fs = shape.moe_shared_expert_intermediate_size // t
         a["shared expert"] = b * T * fs * ((2 + 2 + 1) if gated else 2)
     return a
 
 
 def routed_tokens(shape: ModelShape, lay: Layout, T: int) -> int:
     """Token copies one rank's experts process per micro-batch (balanced routing): ETP * T * topk / TP."""
-    return lay.expert_tp * T * shape.moe_topk // lay.tp
+    return lay.expert_tp * T * shape.moe_router_topk // lay.tp
 
 
 def layer_backward_extra(shape: ModelShape, lay: Layout, T: int, moe: bool, b: int = 2) -> dict:
@@ -199,12 +201,12 @@ def layer_backward_extra(shape: ModelShape, lay: Layout, T: int, moe: bool, b: i
     CPU, a recomputed layer peaks within ~5% of its saved activations above the incoming gradient. We keep
     a quarter of the largest gradient set as margin.
     """
-    t, h, d = lay.tp, shape.hidden, shape.head_dim
+    t, h, d = lay.tp, shape.hidden_size, shape.kv_channels
     ts = T // t if lay.sp else T
-    nq, nkv = shape.num_heads // t, shape.num_kv_heads // t
+    nq, nkv = shape.num_attention_heads // t, shape.num_query_groups // t
     g = 2 if shape.gated_mlp else 1
     attn = b * T * (nq + 2 * nkv) * d * 2 + 4 * T * nq * d
-    mlp = 2 * b * routed_tokens(shape, lay, T) * h if moe else 2 * b * T * g * shape.ffn_hidden // t
+    mlp = 2 * b * routed_tokens(shape, lay, T) * h if moe else 2 * b * T * g * shape.ffn_hidden_size // t
     resid = 2 * b * ts * h + (b * T * h if lay.sp else 0)   # incoming + residual grads (+ SP gather)
     return {"gradients in flight (1/4 of the largest set)": max(attn, mlp) // 4, "residual-stream gradients": resid}
 
@@ -218,13 +220,13 @@ def _pow2_floor(x: int) -> int:
 def loss_buffers(shape: ModelShape, lay: Layout, tr: Training, T: int) -> dict:
     """Loss working set on the last stage: {'fwd': bytes at the loss forward, 'held': kept into backward,
     'bwd': peak inside the loss backward, 'tail': held until the embedding backward (tied dummy grad)}."""
-    t, h = lay.tp, shape.hidden
-    vloc = padded_vocab(shape.vocab, t, lay.vocab_divisible_by) // t
+    t, h = lay.tp, shape.hidden_size
+    vloc = padded_vocab(shape.vocab_size, t, lay.vocab_divisible_by) // t
     K = tr.topk
     gath = 2 * T * h if lay.sp else 0                  # the loss gathers the sequence-parallel hidden states
     targets = T * K * (8 + 4 + 1 + 8) + T * 16         # ids, log-probs, valid mask, local slot index, weights
     vh = vloc * h
-    tied_tail = 2 * vh if (shape.tied_embeddings and lay.pp == 1) else 0
+    tied_tail = 2 * vh if (shape.tie_embeddings and lay.pp == 1) else 0
     if tr.mode == "ce":
         tv = T * vloc
         return dict(fwd=gath + 3 * 4 * tv, held=gath + 2 * 4 * tv, bwd=gath + 3 * 4 * tv + 6 * vh,
@@ -239,7 +241,7 @@ def loss_buffers(shape: ModelShape, lay: Layout, tr: Training, T: int) -> dict:
         # megatron_kd.kernels.fused.run: rows follow the global vocabulary V; at tp == 1 the "scaled" path keeps
         # S rows of anchored bf16 logits (no fp32 logits; LOGITS="fp32": C rows of fp32 logits and S >= C rows
         # of bf16 dz), at tp > 1 (two-pass) C == S rows of each.
-        V = max(1, shape.vocab)
+        V = max(1, shape.vocab_size)
         rnd = lambda x, q: max(q, x // q * q)  # noqa: E731
         if t == 1 and FUSED_LOGITS == "anchored":
             C, S = 0, anchored_rows(V, h)
@@ -258,7 +260,7 @@ def loss_buffers(shape: ModelShape, lay: Layout, tr: Training, T: int) -> dict:
                     bwd=held + 2 * T * h + 2 * vh, tail=tied_tail)
     from ..loss.api import CHUNK_ELEMENTS as LOSS_CHUNK_ELEMENTS  # first-hour (issue 21): here, not at import, so
     # `megatron-kd plan --help` loads no torch (loss.api imports it)
-    c = _pow2_floor(max(16, LOSS_CHUNK_ELEMENTS // max(1, shape.vocab)))
+    c = _pow2_floor(max(16, LOSS_CHUNK_ELEMENTS // max(1, shape.vocab_size)))
     cv = min(T, c) * vloc * 4
     if tr.loss == "chunked":
         held = gath + targets + stats
@@ -270,10 +272,10 @@ def loss_buffers(shape: ModelShape, lay: Layout, tr: Training, T: int) -> dict:
 
 def teacher_forward_peak(teacher: ModelShape, lay: Layout, tr: Training, T: int) -> float:
     """Transient bytes of a no-grad teacher forward (one layer's intermediates + the output top-K chunk)."""
-    t, h = lay.tp, teacher.hidden
+    t, h = lay.tp, teacher.hidden_size
     act = layer_activations(teacher, lay, T, teacher.is_moe)
     layer = max(act.values()) * 3 + 4 * (T // t if lay.sp else T) * h
-    vloc = padded_vocab(teacher.vocab, t, lay.vocab_divisible_by) // t
+    vloc = padded_vocab(teacher.vocab_size, t, lay.vocab_divisible_by) // t
     if tr.teacher_loss == "dense":
         out = T * vloc * (2 + 4 + 4)                    # bf16 logits, fp32 copy, log-softmax
     else:
@@ -327,7 +329,7 @@ def plan_stage(shape: ModelShape, lay: Layout, tr: Training, stage: int) -> Plan
             a = {k: v for k, v in a.items() if k != "attention out + lse"}
         per_layer.append(sum(a.values()))
         extra.append(sum(layer_backward_extra(shape, lay, T, moe).values()))
-    ckpt = 2 * ts * shape.hidden
+    ckpt = 2 * ts * shape.hidden_size
     if tr.recompute == "full":
         n_rc = pc.layers if tr.recompute_layers is None else min(pc.layers, tr.recompute_layers)
         kept = n_rc * ckpt + sum(per_layer[n_rc:])
@@ -344,7 +346,7 @@ def plan_stage(shape: ModelShape, lay: Layout, tr: Training, stage: int) -> Plan
         working = max(extra)
     if first:
         add("activations", "embedding output", 0, "counted as layer 0's input")
-    fin = 2 * ts * shape.hidden + 4 * ts if last else 0
+    fin = 2 * ts * shape.hidden_size + 4 * ts if last else 0
     if last:
         add("activations", "final norm", inflight * fin, "input + rstd")
     acts = inflight * (kept + fin)
@@ -396,6 +398,3 @@ def plan_memory(shape: ModelShape, layout: Layout = Layout(), training: Training
     stages = sorted({0, layout.pp - 1} | ({1} if layout.pp > 2 else set()))
     return max((plan_stage(shape, layout, training, s) for s in stages), key=lambda p: p.peak_bytes)
 
-
-def with_training(tr: Training, **kw) -> Training:
-    return replace(tr, **kw)

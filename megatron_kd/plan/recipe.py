@@ -7,7 +7,7 @@ dataclasses of megatron_kd.megatron.config (to_recipe: schema defaults for missi
 Every key is then read as megatron_kd/megatron/{model,optim}.py read it:
 
   model / teacher    a ModelShape: ffn_hidden_size null = 4 x hidden, num_query_groups null = one per head,
-                     kv_channels null = hidden / heads, swiglu = gated MLP, tie_embeddings (default true),
+                     kv_channels null = hidden / heads, activation swiglu = gated MLP, tie_embeddings (default true),
                      moe_ffn_hidden_size null = ffn_hidden_size (Megatron's default), learned_absolute positions
                      = data.seq_length rows; vocabulary = data.vocab_size (else the data.tokenizer file's)
   model.recompute_*  granularity null = no recompute; selective; full + method block = recompute_num_layers
@@ -96,7 +96,6 @@ def vocab_size(r) -> int:
 
 def shape_from_config(m, vocab: int, seq_length: int) -> ModelShape:
     """ModelShape of a ModelConfig/TeacherConfig, with model.py's defaults for its null keys."""
-    from megatron_kd.megatron.config import GATED_ACTIVATIONS as gated  # swiglu, quick_geglu (GPT-OSS)
     mg = dict(m.megatron or {})
     heads = m.num_attention_heads
     ffn = m.ffn_hidden_size or 4 * m.hidden_size
@@ -105,17 +104,50 @@ def shape_from_config(m, vocab: int, seq_length: int) -> ModelShape:
     if not isinstance(freq, int):
         raise ValueError(f"model.megatron.moe_layer_freq={freq!r}: the plan models an integer frequency only")
     return ModelShape(
-        name=m.name, num_layers=m.num_layers, hidden=m.hidden_size, num_heads=heads,
-        num_kv_heads=m.num_query_groups or heads, head_dim=m.kv_channels or m.hidden_size // heads,
-        ffn_hidden=ffn, vocab=vocab, tied_embeddings=bool(m.tie_embeddings),
-        gated_mlp=m.activation in gated, norm="rmsnorm" if m.normalization == "RMSNorm" else "layernorm",
+        name=m.name, num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=heads,
+        num_query_groups=m.num_query_groups or heads, kv_channels=m.kv_channels or m.hidden_size // heads,
+        ffn_hidden_size=ffn, vocab_size=vocab, tie_embeddings=bool(m.tie_embeddings),
+        activation=m.activation, normalization=m.normalization,
         add_bias_linear=bool(m.add_bias_linear), add_qkv_bias=bool(m.add_qkv_bias),
-        qk_layernorm=bool(m.qk_layernorm), num_experts=experts,
-        moe_topk=int(m.moe_router_topk) if experts else 0,
-        moe_ffn_hidden=int(m.moe_ffn_hidden_size or ffn) if experts else 0,
-        moe_shared_ffn=int(mg.get("moe_shared_expert_intermediate_size") or 0) if experts else 0,
+        qk_layernorm=bool(m.qk_layernorm), num_moe_experts=experts,
+        moe_router_topk=int(m.moe_router_topk) if experts else 0,
+        moe_ffn_hidden_size=int(m.moe_ffn_hidden_size or ffn) if experts else 0,
+        moe_shared_expert_intermediate_size=int(mg.get("moe_shared_expert_intermediate_size") or 0) if experts else 0,
         moe_layer_freq=freq if experts else 1,
         learned_pos_emb=seq_length if m.position_embedding_type == "learned_absolute" else 0)
+
+
+def model_config(shape: ModelShape, layout: Layout = Layout(), recompute: str = "none",
+                 recompute_layers: int | None = None, **fields):
+    """The recipe `model` section (megatron_kd.megatron.config.ModelConfig) of a ModelShape: the inverse of
+    shape_from_config, so the planner's checks build their GPTModels with training's builder
+    (megatron_kd.megatron.model.build_gpt). `fields` sets any other ModelConfig field."""
+    from megatron_kd.megatron.config import ModelConfig
+    s = shape
+    mg = {}
+    if s.is_moe and s.moe_shared_expert_intermediate_size:
+        mg["moe_shared_expert_intermediate_size"] = s.moe_shared_expert_intermediate_size
+    if s.is_moe and s.moe_layer_freq != 1:
+        mg["moe_layer_freq"] = s.moe_layer_freq
+    rc = {"none": {}, "selective": dict(recompute_granularity="selective"),
+          "full": dict(recompute_granularity="full", recompute_method="uniform" if recompute_layers is None
+                       else "block", recompute_num_layers=1 if recompute_layers is None else recompute_layers)}
+    return ModelConfig(
+        name=s.name, num_layers=s.num_layers, hidden_size=s.hidden_size, ffn_hidden_size=s.ffn_hidden_size,
+        num_attention_heads=s.num_attention_heads, num_query_groups=s.num_query_groups, kv_channels=s.kv_channels,
+        normalization=s.normalization, activation=s.activation, add_bias_linear=s.add_bias_linear,
+        add_qkv_bias=s.add_qkv_bias, qk_layernorm=s.qk_layernorm, tie_embeddings=s.tie_embeddings,
+        position_embedding_type="learned_absolute" if s.learned_pos_emb else "rope",
+        make_vocab_size_divisible_by=layout.vocab_divisible_by,
+        num_moe_experts=s.num_moe_experts or None, moe_router_topk=s.moe_router_topk if s.is_moe else 2,
+        moe_ffn_hidden_size=s.moe_ffn_hidden_size if s.is_moe else None, megatron=mg, **rc[recompute], **fields)
+
+
+def parallel_config(layout: Layout):
+    """The recipe `parallel` section of a Layout (data parallel is the world size's, not a recipe key)."""
+    from megatron_kd.megatron.config import ParallelConfig
+    return ParallelConfig(tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, etp=layout.etp,
+                          sequence_parallel=layout.sp)
 
 
 def recompute_of(m) -> tuple:

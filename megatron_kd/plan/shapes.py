@@ -1,10 +1,11 @@
 """Model shapes and exact per-rank parameter counts of Megatron-Core GPT models (local or TE spec).
 
-A ModelShape names everything that decides the parameter count of a `megatron.core.models.gpt.GPTModel`:
+A ModelShape (field names: Megatron TransformerConfig's, as in megatron_kd.megatron.config.ModelConfig) names
+everything that decides the parameter count of a `megatron.core.models.gpt.GPTModel`:
 dense or MoE, GQA, SwiGLU, RMSNorm/LayerNorm, biases, tied embeddings. `param_counts(shape, layout)`
 returns what one rank of a (TP, PP, EP, ETP) layout holds, split into the groups Megatron's optimizer
 shards differently (dense parameters over DP x CP, expert parameters over the expert-data-parallel group).
-tests/test_plan.py checks these counts against real GPTModels built on CPU.
+tests/plan/test_plan.py checks these counts against real GPTModels built on CPU.
 """
 from dataclasses import asdict, dataclass, field, replace
 
@@ -13,28 +14,33 @@ from dataclasses import asdict, dataclass, field, replace
 class ModelShape:
     name: str
     num_layers: int
-    hidden: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    ffn_hidden: int              # dense MLP width (per gate: SwiGLU's fc1 is [2 * ffn_hidden, hidden])
-    vocab: int                   # tokenizer vocabulary (Megatron pads it, see padded_vocab)
-    tied_embeddings: bool = False
-    gated_mlp: bool = True       # SwiGLU / GeGLU
-    norm: str = "rmsnorm"        # "rmsnorm" (weight) or "layernorm" (weight + bias)
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int        # GQA groups (kv heads)
+    kv_channels: int             # head dim
+    ffn_hidden_size: int         # dense MLP width (per gate: SwiGLU's fc1 is [2 * ffn_hidden_size, hidden_size])
+    vocab_size: int              # tokenizer vocabulary (Megatron pads it, see padded_vocab)
+    tie_embeddings: bool = False
+    activation: str = "swiglu"   # swiglu (gated) | gelu | squared_relu
+    normalization: str = "RMSNorm"  # RMSNorm (weight) or LayerNorm (weight + bias)
     add_bias_linear: bool = False
     add_qkv_bias: bool = False
     qk_layernorm: bool = False
-    num_experts: int = 0         # 0: dense
-    moe_topk: int = 0
-    moe_ffn_hidden: int = 0      # per expert
-    moe_shared_ffn: int = 0      # shared expert width (0: none)
+    num_moe_experts: int = 0     # 0: dense
+    moe_router_topk: int = 0
+    moe_ffn_hidden_size: int = 0  # per expert
+    moe_shared_expert_intermediate_size: int = 0  # shared expert width (0: none)
     moe_layer_freq: int = 1      # every k-th layer is MoE (1: all), like Megatron's moe_layer_freq=int
     learned_pos_emb: int = 0     # max positions of learned absolute position embeddings (0: RoPE)
 
     @property
     def is_moe(self) -> bool:
-        return self.num_experts > 0
+        return self.num_moe_experts > 0
+
+    @property
+    def gated_mlp(self) -> bool:
+        from ..megatron.config import GATED_ACTIVATIONS  # swiglu, quick_geglu (GPT-OSS): the one copy of the rule
+        return self.activation in GATED_ACTIVATIONS
 
     def moe_layers(self) -> int:
         if not self.is_moe:
@@ -50,17 +56,17 @@ class ModelShape:
 
 # Public architectures (shapes only: the benchmarks use random weights).
 PRESETS = {
-    "llama-3.2-1b": ModelShape("llama-3.2-1b", 16, 2048, 32, 8, 64, 8192, 128256, tied_embeddings=True),
-    "llama-3.2-3b": ModelShape("llama-3.2-3b", 28, 3072, 24, 8, 128, 8192, 128256, tied_embeddings=True),
+    "llama-3.2-1b": ModelShape("llama-3.2-1b", 16, 2048, 32, 8, 64, 8192, 128256, tie_embeddings=True),
+    "llama-3.2-3b": ModelShape("llama-3.2-3b", 28, 3072, 24, 8, 128, 8192, 128256, tie_embeddings=True),
     "llama-3.1-8b": ModelShape("llama-3.1-8b", 32, 4096, 32, 8, 128, 14336, 128256),
     "llama-3.1-70b": ModelShape("llama-3.1-70b", 80, 8192, 64, 8, 128, 28672, 128256),
     # GPT-OSS: attention/router/expert biases; sinks and sliding windows are not modelled (64 params a layer)
     "gpt-oss-20b": ModelShape("gpt-oss-20b", 24, 2880, 64, 8, 64, 2880, 201088, add_bias_linear=True,
-                              add_qkv_bias=True, num_experts=32, moe_topk=4, moe_ffn_hidden=2880),
+                              add_qkv_bias=True, num_moe_experts=32, moe_router_topk=4, moe_ffn_hidden_size=2880),
     "gpt-oss-120b": ModelShape("gpt-oss-120b", 36, 2880, 64, 8, 64, 2880, 201088, add_bias_linear=True,
-                               add_qkv_bias=True, num_experts=128, moe_topk=4, moe_ffn_hidden=2880),
+                               add_qkv_bias=True, num_moe_experts=128, moe_router_topk=4, moe_ffn_hidden_size=2880),
     "qwen3-30b-a3b": ModelShape("qwen3-30b-a3b", 48, 2048, 32, 4, 128, 6144, 151936, qk_layernorm=True,
-                                num_experts=128, moe_topk=8, moe_ffn_hidden=768),
+                                num_moe_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768),
 }
 ALIASES = {k.replace("-", "").replace(".", ""): k for k in PRESETS}
 ALIASES.update({k.replace("-", "_").replace(".", ""): k for k in PRESETS})
@@ -123,14 +129,14 @@ class Layout:
         self.expert_dp  # noqa: B018  (raises on an impossible expert layout)
         if shape is None:
             return
-        if shape.num_heads % self.tp or shape.num_kv_heads % self.tp:
-            raise ValueError(f"tp={self.tp} must divide the heads ({shape.num_heads}) and kv heads "
-                             f"({shape.num_kv_heads}) of {shape.name}")
+        if shape.num_attention_heads % self.tp or shape.num_query_groups % self.tp:
+            raise ValueError(f"tp={self.tp} must divide the heads ({shape.num_attention_heads}) and kv heads "
+                             f"({shape.num_query_groups}) of {shape.name}")
         if shape.num_layers % self.pp:
             raise ValueError(f"pp={self.pp} must divide the {shape.num_layers} layers of {shape.name}")
         if shape.is_moe:
-            if shape.num_experts % self.ep:
-                raise ValueError(f"ep={self.ep} must divide the {shape.num_experts} experts of {shape.name}")
+            if shape.num_moe_experts % self.ep:
+                raise ValueError(f"ep={self.ep} must divide the {shape.num_moe_experts} experts of {shape.name}")
             if self.tp > 1 and not self.sp:
                 raise ValueError("Megatron requires sequence parallelism for MoE with tp > 1")
             if shape.add_bias_linear and self.expert_tp > 1:
@@ -166,33 +172,33 @@ class ParamCounts:
 
 
 def _norm(shape: ModelShape, width: int) -> int:
-    return width * (2 if shape.norm == "layernorm" else 1)
+    return width * (2 if shape.normalization == "LayerNorm" else 1)
 
 
 def layer_params(shape: ModelShape, layout: Layout, moe: bool) -> dict:
     """Elements of one transformer layer on one rank: {name: count}; keys ending in '@expert' are expert params."""
-    t, h, d = layout.tp, shape.hidden, shape.head_dim
-    qkv_out = (shape.num_heads + 2 * shape.num_kv_heads) * d
+    t, h, d = layout.tp, shape.hidden_size, shape.kv_channels
+    qkv_out = (shape.num_attention_heads + 2 * shape.num_query_groups) * d
     g = 2 if shape.gated_mlp else 1
     out = {
         "input_layernorm": _norm(shape, h),
         "linear_qkv": h * qkv_out // t + (qkv_out // t if shape.add_qkv_bias else 0),
-        "linear_proj": shape.num_heads * d * h // t + (h if shape.add_bias_linear else 0),
+        "linear_proj": shape.num_attention_heads * d * h // t + (h if shape.add_bias_linear else 0),
         "pre_mlp_layernorm": _norm(shape, h),
     }
     if shape.qk_layernorm:
         out["qk_layernorm"] = 2 * _norm(shape, d)
     if not moe:
-        f = shape.ffn_hidden
+        f = shape.ffn_hidden_size
         out["mlp.linear_fc1"] = h * g * f // t + (g * f // t if shape.add_bias_linear else 0)
         out["mlp.linear_fc2"] = f * h // t + (h if shape.add_bias_linear else 0)
         return out
-    e = shape.num_experts
+    e = shape.num_moe_experts
     out["router"] = e * h + (e if shape.add_bias_linear else 0)
-    if shape.moe_shared_ffn:
-        fs = shape.moe_shared_ffn
+    if shape.moe_shared_expert_intermediate_size:
+        fs = shape.moe_shared_expert_intermediate_size
         out["shared_expert"] = h * g * fs // t + fs * h // t + ((g * fs // t + h) if shape.add_bias_linear else 0)
-    et, fe = layout.expert_tp, shape.moe_ffn_hidden
+    et, fe = layout.expert_tp, shape.moe_ffn_hidden_size
     one = h * g * fe // et + fe * h // et + ((g * fe // et + h) if shape.add_bias_linear else 0)
     out["experts@expert"] = (e // layout.ep) * one
     out["_one_expert_fc1"] = h * g * fe // et  # largest expert tensor (not a parameter group)
@@ -202,8 +208,8 @@ def layer_params(shape: ModelShape, layout: Layout, moe: bool) -> dict:
 def param_counts(shape: ModelShape, layout: Layout = Layout(), stage: int = 0) -> ParamCounts:
     """Exact parameter elements on one rank of pipeline stage `stage` (Megatron GPTModel, local/TE spec)."""
     layout.check(shape)
-    t, h = layout.tp, shape.hidden
-    vloc = padded_vocab(shape.vocab, t, layout.vocab_divisible_by) // t
+    t, h = layout.tp, shape.hidden_size
+    vloc = padded_vocab(shape.vocab_size, t, layout.vocab_divisible_by) // t
     per = shape.num_layers // layout.pp
     first, last = stage == 0, stage == layout.pp - 1
     pc = ParamCounts(layers=per, vocab_local=vloc)
@@ -219,8 +225,8 @@ def param_counts(shape: ModelShape, layout: Layout = Layout(), stage: int = 0) -
         pc.per_layer_dense = max(pc.per_layer_dense, dense)
         pc.per_layer_expert = max(pc.per_layer_expert, expert)
         g = 2 if shape.gated_mlp else 1
-        largest = max(largest, h * (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim // t,
-                      one_fc1, 0 if moe else h * g * shape.ffn_hidden // t)
+        largest = max(largest, h * (shape.num_attention_heads + 2 * shape.num_query_groups) * shape.kv_channels // t,
+                      one_fc1, 0 if moe else h * g * shape.ffn_hidden_size // t)
         for k, v in lp.items():
             pc.detail[k] = pc.detail.get(k, 0) + v
     pc.largest_layer_tensor = largest
@@ -232,7 +238,7 @@ def param_counts(shape: ModelShape, layout: Layout = Layout(), stage: int = 0) -
         fin = _norm(shape, h)
         pc.detail["final_layernorm"] = fin
         pc.dense += fin
-        if not shape.tied_embeddings or layout.pp > 1:
+        if not shape.tie_embeddings or layout.pp > 1:
             pc.output = vloc * h
             pc.detail["output_layer"] = pc.output
             largest = max(largest, vloc * h)
@@ -253,5 +259,5 @@ def active_params(shape: ModelShape) -> int:
         return total_params(shape)
     lay = Layout(vocab_divisible_by=1)
     full = param_counts(shape, lay)
-    per_expert = full.per_layer_expert // shape.num_experts
-    return full.total - shape.moe_layers() * per_expert * (shape.num_experts - shape.moe_topk)
+    per_expert = full.per_layer_expert // shape.num_moe_experts
+    return full.total - shape.moe_layers() * per_expert * (shape.num_moe_experts - shape.moe_router_topk)

@@ -1,7 +1,7 @@
 """One Triton program per row for the O(C x K) bookkeeping of the scaled path (fused.py: TP = 1, tail "none",
 CE only at T = 1): what sparse.combine_stats + sparse.grad_coefficients + the row scale compute in ~60 small
 torch ops per chunk, in one launch. Each small launch idles the GPU between the chunk's GEMMs; the torch
-functions stay the reference (tests/test_kernels_scaled.py compares the two).
+functions stay the reference (tests/kernels/test_kernels_scaled.py compares the two).
 
 Duplicate ids are found per row in the kernel (a K1 x K1 comparison), so the slots need no sort.
 Per row, from the slot logits zg [K1] (z at the teacher ids, then the label; -inf where not owned), the

@@ -49,7 +49,8 @@ def _dense_reference(model, data):
 
 def _layouts(rank, world, out_root):
     from megatron.core import parallel_state
-    from megatron_kd.cache import CacheReader, MegatronTeacher, build_cache
+    from megatron_kd.cache import CacheReader, build_cache
+    from megatron_kd.megatron.teacher import MegatronTeacher
     data = tokens_dataset()
 
     # TP=2: both ranks run the teacher, rank 0 writes.
@@ -75,7 +76,8 @@ def _layouts(rank, world, out_root):
 
 def _single_process(rank, world, out_root):
     from megatron.core import parallel_state
-    from megatron_kd.cache import MegatronTeacher, build_cache
+    from megatron_kd.cache import build_cache
+    from megatron_kd.megatron.teacher import MegatronTeacher
     model, _ = tiny_gpt(tp=1)
     build_cache(MegatronTeacher(model, V, name="tiny-gpt"), tokens_dataset(), os.path.join(out_root, "tp1"),
                 top_k=K, samples_per_shard=2, micro_batch_size=3, progress=False)
@@ -126,6 +128,6 @@ def test_megatron_teacher_tp1_tp2_dp2(tmp_path):
 def make_teacher(tp: int = 1):
     """CLI factory: `megatron-kd cache build --teacher test_cache_megatron:make_teacher --teacher-args '{"tp": 2}'`
     (run under torchrun with tp processes)."""
-    from megatron_kd.cache import MegatronTeacher
+    from megatron_kd.megatron.teacher import MegatronTeacher
     model, group = tiny_gpt(tp)
     return MegatronTeacher(model, V, name="tiny-gpt", tp_group=group)

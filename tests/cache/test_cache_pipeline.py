@@ -55,7 +55,8 @@ def tokens_dataset():
 
 def _build(model, out_dir, **kw):
     from megatron.core import parallel_state
-    from megatron_kd.cache import MegatronTeacher, build_cache
+    from megatron_kd.cache import build_cache
+    from megatron_kd.megatron.teacher import MegatronTeacher
     teacher = MegatronTeacher(model, V, name="tiny-gpt", tp_group=parallel_state.get_tensor_model_parallel_group())
     ident = teacher.identity()
     build_cache(teacher, tokens_dataset(), out_dir, top_k=K, samples_per_shard=2, progress=False, **kw)
@@ -132,6 +133,6 @@ def make_teacher(tp: int = 1, pp: int = 1):
     """CLI factory: `torchrun --nproc_per_node 4 -m megatron_kd cache build --teacher test_cache_pipeline:make_teacher
     --teacher-args '{"tp": 2, "pp": 2}' ...` (random weights; a real factory loads a checkpoint into its stage)."""
     from megatron.core import parallel_state
-    from megatron_kd.cache import MegatronTeacher
+    from megatron_kd.megatron.teacher import MegatronTeacher
     model = tiny_gpt(tp, pp)
     return MegatronTeacher(model, V, name="tiny-gpt", tp_group=parallel_state.get_tensor_model_parallel_group())

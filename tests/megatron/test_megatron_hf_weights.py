@@ -5,7 +5,7 @@ import types
 
 import pytest
 
-from megatron_kd.bridge import weights
+from megatron_kd.megatron import hf_weights as weights
 
 
 def test_not_a_hf_dir_names_the_key(tmp_path):
@@ -14,7 +14,7 @@ def test_not_a_hf_dir_names_the_key(tmp_path):
 
 
 def test_without_bridge_the_error_names_the_fix(monkeypatch):
-    monkeypatch.setattr("megatron_kd.bridge.bridge_available", lambda: False)
+    monkeypatch.setattr("megatron_kd.megatron.hf_weights.bridge_available", lambda: False)
     with pytest.raises(ValueError, match="model.hf_weights needs Megatron-Bridge"):
         weights.require_bridge("model.hf_weights")
 
@@ -22,7 +22,7 @@ def test_without_bridge_the_error_names_the_fix(monkeypatch):
 def test_recipe_with_hf_weights_fails_before_work_without_bridge(tmp_path, monkeypatch):
     from megatron_kd.megatron.config import ModelConfig, check_model
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    monkeypatch.setattr("megatron_kd.bridge.bridge_available", lambda: False)
+    monkeypatch.setattr("megatron_kd.megatron.hf_weights.bridge_available", lambda: False)
     with pytest.raises(ValueError, match="model.hf_weights needs Megatron-Bridge"):
         check_model(ModelConfig(hf_weights=str(tmp_path)), "model", 1)
 
@@ -43,7 +43,7 @@ def test_load_goes_through_autobridge(tmp_path, monkeypatch):
     fake = types.ModuleType("megatron.bridge")
     fake.AutoBridge = FakeAutoBridge
     monkeypatch.setitem(sys.modules, "megatron.bridge", fake)
-    monkeypatch.setattr("megatron_kd.bridge.bridge_available", lambda: True)
+    monkeypatch.setattr("megatron_kd.megatron.hf_weights.bridge_available", lambda: True)
     chunks = ["chunk0", "chunk1"]
     weights.load_hf_weights(chunks, str(tmp_path))
     assert calls == [("from_hf_pretrained", str(tmp_path)), ("load_hf_weights", chunks, str(tmp_path))]

@@ -12,7 +12,7 @@ import pytest
 
 from megatron_kd.cli import launch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN_SH = ROOT / "launch" / "torchrun.sh"
 SBATCH = ROOT / "launch" / "slurm.sbatch"
 SCRIPTS = [TORCHRUN_SH, SBATCH, ROOT / "launch" / "entrypoint.sh"]

@@ -4,11 +4,19 @@ Used by `megatron-kd train` when `model.hf_weights` (student) is set: the recipe
 (any TP/PP layout), then AutoBridge maps the HF tensors onto its shards. Without Bridge: a clear error
 before any work (random initialization stays the default).
 """
+import importlib.util
 import os
 
 
+def bridge_available() -> bool:
+    """True when Megatron-Bridge is installed (its import also needs Transformer Engine and a GPU stack)."""
+    try:
+        return importlib.util.find_spec("megatron.bridge") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def require_bridge(key: str) -> None:
-    from . import bridge_available
     if not bridge_available():
         raise ValueError(f"{key} needs Megatron-Bridge (its AutoBridge converts Hugging Face weights): run inside "
                          "the NeMo container (docker/Dockerfile) or `pip install megatron-bridge`; or unset "

@@ -11,22 +11,33 @@ from dist_utils import run_ranks
 from megatron_kd.kernels.settings import E_BYTES, Z_BYTES
 from megatron_kd.plan import GIB, Layout, ModelShape, Training, layer_activations, plan_memory, preset
 from megatron_kd.plan.memory import loss_buffers
+from megatron_kd.plan.recipe import model_config, parallel_config
 from megatron_kd.plan.shapes import padded_vocab, param_counts, total_params
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-DENSE_TIED = ModelShape("t-dense", 2, 64, 8, 2, 16, 96, 256, tied_embeddings=True)
-DENSE_BIAS = ModelShape("t-dense-ln", 3, 64, 4, 4, 16, 80, 384, norm="layernorm", add_bias_linear=True,
-                        add_qkv_bias=True, qk_layernorm=True, gated_mlp=False)
-MOE = ModelShape("t-moe", 2, 64, 8, 2, 16, 96, 256, add_bias_linear=True, add_qkv_bias=True, num_experts=4,
-                 moe_topk=2, moe_ffn_hidden=48)
-MOE_SHARED = ModelShape("t-moe-sh", 2, 64, 8, 2, 16, 96, 256, num_experts=4, moe_topk=2, moe_ffn_hidden=32,
-                        moe_shared_ffn=64)
+DENSE_TIED = ModelShape("t-dense", 2, 64, 8, 2, 16, 96, 256, tie_embeddings=True)
+DENSE_BIAS = ModelShape("t-dense-ln", 3, 64, 4, 4, 16, 80, 384, normalization="LayerNorm", add_bias_linear=True,
+                        add_qkv_bias=True, qk_layernorm=True, activation="gelu")
+MOE = ModelShape("t-moe", 2, 64, 8, 2, 16, 96, 256, add_bias_linear=True, add_qkv_bias=True, num_moe_experts=4,
+                 moe_router_topk=2, moe_ffn_hidden_size=48)
+MOE_SHARED = ModelShape("t-moe-sh", 2, 64, 8, 2, 16, 96, 256, num_moe_experts=4, moe_router_topk=2,
+                        moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=64)
 
 
 def _megatron(layout):
-    from megatron_kd.plan.measure import init_parallel
-    init_parallel(layout)
+    """Megatron's groups for `layout` on CPU, as `megatron-kd train` sets them up."""
+    from megatron_kd.megatron.cpu_patches import megatron_compat
+    from megatron_kd.megatron.dist import init_model_parallel, set_seed
+    megatron_compat()
+    init_model_parallel(parallel_config(layout), cuda=False)
+    set_seed(1234)
+
+
+def _build(shape, layout, seq_length=512):
+    """The GPTModel `megatron-kd train` builds for this shape (training's builder, bf16 weights)."""
+    from megatron_kd.megatron.model import build_gpt
+    return build_gpt(model_config(shape, layout), parallel_config(layout), shape.vocab_size, seq_length, "bf16")
 
 
 def _counts(model):
@@ -40,10 +51,9 @@ def _counts(model):
 
 
 def _check_counts(rank, world, layout, shapes):
-    from megatron_kd.plan.build import build_gpt
     _megatron(layout)
     for shape in shapes:
-        m = build_gpt(shape, layout, recompute="none", cpu=True)
+        m = _build(shape, layout)
         dense, expert = _counts(m)
         pc = param_counts(shape, layout)
         assert (dense, expert) == (pc.dense, pc.expert), (shape.name, layout, (dense, expert), (pc.dense, pc.expert))
@@ -60,6 +70,16 @@ def test_param_counts_match_megatron_tp2_and_ep2():
     # needs it, so MoE is checked at EP=2 (the counting code path for TP-sharded experts is the dense one's)
     run_ranks(2, _check_counts, Layout(tp=2, sequence_parallel=False), [DENSE_TIED, DENSE_BIAS])
     run_ranks(2, _check_counts, Layout(ep=2, dp=2), [MOE, MOE_SHARED])
+
+
+def test_model_config_is_the_inverse_of_shape_from_config():
+    """The planner's shapes become the recipe `model` section training builds from, and read back the same."""
+    from megatron_kd.plan.recipe import shape_from_config
+    for s in [DENSE_TIED, DENSE_BIAS, MOE, MOE_SHARED, *(preset(n) for n in ("llama-3.2-3b", "gpt-oss-20b"))]:
+        assert shape_from_config(model_config(s), s.vocab_size, 4096) == s, s.name
+    m = model_config(DENSE_TIED, Layout(vocab_divisible_by=64), recompute="full", recompute_layers=2)
+    assert (m.recompute_granularity, m.recompute_method, m.recompute_num_layers) == ("full", "block", 2)
+    assert m.make_vocab_size_divisible_by == 64 and m.num_moe_experts is None
 
 
 def test_preset_totals_are_the_published_counts():
@@ -89,9 +109,9 @@ def test_padded_vocab_and_sharding():
 def _saved_bytes(rank, world, shape, T, moe, tol):
     """Per-layer bytes autograd saves (storages, parameters excluded) against layer_activations (CPU norms)."""
     import torch
-    from megatron_kd.plan.build import build_gpt, hidden_states_forward
+    from megatron_kd.megatron.hook import forward_with_head
     _megatron(Layout())
-    m = build_gpt(shape, Layout(), recompute="none", cpu=True)
+    m = _build(shape, Layout(), T)
     params = {p.untyped_storage()._cdata for p in m.parameters()}
     cur, saved = ["out"], {}
 
@@ -103,9 +123,9 @@ def _saved_bytes(rank, world, shape, T, moe, tol):
     for i, layer in enumerate(m.decoder.layers):
         layer.register_forward_pre_hook(lambda mod, a, i=i: cur.__setitem__(0, f"layer{i}"))
         layer.register_forward_hook(lambda mod, a, o: cur.__setitem__(0, "out"))
-    ids = torch.randint(0, shape.vocab, (1, T))
+    ids = torch.randint(0, shape.vocab_size, (1, T))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        hidden_states_forward(m, ids, torch.arange(T)[None])
+        forward_with_head(m, lambda hidden, weight: hidden, ids, torch.arange(T)[None], None)
     got = sum(saved["layer0"].values())
     want = sum(layer_activations(shape, Layout(), T, moe, fused_norm=False).values())
     assert abs(got / want - 1) <= tol, (shape.name, got, want)
@@ -153,7 +173,7 @@ def test_activation_and_loss_formulas():
     # unfused SwiGLU keeps 5 [T, ffn] bf16 tensors' worth (fc1 out is 2 wide)
     a = layer_activations(s, Layout(), T, False)
     assert a["fc1 output"] + a["silu(gate), linear + offset"] + a["fc2 input"] == 2 * T * 8192 * 5
-    V = s.vocab
+    V = s.vocab_size
     d = loss_buffers(s, Layout(), Training(seq_len=T, loss="dense"), T)
     assert d["fwd"] >= 3 * 4 * T * V                                          # logits, exp temporaries
     f = loss_buffers(s, Layout(), Training(seq_len=T, loss="fused"), T)
@@ -216,8 +236,8 @@ def test_cli_reads_a_recipe(tmp_path):
     d = json.loads(out)
     assert rc == 0 and d["layout"]["ep"] == 8 and d["layout"]["dp"] == 8 and d["training"]["seq_len"] == 4096
     assert d["training"]["topk"] == 64 and d["training"]["recompute"] == "selective"
-    assert d["training"]["num_microbatches"] == 2 and d["shape"]["ffn_hidden"] == 1024
-    assert d["shape"]["moe_ffn_hidden"] == 1024 and d["shape"]["tied_embeddings"] is True
+    assert d["training"]["num_microbatches"] == 2 and d["shape"]["ffn_hidden_size"] == 1024
+    assert d["shape"]["moe_ffn_hidden_size"] == 1024 and d["shape"]["tie_embeddings"] is True
     rc, out = _cli(str(r), "kd.mode=ce", "--json")
     assert json.loads(out)["training"]["mode"] == "ce"
 
@@ -255,7 +275,7 @@ def test_real_recipes_are_read_as_training_reads_them(name):
     assert rp.training.recompute_layers == want["layers"]
     if want["layers"] is not None:
         assert cfg.model.recompute_method == "block" and cfg.model.recompute_num_layers == want["layers"]
-    assert rp.shape.name == want["shape"] and rp.shape.vocab == cfg.data.vocab_size
+    assert rp.shape.name == want["shape"] and rp.shape.vocab_size == cfg.data.vocab_size
     assert rp.training.seq_len == cfg.data.seq_length == want["seq"]
     assert rp.training.micro_batch == want["mbs"] and rp.training.mode == want["mode"] == cfg.kd.mode
     assert rp.training.topk == want["topk"] == cfg.kd.top_k
@@ -290,13 +310,13 @@ def test_recipe_by_path_overrides_and_gpus():
 
 
 @pytest.mark.slow
-def test_plan_validate_smoke_within_tolerance(tmp_path):
-    """The GPU validation script end to end on CPU (tiny GPT-OSS-like MoE, LiveMemory as the allocator)."""
-    out = tmp_path / "pv.json"
-    env = dict(os.environ, MASTER_PORT="29571")
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "plan_validate.py"), "--smoke",
-                        "--out", str(out)], capture_output=True, text=True, env=env, timeout=600)
+def test_e2e_bench_smoke_runs_train_and_records_the_plan(tmp_path):
+    """The end-to-end bench drives `megatron-kd train` (CPU smoke) and puts the planner's peak next to the run."""
+    out = tmp_path / "e2e.json"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "e2e_bench.py"), "--size", "smoke", "--plan",
+                        "--runs", "1gpu_offline", "--workdir", str(tmp_path / "w"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    d = json.loads(out.read_text())
-    assert d["all_within_tol"] and len(d["results"]) == 2
-    assert all(r["params_match"] for r in d["results"])
+    run = json.loads(out.read_text())["runs"]["1gpu_offline"]
+    assert run["rc"] == 0 and run["summary"]["iteration"] == run["summary"]["iters"] == 12
+    assert run["plan"]["predicted_peak_gib"] > 0 and run["plan"]["predicted_over_measured"] is None  # CPU: RSS

@@ -5,7 +5,9 @@ resuming from a checkpoint reproduces the uninterrupted run; a save dir of anoth
 import json
 
 import pytest
+import torch
 
+from megatron_kd.megatron import checkpoint
 from megatron_kd.megatron.config import RecipeError, to_recipe
 from megatron_kd.megatron.recipes import compose
 from megatron_kd.megatron.train import run
@@ -58,7 +60,33 @@ def test_offline_cache_equals_online_teacher_step_for_step(tmp_path, teacher):
     assert off[1]["kl"] > 0
 
 
-def test_resume_reproduces_the_uninterrupted_run(tmp_path):
+def optimizer_fingerprint(optimizer) -> dict:
+    """Sums of every optimizer state by key and of the optimized (main) params."""
+    out = {}
+    for i, o in enumerate(getattr(optimizer, "chained_optimizers", None) or [optimizer]):
+        inner = getattr(o, "optimizer", None)
+        if inner is None:
+            continue
+        for g in inner.param_groups:
+            for p in g["params"]:
+                out[f"{i}.params"] = out.get(f"{i}.params", 0.0) + float(p.detach().double().abs().sum())
+                for k, v in inner.state.get(p, {}).items():
+                    if torch.is_tensor(v):
+                        out[f"{i}.{k}"] = out.get(f"{i}.{k}", 0.0) + float(v.double().abs().sum())
+        out[f"{i}.group_steps"] = [g.get("step") for g in inner.param_groups]
+    return out
+
+
+@pytest.fixture
+def optimizer_states(monkeypatch):
+    """[(event, iteration, fingerprint)] of every optimizer save and load (checkpoint.OPTIMIZER_OBSERVERS)."""
+    seen = []
+    monkeypatch.setattr(checkpoint, "OPTIMIZER_OBSERVERS",
+                        [lambda event, it, opt: seen.append((event, it, optimizer_fingerprint(opt)))])
+    return seen
+
+
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, optimizer_states):
     cache = ["kd=offline", f"kd.cache={tmp_path / 'cache'}", "kd.build_cache=true", *TEACHER_ARCH]
     train(tmp_path / "whole", "train.iters=6", *cache)
     train(tmp_path / "parts", "train.iters=6", "train.stop_at=3", *cache)
@@ -72,6 +100,16 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
         assert parts[it]["lr"] == pytest.approx(whole[it]["lr"], rel=1e-9), it
     again = train(tmp_path / "parts", "train.iters=6", *cache)  # finished: nothing to do
     assert again["iteration"] == 6 and again["step_s"] is None
+    # the optimizer state comes back exactly as it was saved (moments, main params, steps)
+    events = [(e, it) for e, it, _ in optimizer_states]
+    assert events == [("save", 6), ("save", 3), ("load", 3), ("save", 6), ("load", 6)], events
+    fp = [f for _, _, f in optimizer_states]
+    assert fp[1] == fp[2] and fp[3] == fp[4]
+    assert len(fp[1]) > 2 and any(k.endswith("exp_avg") for k in fp[1])
+    assert fp[3].keys() == fp[0].keys()
+    for k in fp[0]:
+        if not k.endswith("group_steps"):
+            assert fp[3][k] == pytest.approx(fp[0][k], rel=1e-5), k
 
 
 def test_a_save_dir_of_another_run_is_not_reused(tmp_path):

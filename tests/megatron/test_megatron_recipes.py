@@ -32,7 +32,7 @@ def test_unknown_key_in_a_recipe_file(tmp_path):
     shutil.copytree(recipes_dir(), rdir)
     (rdir / "typo.yaml").write_text("defaults:\n  - tiny_cpu\n  - _self_\nkd:\n  topk: 3\n")
     cfg = compose(str(rdir / "typo.yaml"), ["train.save=x"])
-    with pytest.raises(RecipeError, match=r"unknown recipe key 'kd\.topk'.*kd takes: mode, cache, .*top_k"):
+    with pytest.raises(RecipeError, match=r"unknown recipe key 'kd\.topk'.*kd takes: .*mode, cache, .*top_k"):
         to_recipe(cfg)
 
 

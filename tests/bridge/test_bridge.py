@@ -17,7 +17,7 @@ from megatron_kd.bridge.api import enable_offline_kd
 from megatron_kd.bridge.run import read_config_file
 from megatron_kd.bridge.step import OfflineKDForwardStep, kd_loss_func, kd_settings, slice_for_context_parallel
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 B, S, H, V, K = 2, 8, 16, 40, 5
 
 

@@ -59,7 +59,7 @@ def topk_kl_loss(hidden, weight, topk_ids, topk_logprobs, *, labels=None, loss_m
         h = gather_sequence(hidden, tp_group).reshape(-1, hidden.shape[-1])
     mode = _pick_impl(opts, h.shape[0], -(-shard.valid_size // tp), h.device)
     if mode == "fused":
-        from ..kernels.fused import fused_topk_kl
+        from .fused import fused_topk_kl
         out = fused_topk_kl(h, weight, t, opts, shard, reduce_grad_input=not sequence_parallel)
     else:
         if mode == "forward_chunked" and opts.reduction == "none":

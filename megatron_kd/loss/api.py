@@ -28,14 +28,20 @@ def _pick_impl(opts: LossOptions, n: int, v_local: int, device: torch.device) ->
 def topk_kl_loss(hidden, weight, topk_ids, topk_logprobs, *, labels=None, loss_mask=None, kl_weight=1.0,
                  ce_weight=0.0, temperature=1.0, tail="none", reduction="mean", impl="auto", chunk_size=None,
                  ignore_index=-100, tp_group=None, sequence_parallel=False, vocab_start_index=None,
-                 valid_vocab_size=None, fused_settings=None):
+                 valid_vocab_size=None, fused_settings=None, grad_scale=1.0):
     """KL(teacher top-K || student) from the student's hidden states, never holding [N, V] logits.
 
     hidden [..., H] (under sequence_parallel: this rank's [s/tp, ...] shard), weight [V_local, H] (this
     rank's vocab shard), topk_ids / topk_logprobs [..., K] (global ids, -1 = empty; teacher log-probs over
     its full vocabulary), labels / loss_mask [...]. Returns a scalar ("mean", "sum") or [...] ("none").
     fused_settings: FusedSettings for impl="fused" (None: the production defaults; loss/chunks.py).
+    grad_scale: the grad_output backward will bring (Megatron: the optimizer's loss scale, megatron.optim.loss_scale).
+    impl="fused" writes the weight gradient into weight.main_grad during forward already times grad_scale; a
+    different grad_output is still exact but reruns the whole loss in backward.
     """
+    grad_scale = float(grad_scale)
+    if not (grad_scale > 0 and grad_scale < float("inf")):
+        raise ValueError(f"grad_scale={grad_scale} must be a finite positive number (the expected grad_output)")
     if fused_settings is not None and not isinstance(fused_settings, FusedSettings):
         raise ValueError(f"fused_settings must be a megatron_kd.loss.FusedSettings or None, got "
                          f"{type(fused_settings).__name__}")
@@ -58,7 +64,7 @@ def topk_kl_loss(hidden, weight, topk_ids, topk_logprobs, *, labels=None, loss_m
     if mode == "fused":
         from .fused import fused_topk_kl
         out = fused_topk_kl(h, weight, t, opts, shard, reduce_grad_input=not sequence_parallel,
-                            settings=fused_settings)
+                            settings=fused_settings, grad_scale=grad_scale)
     else:
         if mode == "forward_chunked" and opts.reduction == "none":
             mode = "chunked"  # per-position upstream grads are unknown in forward

@@ -25,9 +25,10 @@ Anchored logits cost S x V bf16 (<= 0.9 x the bf16 weight); fp32 logits C x V fp
 Weight gradient: fp32 accumulator, or straight into weight.main_grad when the weight has an fp32 one
 (Megatron's gradient-accumulation fusion: no extra memory); a bf16 main_grad (grad_reduce_in_fp32 off,
 train.optimizer=lean_adam) gets the fp32 accumulator added once in forward (no bf16 weight-grad copy).
-main_grad is written during forward assuming grad_output == weight.megatron_kd_grad_scale (default 1.0);
-backward reads grad_output (one host sync; 1.0 skips scaling grad_h, which is handed over, so backward runs
-once) and, if it differs from that scale, adds the difference by recomputing. Then, like Megatron's linear
+main_grad is written during forward assuming grad_output == grad_scale (the caller's promise, default 1.0;
+Megatron's loss scale under fp16: megatron/step.py passes optim.loss_scale); backward reads grad_output (one
+host sync; 1.0 skips scaling grad_h, which is handed over, so backward runs once) and, if it differs from
+grad_scale, adds the difference by recomputing the whole loss. Then, like Megatron's linear
 layers, backward returns no weight gradient (or a dummy one and sets grad_added_to_main_grad, when the weight
 carries that attribute).
 reduction="none" needs per-position upstream grads, unknown in forward: it runs the torch "chunked" impl.
@@ -47,7 +48,6 @@ from .logits import AnchoredLogits, Fp32Logits
 from .sparse import combine_stats, grad_coefficients, prepare_slots
 
 SLACK = 20.0  # anchor slack (nats): E <= e^20, and rows are re-swept only beyond it
-GRAD_SCALE_ATTR = "megatron_kd_grad_scale"
 _TAKEN = object()  # backward has handed grad_h over
 
 
@@ -187,11 +187,11 @@ def _redo_rows(rows, h, weight, t, opts, shard, grad_h, acc, wscale, g, st, sett
 
 class FusedTopKKL(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, t, opts, shard, reduce_grad_input, settings):
+    def forward(ctx, hidden, weight, t, opts, shard, reduce_grad_input, settings, grad_scale):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         mdt = t.logp.dtype
         main = _main_grad(weight) if need_w else None
-        expect = float(getattr(weight, GRAD_SCALE_ATTR, 1.0))
+        expect = float(grad_scale)
         grad_h = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_h else None
         acc = None
         if need_w:
@@ -226,7 +226,7 @@ class FusedTopKKL(torch.autograd.Function):
             grad_h, grad_w = ctx.saved_tensors
             gh = None if grad_h is None else grad_h * grad_out
             gw = None if grad_w is None else grad_w * grad_out
-            return gh, gw, None, None, None, None, None
+            return gh, gw, None, None, None, None, None, None
         if ctx.grad_h is _TAKEN:
             raise RuntimeError("the fused loss wrote its weight gradient into main_grad in forward and hands its "
                                "input gradient over once: backward cannot run twice (retain_graph); call the loss "
@@ -242,14 +242,16 @@ class FusedTopKKL(torch.autograd.Function):
             make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
             gw = make(weight.shape, dtype=ctx.weight_dtype, device=weight.device)
             weight.grad_added_to_main_grad = True
-        return gh, gw, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None
 
 
-def fused_topk_kl(h, weight, t, opts, shard, reduce_grad_input=True, settings: FusedSettings | None = None):
+def fused_topk_kl(h, weight, t, opts, shard, reduce_grad_input=True, settings: FusedSettings | None = None,
+                  grad_scale: float = 1.0):
     """h [N, H] (hidden dtype), weight [V_local, H]; returns the reduced loss (scalar) or [N] for "none".
-    settings: FusedSettings (None: the production defaults)."""
+    settings: FusedSettings (None: the production defaults). grad_scale: the grad_output backward will bring
+    (with main_grad, anything else costs a second pass)."""
     settings = FusedSettings() if settings is None else settings
     if opts.reduction == "none" or h.shape[0] == 0:
         chunk = int(opts.chunk_size or default_chunk_size(shard.local_valid))
         return TopKKLFunction.apply(h, weight, t, opts, shard, "chunked", chunk, reduce_grad_input)
-    return FusedTopKKL.apply(h, weight, t, opts, shard, reduce_grad_input, settings)
+    return FusedTopKKL.apply(h, weight, t, opts, shard, reduce_grad_input, settings, grad_scale)

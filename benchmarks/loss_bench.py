@@ -324,6 +324,10 @@ class Worker:
         self.p.wait(timeout=60)
 
 
+def rel_diff(new, old):
+    return None if new is None or old is None else abs(new - old) / max(abs(old), 1e-30)
+
+
 def compare(a):
     old_dir = os.path.abspath(a.compare)
     if not os.path.isdir(os.path.join(old_dir, "megatron_kd")):
@@ -353,7 +357,8 @@ def compare(a):
                 if floor and r.get("ms"):
                     r["x_floor"] = r["ms"] / floor
                 rows.append(r)
-                print(f"{dtype} V={vocab} H={hidden} N={n:>6} {code:>3} {name:<28} ms={r.get('ms') or float('nan'):8.1f}"
+                print(f"{dtype} V={vocab} H={hidden} N={n:>6} {code:>3} {name:<28} "
+                      f"ms={r.get('ms') or float('nan'):8.1f}"
                       f" x_floor={r.get('x_floor', float('nan')):.4f} peak={r.get('peak_gib') or float('nan'):.3f} GiB "
                       f"{r.get('error', '')}", flush=True)
             for name in names:
@@ -368,9 +373,9 @@ def compare(a):
                          peak_gib_old=o["peak_gib"], peak_gib_new=w_["peak_gib"],
                          peak_diff_gib=None if o["peak_gib"] is None else w_["peak_gib"] - o["peak_gib"],
                          same_loss=o.get("loss") == w_.get("loss"),
-                         loss_rel_diff=abs(w_["loss"] - o["loss"]) / max(abs(o["loss"]), 1e-30),
-                         grad_h_rel_diff=abs(w_["grad_h_abs_sum"] - o["grad_h_abs_sum"]) / max(o["grad_h_abs_sum"], 1e-30),
-                         grad_w_rel_diff=abs(w_["grad_w_abs_sum"] - o["grad_w_abs_sum"]) / max(o["grad_w_abs_sum"], 1e-30))
+                         loss_rel_diff=rel_diff(w_["loss"], o["loss"]),
+                         grad_h_rel_diff=rel_diff(w_["grad_h_abs_sum"], o["grad_h_abs_sum"]),
+                         grad_w_rel_diff=rel_diff(w_["grad_w_abs_sum"], o["grad_w_abs_sum"]))
                 s["within_2pct"] = abs(s["ratio_new_over_old"] - 1) <= 0.02
                 s["within_0.05gib"] = s["peak_diff_gib"] is None or abs(s["peak_diff_gib"]) <= 0.05
                 summary.append(s)
@@ -395,12 +400,14 @@ def main():
     ap.add_argument("--impls", nargs="+", default=["dense", "chunked", "forward_chunked", "fused"])
     ap.add_argument("--baselines", nargs="+", default=["gemm", "liger", "cce"])
     ap.add_argument("--settings", nargs="*", default=[],
-                    help="extra fused variants (main_grad), FusedSettings fields: logits=fp32 a_mib=768 z_mib=256,e_mib=1024")
+                    help="extra fused variants (main_grad) as FusedSettings fields: logits=fp32 a_mib=768 "
+                         "z_mib=256,e_mib=1024")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2, help="passes over all variants; ms = median of all reps")
     ap.add_argument("--profile", action="store_true", help="also profile each fused variant once (torch.profiler)")
     ap.add_argument("--tp", action="store_true", help="under torchrun: TP=1 vs TP=world, SP, collectives removed")
-    ap.add_argument("--compare", metavar="DIR", help="an earlier copy of the package (DIR/megatron_kd) against this one")
+    ap.add_argument("--compare", metavar="DIR",
+                    help="an earlier copy of the package (DIR/megatron_kd) against this one")
     ap.add_argument("--shapes", type=lambda s: [int(x) for x in s.split(",")], nargs="+", default=COMPARE_SHAPES,
                     help="--compare: vocab,hidden,tokens triples")
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16"], help="--compare: input dtypes (float16: two-pass)")

@@ -277,14 +277,16 @@ def test_plan_chunks_budgets():
     assert chunk_plan(50, 8, dtype=torch.float32, opts=LossOptions(chunk_size=7)).super_rows == 7
     p = chunk_plan(128256, 3072)
     assert p.path == "anchored" and p.sub_rows == p.super_rows == 2688
-    assert chunk_plan(128256, 3072, settings=FusedSettings(super_rows=96), opts=LossOptions(chunk_size=7)).super_rows == 96
+    p = chunk_plan(128256, 3072, settings=FusedSettings(super_rows=96), opts=LossOptions(chunk_size=7))
+    assert p.super_rows == 96  # settings before LossOptions.chunk_size
 
 
 @pytest.mark.parametrize("kw,path", [
     (dict(), "anchored"), (dict(settings=FusedSettings(logits="fp32")), "fp32_logits"),
     (dict(dtype=torch.float32), "fp32_logits"), (dict(dtype=torch.float64), "fp32_logits"),
     (dict(dtype=torch.float16), "two_pass"), (dict(tp=2), "two_pass"), (dict(needs_grad=False), "two_pass"),
-    (dict(opts=LossOptions(tail="bucket")), "two_pass"), (dict(opts=LossOptions(ce_weight=0.5, temperature=2.0)), "two_pass"),
+    (dict(opts=LossOptions(tail="bucket")), "two_pass"),
+    (dict(opts=LossOptions(ce_weight=0.5, temperature=2.0)), "two_pass"),
     (dict(opts=LossOptions(ce_weight=0.5)), "anchored"), (dict(opts=LossOptions(kl_weight=-1.0)), "two_pass")])
 def test_chunk_plan_paths(kw, path):
     """The three loops production runs, and what selects each (the planner reads the same function)."""
@@ -415,7 +417,8 @@ def test_gpu_bf16_against_fp64(tail, ce, T, logits):
     labels = torch.randint(0, V, (N,), device="cuda", generator=g)
     del tl
     inp = dict(hidden=h, weight=w, ids=ids, logp=logp, labels=labels, loss_mask=None)
-    got = run_fused(inp, tune=dict(sub_rows=256, super_rows=1024, logits=logits), tail=tail, ce_weight=ce, temperature=T)
+    got = run_fused(inp, tune=dict(sub_rows=256, super_rows=1024, logits=logits), tail=tail, ce_weight=ce,
+                    temperature=T)
     hh = h.double().requires_grad_(True)
     ww = w.double().requires_grad_(True)
     ref = reference_loss(hh, ww, ids, logp.double(), labels, None, tail=tail, ce_weight=ce, temperature=T)

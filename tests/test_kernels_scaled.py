@@ -1,4 +1,4 @@
-"""ops.scaled (one Triton program per row) against the torch bookkeeping it replaces on the scaled path:
+"""kernels.scaled (one Triton program per row) against the torch bookkeeping it replaces on the scaled path:
 sparse.combine_stats + sparse.grad_coefficients + the row scale, on random slot logits with duplicate ids,
 empty slots, labels that repeat a teacher id or are ignored, zero-weight rows, flagged rows and T != 1."""
 import pytest
@@ -101,7 +101,7 @@ def test_scaled_rows_refuses_what_it_does_not_cover():
 
 
 def test_many_slots_fall_back_to_torch_rows(monkeypatch):
-    """K1 above ops.scaled.MAX_SLOTS: the fused loss keeps the torch bookkeeping (and stays exact)."""
+    """K1 above kernels.scaled.MAX_SLOTS: the fused loss keeps the torch bookkeeping (and stays exact)."""
     from megatron_kd.loss import fused
     from test_kernels import run_ref
     monkeypatch.setattr(fused, "MAX_SLOTS", 8)

@@ -27,7 +27,7 @@ CHUNK_ELEMENTS = 1 << 26
 @dataclass(frozen=True)
 class FusedSettings:
     """How impl="fused" sizes its buffers and writes its logits; the defaults are the production settings (ranked
-    first on an H200 by the loss benchmark: benchmarks/results/kernel_tune_h200.json).
+    first on an H200: benchmarks/results/kernel_tune_h200.json).
 
     logits      "anchored": with bf16 inputs at TP=1, anchored bf16 logits straight from the GEMM (S x V bf16,
                 no fp32 logits); "fp32": fp32 sub-chunk logits there too (more memory, no fp32 redo of outliers).

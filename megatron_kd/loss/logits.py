@@ -7,7 +7,7 @@
   bad   [S'] bool, tokens to redo with fp32 logits (anchored), or None.
 
 Fp32Logits (fp32_logits and two_pass paths): per sub-chunk of C tokens, z = h @ W^T into a reused buffer in the
-math dtype, then ops.rows' slot and sweep kernels; the two-pass path's second sweep (dz) is `dz`.
+math dtype, then kernels.rows' slot and sweep kernels; the two-pass path's second sweep (dz) is `dz`.
 
 AnchoredLogits (anchored path: bf16 inputs, TP = 1), per super-chunk of S tokens:
   1. an anchor per token, b = max of the student's logits at a few slot ids (teacher's top ids, the label),

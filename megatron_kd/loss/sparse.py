@@ -43,7 +43,7 @@ def _first_slot(key: torch.Tensor) -> torch.Tensor:
 
 
 def prepare_slots(t: Targets, opts: LossOptions, shard: VocabShard, dedupe: bool = True) -> Slots:
-    """dedupe=False leaves first / cid None (ops.scaled finds duplicates itself; the sort costs launches)."""
+    """dedupe=False leaves first / cid None (kernels.scaled finds duplicates itself; the sort costs launches)."""
     ids, ok = t.ids, t.valid
     if opts.needs_ce:
         ids = torch.cat([ids, t.labels[:, None]], 1)

@@ -90,11 +90,15 @@ def environment():
             env[mod] = getattr(m, "__version__", "present")
         except Exception:
             env[mod] = None
-    try:
-        env["git"] = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:  # only this tree's own repository (a copy nested in another checkout would report that one's HEAD)
+        top = subprocess.check_output(["git", "rev-parse", "--show-toplevel"], text=True, cwd=root).strip()
+        if os.path.realpath(top) != os.path.realpath(root):
+            raise RuntimeError("not a git checkout of its own")
+        env["git"] = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True, cwd=root).strip()
         # the device gets a copy of the working tree whose HEAD may lag: say when the tree differs from it
         env["git_dirty"] = bool(subprocess.check_output(["git", "status", "--porcelain", "--untracked-files=no"],
-                                                        text=True).strip())
+                                                        text=True, cwd=root).strip())
     except Exception:
         pass
     return env

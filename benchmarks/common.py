@@ -22,24 +22,29 @@ def synthetic_teacher(n, k, vocab, device, seed=0):
 
 
 def measure(fn, reps=3, warmup=1):
-    """Median ms and peak GiB of fn() (forward+backward), inputs included in the peak."""
-    torch.cuda.synchronize()
+    """Median ms and peak GiB of fn() (forward+backward), inputs included in the peak. On CPU (smoke runs)
+    only the times: peak_gib is None."""
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
     for _ in range(warmup):  # the first call also autotunes and compiles kernels
         fn()
-    torch.cuda.synchronize()
+    sync()
     gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
+    base = None
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         times.append((time.perf_counter() - t0) * 1e3)
-    peak = torch.cuda.max_memory_allocated()
-    return dict(ms=statistics.median(times), ms_all=times, peak_gib=peak / 2**30,
-                above_inputs_gib=(peak - base) / 2**30)
+    peak = torch.cuda.max_memory_allocated() if cuda else None
+    return dict(ms=statistics.median(times), ms_all=times, peak_gib=None if peak is None else peak / 2**30,
+                above_inputs_gib=None if peak is None else (peak - base) / 2**30)
 
 
 def gemm_floor(h, w):
@@ -85,11 +90,15 @@ def environment():
             env[mod] = getattr(m, "__version__", "present")
         except Exception:
             env[mod] = None
-    try:
-        env["git"] = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:  # only this tree's own repository (a copy nested in another checkout would report that one's HEAD)
+        top = subprocess.check_output(["git", "rev-parse", "--show-toplevel"], text=True, cwd=root).strip()
+        if os.path.realpath(top) != os.path.realpath(root):
+            raise RuntimeError("not a git checkout of its own")
+        env["git"] = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True, cwd=root).strip()
         # the device gets a copy of the working tree whose HEAD may lag: say when the tree differs from it
         env["git_dirty"] = bool(subprocess.check_output(["git", "status", "--porcelain", "--untracked-files=no"],
-                                                        text=True).strip())
+                                                        text=True, cwd=root).strip())
     except Exception:
         pass
     return env

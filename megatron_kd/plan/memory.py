@@ -26,12 +26,6 @@ from .shapes import Layout, ModelShape, padded_vocab, param_counts
 GIB = float(1 << 30)
 RESERVE_GIB = 3.0          # CUDA context, NCCL buffers, allocator rounding: not in max_memory_allocated
 H200_GIB = 139.8           # usable HBM of one H200 (torch.cuda.mem_get_info total)
-# CHUNK PLAN (switch to loss-core's plan function): the fused loss's chunk rows below re-derive fused.plan_chunks /
-# default_chunk_size from kernels.settings; replace loss_buffers' "fused" branch by a call once loss/ exposes it.
-from ..kernels.settings import anchored_rows  # noqa: E402  (anchored bf16 logits / dz rows, tp == 1)
-from ..kernels.settings import E_BYTES as FUSED_E_BYTES  # noqa: E402  (bf16 dz of one super-chunk)
-from ..kernels.settings import LOGITS as FUSED_LOGITS  # noqa: E402
-from ..kernels.settings import Z_BYTES as FUSED_Z_BYTES  # noqa: E402  (fp32 logits of one sub-chunk)
 TOPK_CHUNK_ELEMENTS = 1 << 26   # teacher top-K on the fly: logits of one chunk
 
 RECOMPUTE = ("full", "selective", "none")
@@ -213,10 +207,6 @@ def layer_backward_extra(shape: ModelShape, lay: Layout, T: int, moe: bool, b: i
 
 # ------------------------------------------------------------------------------------------------ loss
 
-def _pow2_floor(x: int) -> int:
-    return 1 << (max(1, x).bit_length() - 1)
-
-
 def loss_buffers(shape: ModelShape, lay: Layout, tr: Training, T: int) -> dict:
     """Loss working set on the last stage: {'fwd': bytes at the loss forward, 'held': kept into backward,
     'bwd': peak inside the loss backward, 'tail': held until the embedding backward (tied dummy grad)}."""
@@ -241,15 +231,10 @@ def loss_buffers(shape: ModelShape, lay: Layout, tr: Training, T: int) -> dict:
         # megatron_kd.kernels.fused.run: rows follow the global vocabulary V; at tp == 1 the "scaled" path keeps
         # S rows of anchored bf16 logits (no fp32 logits; LOGITS="fp32": C rows of fp32 logits and S >= C rows
         # of bf16 dz), at tp > 1 (two-pass) C == S rows of each.
-        V = max(1, shape.vocab_size)
-        rnd = lambda x, q: max(q, x // q * q)  # noqa: E731
-        if t == 1 and FUSED_LOGITS == "anchored":
-            C, S = 0, anchored_rows(V, h)
-        elif t == 1:
-            C = rnd(FUSED_Z_BYTES // (4 * V), 16)
-            S = max(C, rnd(FUSED_E_BYTES // (2 * V), C) // C * C)
-        else:
-            C = S = rnd((FUSED_Z_BYTES + FUSED_E_BYTES) // (6 * V), 16)
+        import torch  # here, not at import: `megatron-kd plan --help` loads no torch
+        from ..loss.chunks import chunk_plan  # the plan fused.run follows: one copy of the rule
+        cp = chunk_plan(max(1, shape.vocab_size), h, tp=t, dtype=torch.bfloat16)
+        C, S = (0, cp.super_rows) if cp.path == "anchored" else (cp.sub_rows, cp.super_rows)
         z = min(T, C) * vloc * 4
         e = min(T, S) * vloc * 2
         fp32_main = tr.grad_fp32 and tr.optimizer != "lean_adam"
@@ -258,9 +243,8 @@ def loss_buffers(shape: ModelShape, lay: Layout, tr: Training, T: int) -> dict:
         held = gath + targets + stats + 2 * T * h + wcopy
         return dict(fwd=gath + targets + stats + 2 * T * h + z + e + acc + wcopy, held=held,
                     bwd=held + 2 * T * h + 2 * vh, tail=tied_tail)
-    from ..loss.api import CHUNK_ELEMENTS as LOSS_CHUNK_ELEMENTS  # first-hour (issue 21): here, not at import, so
-    # `megatron-kd plan --help` loads no torch (loss.api imports it)
-    c = _pow2_floor(max(16, LOSS_CHUNK_ELEMENTS // max(1, shape.vocab_size)))
+    from ..loss.chunks import default_chunk_size  # the torch impls' chunk rows (lazy: no torch for --help)
+    c = default_chunk_size(max(1, shape.vocab_size))
     cv = min(T, c) * vloc * 4
     if tr.loss == "chunked":
         held = gath + targets + stats

@@ -61,9 +61,9 @@ PRESETS = {
     "llama-3.1-8b": ModelShape("llama-3.1-8b", 32, 4096, 32, 8, 128, 14336, 128256),
     "llama-3.1-70b": ModelShape("llama-3.1-70b", 80, 8192, 64, 8, 128, 28672, 128256),
     # GPT-OSS: attention/router/expert biases; sinks and sliding windows are not modelled (64 params a layer)
-    "gpt-oss-20b": ModelShape("gpt-oss-20b", 24, 2880, 64, 8, 64, 2880, 201088, add_bias_linear=True,
+    "gpt-oss-20b": ModelShape("gpt-oss-20b", 24, 2880, 64, 8, 64, 2880, 201088, add_bias_linear=True, activation="quick_geglu",
                               add_qkv_bias=True, num_moe_experts=32, moe_router_topk=4, moe_ffn_hidden_size=2880),
-    "gpt-oss-120b": ModelShape("gpt-oss-120b", 36, 2880, 64, 8, 64, 2880, 201088, add_bias_linear=True,
+    "gpt-oss-120b": ModelShape("gpt-oss-120b", 36, 2880, 64, 8, 64, 2880, 201088, add_bias_linear=True, activation="quick_geglu",
                                add_qkv_bias=True, num_moe_experts=128, moe_router_topk=4, moe_ffn_hidden_size=2880),
     "qwen3-30b-a3b": ModelShape("qwen3-30b-a3b", 48, 2048, 32, 4, 128, 6144, 151936, qk_layernorm=True,
                                 num_moe_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768),

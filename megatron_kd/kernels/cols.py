@@ -9,7 +9,7 @@ col_sweep: in place, y -> E = exp(y / T) (slot entries already hold -inf, so the
     sum of E and the max of y, as partial results per vocabulary split (summed / maxed in torch). Grid: token
     blocks x vocabulary splits, so a few thousand tokens still fill the GPU. No autotuning: it rewrites its
     input, and a tuning re-run would exponentiate twice. The exponent is clamped at 80 (E stays finite in bf16);
-    anchored.py flags every row where the clamp could act.
+    loss/logits.py flags every row where the clamp could act.
 """
 import torch
 import triton
@@ -18,7 +18,7 @@ import triton.language as tl
 from .rows import INTERPRET, _params
 
 # tokens per tile (256 contiguous bytes of bf16), vocabulary rows per step: 3.4 TB/s on an H200, the best of
-# 11 tiles timed by benchmarks/fused_profile.py --sweep-tiles (results/fused_profile_anchored_h200.json)
+# 11 tiles timed on an H200 (results/fused_profile_anchored_h200.json)
 BT, BV, WARPS = 128, 32, 4
 PROGRAMS = 1024  # enough programs to cover the SMs several times over (col_sweep(programs=...) to tune)
 

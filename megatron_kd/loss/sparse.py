@@ -9,9 +9,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..loss.core import ChunkStats, chunk_grad, local_columns, unpack_stats
-from ..loss.inputs import Targets
-from ..loss.options import LossOptions
+from .core import ChunkStats, chunk_grad, local_columns, unpack_stats
+from .inputs import Targets
+from .options import LossOptions
 from ..parallel.comm import all_reduce_max, all_reduce_sum
 from ..parallel.vocab import VocabShard
 
@@ -43,7 +43,7 @@ def _first_slot(key: torch.Tensor) -> torch.Tensor:
 
 
 def prepare_slots(t: Targets, opts: LossOptions, shard: VocabShard, dedupe: bool = True) -> Slots:
-    """dedupe=False leaves first / cid None (ops.scaled finds duplicates itself; the sort costs launches)."""
+    """dedupe=False leaves first / cid None (kernels.scaled finds duplicates itself; the sort costs launches)."""
     ids, ok = t.ids, t.valid
     if opts.needs_ce:
         ids = torch.cat([ids, t.labels[:, None]], 1)

@@ -1,5 +1,5 @@
-"""One Triton program per row for the O(C x K) bookkeeping of the scaled path (fused.py: TP = 1, tail "none",
-CE only at T = 1): what sparse.combine_stats + sparse.grad_coefficients + the row scale compute in ~60 small
+"""One Triton program per row for the O(C x K) bookkeeping of the scaled path (loss/fused.py: TP = 1, tail "none",
+CE only at T = 1): what loss/sparse.py (combine_stats + grad_coefficients) + the row scale compute in ~60 small
 torch ops per chunk, in one launch. Each small launch idles the GPU between the chunk's GEMMs; the torch
 functions stay the reference (tests/kernels/test_kernels_scaled.py compares the two).
 
@@ -19,7 +19,7 @@ import triton.language as tl
 from .rows import INTERPRET, _acc, _consts
 
 
-MAX_SLOTS = 256  # K1 above this: the K1 x K1 duplicate search outgrows a program (fused.py uses the torch ops)
+MAX_SLOTS = 256  # K1 above this: the K1 x K1 duplicate search outgrows a program (loss/fused.py: torch ops)
 
 
 def _kernel_dtype(dtype):

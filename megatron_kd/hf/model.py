@@ -31,14 +31,21 @@ def _cpu_mask_patch() -> None:
     fs._megatron_kd_cpu = True
 
 
+def needs_sinks_or_window(config) -> bool:
+    return getattr(config, "softmax_type", "vanilla") != "vanilla" or bool(getattr(config, "window_size", None))
+
+
 def local_layer_spec(core_attention=None):
     """A provider -> ModuleSpec function: megatron-core's local spec for the provider's architecture, with
-    `core_attention` (e.g. megatron-kd's SDPA attention) in place of Megatron's DotProductAttention if given."""
+    `core_attention` (e.g. megatron-kd's SDPA attention) in place of Megatron's DotProductAttention if given.
+    Models with attention sinks or sliding windows (GPT-OSS) keep Megatron's (unfused) DotProductAttention unless
+    the class says `supports_sinks_and_window = True`."""
     def spec(config, vp_stage=None):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         s = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
                                      qk_layernorm=config.qk_layernorm, normalization=config.normalization)
-        if core_attention is not None:
+        keep = needs_sinks_or_window(config) and not getattr(core_attention, "supports_sinks_and_window", False)
+        if core_attention is not None and not keep:
             s.submodules.self_attention.submodules.core_attention = core_attention
         return s
     return spec
@@ -89,7 +96,13 @@ class HFModel:
         prov.tensor_model_parallel_size, prov.pipeline_model_parallel_size = p.tp, p.pp
         prov.virtual_pipeline_model_parallel_size = p.vpp
         prov.context_parallel_size, prov.expert_model_parallel_size = p.cp, p.ep
-        prov.expert_tensor_parallel_size = p.etp if p.etp is not None else (p.tp if p.ep == 1 else 1)
+        etp = p.etp
+        if etp is None:  # Megatron's default is TP; its MoE layers with biases (GPT-OSS) take only ETP=1
+            etp = 1 if prov.num_moe_experts and prov.add_bias_linear else p.tp
+        elif etp > 1 and prov.num_moe_experts and prov.add_bias_linear:
+            raise HFCheckpointError(f"{self.key}={self.path!r}: its experts have biases, which Megatron splits "
+                                    f"only with parallel.etp=1 (got {etp}); set parallel.etp=1")
+        prov.expert_tensor_parallel_size = etp
         prov.sequence_parallel = bool(p.sequence_parallel and p.tp > 1)
         prov.bf16, prov.fp16 = precision == "bf16", precision == "fp16"
         prov.params_dtype = prov.pipeline_dtype = dtype
@@ -133,8 +146,13 @@ class HFModel:
             if torch.cuda.is_available():
                 m.cuda(torch.cuda.current_device())
             chunks.append(m)
+        from megatron.core import tensor_parallel
         for m in chunks:
-            from megatron.core import tensor_parallel
+            for name, prm in m.named_parameters():
+                if name.endswith("softmax_offset") and parallel.tp > 1:
+                    # learned sinks hold this rank's heads, but megatron-core leaves them unmarked: mark them,
+                    # so weight hashes, grad norms and checkpoints treat them as the TP shards they are
+                    tensor_parallel.set_tensor_model_parallel_attributes(prm, True, 0, 1)
             for prm in m.parameters():
                 tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(prm)
         if load_weights:

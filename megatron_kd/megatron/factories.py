@@ -29,25 +29,30 @@ def recipe_dataset(recipe: str = "tiny_cpu", overrides=None):
 def recipe_teacher(recipe: str = "tiny_cpu", overrides=None):
     """The recipe's teacher (weights from teacher.load) as a cache-builder teacher, on this rank's TP shard."""
     from megatron.core import parallel_state as ps
-    from ..cache.teacher import HFTeacher, MegatronTeacher
+    from ..cache.teacher import MegatronTeacher
     from .dist import init_model_parallel, init_process_group, set_seed, use_cuda
-    from .model import build_gpt
+    from .model import build_gpt, build_hf_chunks
     from .teacher import freeze
     r = _recipe(recipe, overrides)
-    if r.teacher.hf_path:
-        return HFTeacher(r.teacher.hf_path, device="cuda" if use_cuda(r.train.device) else "cpu")
+    if r.teacher.hf_path:  # hf-ckpt: checked, architecture from config.json
+        from .train import resolve_hf
+        resolve_hf(r, teacher=True)
     tok = load_tokenizer(r.data)
     check_model(r.teacher, "teacher", r.parallel.tp)
     check_vocab(tok.vocab_size, r.teacher, "teacher", r.parallel.tp)
-    if not r.teacher.load:
-        raise ValueError(f"recipe {recipe}: teacher.load is not set; point it at the teacher's checkpoint directory")
+    if not (r.teacher.load or r.teacher.hf_path):
+        raise ValueError(f"recipe {recipe}: teacher.load is not set; point it at the teacher's checkpoint directory "
+                         "(or teacher.hf_path at a Hugging Face checkpoint)")
     cuda = use_cuda(r.train.device)
     init_process_group(cuda)
     p = r.parallel
     p.pp = p.cp = 1  # the builder runs the teacher unpipelined; its TP group is the recipe's
     init_model_parallel(p, cuda)
     set_seed(r.train.seed)
-    model = build_gpt(r.teacher, p, tok.vocab_size, r.data.seq_length, r.train.precision)
-    ckpt.load_weights(r.teacher.load, [model])
+    if r.teacher.hf_path:  # hf-ckpt
+        model = build_hf_chunks(r.teacher, p, r.data.seq_length, r.train.precision)[0][0]
+    else:
+        model = build_gpt(r.teacher, p, tok.vocab_size, r.data.seq_length, r.train.precision)
+        ckpt.load_weights(r.teacher.load, [model])
     freeze(model)
     return MegatronTeacher(model, tok.vocab_size, name=r.teacher.name, tp_group=ps.get_tensor_model_parallel_group())

@@ -19,14 +19,6 @@ def test_without_bridge_the_error_names_the_fix(monkeypatch):
         weights.require_bridge("model.hf_weights")
 
 
-def test_recipe_with_hf_weights_fails_before_work_without_bridge(tmp_path, monkeypatch):
-    from megatron_kd.megatron.config import ModelConfig, check_model
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    monkeypatch.setattr("megatron_kd.bridge.bridge_available", lambda: False)
-    with pytest.raises(ValueError, match="model.hf_weights needs Megatron-Bridge"):
-        check_model(ModelConfig(hf_weights=str(tmp_path)), "model", 1)
-
-
 def test_load_goes_through_autobridge(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text("{}")
     calls = []

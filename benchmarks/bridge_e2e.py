@@ -115,7 +115,7 @@ def child(a):
             model=ModelConfig(name="tiny-student", num_layers=s["num_hidden_layers"], hidden_size=s["hidden_size"],
                               ffn_hidden_size=s["intermediate_size"], num_attention_heads=s["num_attention_heads"],
                               num_query_groups=s["num_key_value_heads"], kv_channels=32, rotary_base=int(s["rope_theta"]),
-                              tie_embeddings=False, attention_backend="sdpa", hf_weights=STUDENT_DIR),
+                              tie_embeddings=False, attention_backend="sdpa", hf_path=STUDENT_DIR),
             parallel=ParallelConfig(use_distributed_optimizer=False),
             data=DataConfig(kind="mock", vocab_size=VOCAB, seq_length=SEQ, split="9999,8,2", seed=1234),
             kd=KDConfig(mode="offline", cache=f"{w}/cache", top_k=TOPK, log_ce=False),

@@ -16,7 +16,7 @@ Importing this package never imports Bridge (or megatron-core); that happens whe
 """
 import importlib
 
-from ..megatron.hf_weights import bridge_available
+from ..hf.checks import bridge_available
 from .config import OfflineKDConfig, apply_kd_overrides, split_kd_overrides
 
 _LAZY = {

@@ -75,7 +75,7 @@ def megatron_kd_teacher(save_dir: str, vocab_size: int, seq_length: int, tp: int
         raise ValueError(f"--teacher mkd:{save_dir}: no recipe in its checkpoint (not a `megatron-kd train` save dir)")
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     m = ModelConfig(**{k: v for k, v in saved.items() if k in known})
-    m.hf_weights = None
+    m.hf_path = None
     cuda = use_cuda(device)
     init_process_group(cuda)
     p = ParallelConfig(tp=int(tp))

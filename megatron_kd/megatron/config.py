@@ -54,14 +54,15 @@ class ModelConfig:
     glu_linear_offset: float = 0.0               # + this on the GLU's linear half (GPT-OSS: 1.0)
     yarn: dict = field(default_factory=dict)     # position_embedding_type=yarn: megatron's yarn_* without the prefix
     megatron: dict = field(default_factory=dict)  # any other TransformerConfig field, passed through as is
-    hf_weights: Optional[str] = None             # local HF model dir loaded via Megatron-Bridge's AutoBridge
+    # hf-ckpt (issue 16): a local Hugging Face checkpoint: architecture (config.json, overriding the keys above)
+    # and weights through Megatron-Bridge's AutoBridge (megatron_kd/hf); null = the keys above, random init
+    hf_path: Optional[str] = None
 
 
 @dataclass
 class TeacherConfig(ModelConfig):
     """The teacher's architecture plus where its weights come from (online mode and cache building)."""
     load: Optional[str] = None                   # dist_checkpointing dir (a `megatron-kd train` save dir)
-    hf_path: Optional[str] = None                # a local Hugging Face model dir (cache building only)
 
 
 @dataclass
@@ -219,10 +220,9 @@ def check_model(m: ModelConfig, section: str, tp: int) -> None:
     _need(m.attention_backend in ATTENTION_BACKENDS,
           f"{section}.attention_backend={m.attention_backend!r}: use one of {ATTENTION_BACKENDS}")
     _need(m.make_vocab_size_divisible_by >= 1, f"{section}.make_vocab_size_divisible_by must be >= 1")
-    if m.hf_weights:
-        from .hf_weights import check_hf_dir, require_bridge
-        check_hf_dir(m.hf_weights, f"{section}.hf_weights")
-        require_bridge(f"{section}.hf_weights")
+    if m.hf_path:  # hf-ckpt: the directory here; Bridge, architecture and layout in megatron_kd.hf.recipe.resolve
+        from ..hf import check_hf_dir
+        check_hf_dir(m.hf_path, f"{section}.hf_path")
     if m.megatron:
         from megatron.core.transformer.transformer_config import TransformerConfig
         known = {f.name for f in fields(TransformerConfig)}

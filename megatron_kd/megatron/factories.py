@@ -30,17 +30,19 @@ def recipe_teacher(recipe: str = "tiny_cpu", overrides=None):
     from .dist import init_model_parallel, init_process_group, set_seed, use_cuda
     from .teacher import cache_teacher
     r = _recipe(recipe, overrides)
-    if r.teacher.hf_path:
-        return cache_teacher(r, None, "cuda" if use_cuda(r.train.device) else "cpu")
+    if r.teacher.hf_path:  # hf-ckpt: checked, architecture from config.json
+        from .train import resolve_hf
+        resolve_hf(r, teacher=True)
     tok = load_tokenizer(r.data)
     check_model(r.teacher, "teacher", r.parallel.tp)
     check_vocab(tok.vocab_size, r.teacher, "teacher", r.parallel.tp)
-    if not r.teacher.load:
-        raise ValueError(f"recipe {recipe}: teacher.load is not set; point it at the teacher's checkpoint directory")
+    if not (r.teacher.load or r.teacher.hf_path):
+        raise ValueError(f"recipe {recipe}: teacher.load is not set; point it at the teacher's checkpoint directory "
+                         "(or teacher.hf_path at a Hugging Face checkpoint)")
     cuda = use_cuda(r.train.device)
     init_process_group(cuda)
     p = r.parallel
     p.pp = p.cp = 1  # the builder runs the teacher unpipelined; its TP group is the recipe's
     init_model_parallel(p, cuda)
     set_seed(r.train.seed)
-    return cache_teacher(r, tok.vocab_size, "cpu", parallel=p)
+    return cache_teacher(r, tok.vocab_size, parallel=p)

@@ -132,9 +132,26 @@ def build_gpt(m: ModelConfig, p: ParallelConfig, vocab_size: int, seq_length: in
     return model
 
 
+def build_hf_chunks(m: ModelConfig, p: ParallelConfig, seq_length: int, precision: str, load_weights: bool = True):
+    """hf-ckpt: m.hf_path's architecture and weights through Megatron-Bridge (megatron_kd/hf), our layer spec."""
+    from ..hf.model import local_layer_spec, te_layer_spec
+    from ..hf.recipe import open_hf
+    backend = _backend(m)
+    if backend == "sdpa":
+        from .attention import SDPAttention
+    spec = te_layer_spec if backend == "te" else local_layer_spec(SDPAttention if backend == "sdpa" else None)
+    recompute = {k: getattr(m, k) for k in ("recompute_granularity", "recompute_method", "recompute_num_layers")}
+    return open_hf(m.hf_path, "hf_path").build(
+        p, load_weights=load_weights, precision=precision, seq_length=seq_length, layer_spec=spec,
+        fused=backend == "te" and torch.cuda.is_available(), make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
+        overrides=m.megatron, recompute=recompute)
+
+
 def build_model_chunks(m: ModelConfig, p: ParallelConfig, vocab_size: int, seq_length: int, precision: str):
     """This rank's model chunks (one, or vpp under virtual pipeline), as Megatron-LM's get_model makes them."""
     from megatron.core import parallel_state as ps
+    if m.hf_path:  # hf-ckpt
+        return build_hf_chunks(m, p, seq_length, precision)
     config = transformer_config(m, p, precision)
     chunks = []
     for vp in range(p.vpp or 1):

@@ -52,21 +52,23 @@ def freeze(model) -> None:
 
 
 def build_teacher(r, vocab_size: int, parallel=None):
-    """The recipe's teacher GPTModel on this rank (layout `parallel`, default the recipe's), its weights from
-    teacher.load when set (else random), frozen. Online mode, kd.build_cache and `cache build` all build it here."""
-    m = build_gpt(r.teacher, parallel or r.parallel, vocab_size, r.data.seq_length, r.train.precision)
-    if r.teacher.load:
-        ckpt.load_weights(r.teacher.load, [m])
+    """The recipe's teacher GPTModel on this rank (layout `parallel`, default the recipe's), frozen: teacher.hf_path's
+    architecture and weights through Megatron-Bridge, else the recipe's architecture with teacher.load's weights
+    (random when unset). Online mode, kd.build_cache and `cache build` all build it here."""
+    p = parallel or r.parallel
+    if r.teacher.hf_path:  # hf-ckpt (issue 16)
+        from .model import build_hf_chunks
+        m = build_hf_chunks(r.teacher, p, r.data.seq_length, r.train.precision)[0][0]
+    else:
+        m = build_gpt(r.teacher, p, vocab_size, r.data.seq_length, r.train.precision)
+        if r.teacher.load:
+            ckpt.load_weights(r.teacher.load, [m])
     freeze(m)
     return m
 
 
-def cache_teacher(r, vocab_size: int, hf_device: str, parallel=None):
-    """The cache builder's teacher of recipe r: teacher.hf_path's HF model on hf_device, else the Megatron
-    teacher of build_teacher on this rank's TP shard."""
-    if r.teacher.hf_path:
-        from ..cache.teacher import HFTeacher
-        return HFTeacher(r.teacher.hf_path, device=hf_device)
+def cache_teacher(r, vocab_size: int, parallel=None):
+    """The cache builder's teacher of recipe r: build_teacher's model on this rank's TP shard."""
     from megatron.core import parallel_state as ps
     model = build_teacher(r, vocab_size, parallel)
     return MegatronTeacher(model, vocab_size, name=r.teacher.name, tp_group=ps.get_tensor_model_parallel_group())

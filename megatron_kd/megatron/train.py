@@ -36,8 +36,20 @@ def recipe_dict(r: Recipe) -> dict:
     return dataclasses.asdict(r)
 
 
+def resolve_hf(r: Recipe, teacher: bool | None = None) -> None:
+    """hf-ckpt: model.hf_path / teacher.hf_path checked and their architecture filled in (megatron_kd/hf)."""
+    if r.model.hf_path or r.teacher.hf_path:
+        from ..hf import HFCheckpointError
+        from ..hf.recipe import resolve
+        try:
+            resolve(r, teacher=teacher)
+        except HFCheckpointError as e:
+            raise RecipeError(str(e)) from None
+
+
 def preflight(r: Recipe, world_size: int, cuda: bool):
     """Checks that need neither a process group nor a model; returns the tokenizer."""
+    resolve_hf(r)
     check_recipe(r, None, cuda)
     tok = load_tokenizer(r.data)
     check_vocab(tok.vocab_size, r.model, "model", r.parallel.tp)
@@ -47,9 +59,9 @@ def preflight(r: Recipe, world_size: int, cuda: bool):
             if r.parallel.pp > 1:
                 raise RecipeError("kd.mode=online runs with parallel.pp=1 (the teacher beside the student is not "
                                   "pipelined); use offline mode (a cache) with pipeline parallel")
-            if not r.teacher.load:
+            if not (r.teacher.load or r.teacher.hf_path):
                 raise RecipeError("kd.mode=online needs teacher.load: the teacher's checkpoint directory (a "
-                                  "`megatron-kd train` save dir)")
+                                  "`megatron-kd train` save dir), or teacher.hf_path: a Hugging Face checkpoint")
     p = r.parallel
     if cuda and p.cp > 1 and not te_available():
         raise RecipeError(f"parallel.cp={p.cp} needs Transformer Engine attention, which does not import here; use "
@@ -97,9 +109,6 @@ class Trainer:
         set_seed(t.seed)  # the student's init must not depend on what ran before (e.g. a cache build)
         self.chunks, self.config = build_model_chunks(r.model, r.parallel, self.vocab, r.data.seq_length,
                                                       t.precision)
-        if r.model.hf_weights:  # real weights instead of random init (a resume below still wins)
-            from .hf_weights import load_hf_weights
-            load_hf_weights(self.chunks, r.model.hf_weights)
         self.chunks = wrap_ddp(wrap_float16(self.chunks, self.config), self.config, r.parallel, cuda, t)
         self.optimizer = build_optimizer(self.chunks, t, r.parallel, cuda)
         self.scheduler = build_scheduler(self.optimizer, t)
@@ -309,7 +318,7 @@ def build_teacher_cache(r: Recipe, tok, train_ds, num_samples: int) -> dict:
     if not r.teacher.hf_path and not r.teacher.load and is_rank0():
         print("note: teacher.load is null: the cache comes from a randomly initialized teacher (a pipeline "
               "check, not a distillation); set teacher.load to a trained teacher's save dir", flush=True)
-    teacher = cache_teacher(r, tok.vocab_size, "cuda" if torch.cuda.is_available() else "cpu")
+    teacher = cache_teacher(r, tok.vocab_size)
     manifest = build_cache(teacher, train_ds, r.kd.cache, top_k=r.kd.top_k, encoding=r.kd.cache_encoding,
                            temperature=r.kd.temperature, num_samples=num_samples,
                            micro_batch_size=r.train.micro_batch_size, chunk_size=r.kd.chunk_size,
@@ -326,6 +335,7 @@ def build_cache_only(r: Recipe) -> dict:
     """The offline recipe's cache (kd.cache) from its teacher over the run's training samples; no training."""
     world = int(os.environ.get("WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
     cuda = use_cuda(r.train.device)
+    resolve_hf(r, teacher=True)
     check_recipe(r, world, cuda)
     tok = load_tokenizer(r.data)
     check_vocab(tok.vocab_size, r.teacher, "teacher", r.parallel.tp)

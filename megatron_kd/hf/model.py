@@ -1,0 +1,200 @@
+"""HFModel: a Hugging Face checkpoint as megatron-core GPTModel chunks (this rank's shards) and back.
+
+Bridge's model provider (a megatron-core TransformerConfig) carries the architecture of config.json: sizes,
+GQA, tied embeddings, RoPE base and scaling (Llama 3, YaRN), attention sinks, sliding windows, MoE. We set the
+parallel layout, precision and run settings on it and build with the caller's layer spec; Bridge's mappings then
+copy each HF tensor's slice onto the rank that holds it (TP, PP, EP, VPP), and gather them back on export.
+"""
+import os
+
+import torch
+
+from .checks import HFCheckpointError, check_architecture, check_hf_dir, check_layout, require_bridge
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Fusions Bridge's providers turn on that need TE / apex / CUDA kernels; the caller's `fused=True` keeps them.
+FUSIONS = ("gradient_accumulation_fusion", "masked_softmax_fusion", "bias_activation_fusion", "apply_rope_fusion",
+           "persist_layer_norm", "cross_entropy_loss_fusion", "bias_dropout_fusion", "moe_permute_fusion")
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                      "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json")
+
+
+def _cpu_mask_patch() -> None:
+    """megatron-core's unfused softmax builds its causal / sliding-window masks on "cuda"; on CPU build them
+    on the CPU (same values: True = masked). Only the local DotProductAttention uses them."""
+    import megatron.core.fusions.fused_softmax as fs
+    if getattr(fs, "_megatron_kd_cpu", False):
+        return
+    fs.get_default_causal_mask = lambda sq: torch.ones(sq, sq, dtype=torch.bool).triu(1)
+    fs.get_sliding_window_causal_mask = lambda sq, sk, w: ~torch.ones(sq, sk, dtype=torch.bool).triu(
+        sk - sq - w[0]).tril(sk - sq + w[1])
+    fs._megatron_kd_cpu = True
+
+
+def needs_sinks_or_window(config) -> bool:
+    return getattr(config, "softmax_type", "vanilla") != "vanilla" or bool(getattr(config, "window_size", None))
+
+
+def local_layer_spec(core_attention=None):
+    """A provider -> ModuleSpec function: megatron-core's local spec for the provider's architecture, with
+    `core_attention` (e.g. megatron-kd's SDPA attention) in place of Megatron's DotProductAttention if given.
+    Models with attention sinks or sliding windows (GPT-OSS) keep Megatron's (unfused) DotProductAttention unless
+    the class says `supports_sinks_and_window = True`."""
+    def spec(config, vp_stage=None):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        s = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
+                                     qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+        keep = needs_sinks_or_window(config) and not getattr(core_attention, "supports_sinks_and_window", False)
+        if core_attention is not None and not keep:
+            s.submodules.self_attention.submodules.core_attention = core_attention
+        return s
+    return spec
+
+
+def te_layer_spec(config, vp_stage=None):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    return get_gpt_layer_with_transformer_engine_spec(num_experts=config.num_moe_experts,
+                                                      moe_grouped_gemm=config.moe_grouped_gemm,
+                                                      qk_layernorm=config.qk_layernorm)
+
+
+class HFModel:
+    """One local HF checkpoint directory. Checks it (directory, Bridge, architecture) when made; `key` is the
+    recipe key the errors name (teacher.hf_path, model.hf_path)."""
+
+    def __init__(self, path, key: str = "hf_path"):
+        self.path, self.key = os.fspath(path), key
+        check_hf_dir(self.path, key)
+        AutoBridge = require_bridge(key)
+        check_architecture(self.path, key)
+        self.bridge = AutoBridge.from_hf_pretrained(self.path)  # lazy: tensors are read when loaded
+        self.hf_config = self.bridge.hf_pretrained.config
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    def provider(self, parallel, *, precision: str = "fp32", seq_length: int = 4096, layer_spec=None,
+                 fused: bool = False, make_vocab_size_divisible_by: int = 128, overrides: dict | None = None,
+                 recompute: dict | None = None):
+        """Bridge's provider for this checkpoint, set to `parallel` (tp, pp, vpp, cp, ep, etp, sequence_parallel
+        attributes, e.g. megatron-kd's ParallelConfig) and finalized. layer_spec: a ModuleSpec or a
+        provider -> ModuleSpec function (default: megatron-core's local spec)."""
+        p = parallel
+        check_layout(self.path, self.key, tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp)
+        prov = self.bridge.to_megatron_provider(load_weights=False)
+        prov.transformer_layer_spec = layer_spec or local_layer_spec()
+        if not fused:
+            for k in FUSIONS:
+                if hasattr(prov, k):
+                    setattr(prov, k, False)
+        cuda = torch.cuda.is_available()
+        if not cuda:
+            prov.moe_token_dispatcher_type = "allgather"  # alltoall makes a torch.cuda.Stream
+            _cpu_mask_patch()
+        dtype = DTYPES[precision]
+        prov.tensor_model_parallel_size, prov.pipeline_model_parallel_size = p.tp, p.pp
+        prov.virtual_pipeline_model_parallel_size = p.vpp
+        prov.context_parallel_size, prov.expert_model_parallel_size = p.cp, p.ep
+        etp = p.etp
+        if etp is None:  # Megatron's default is TP; its MoE layers with biases (GPT-OSS) take only ETP=1
+            etp = 1 if prov.num_moe_experts and prov.add_bias_linear else p.tp
+        elif etp > 1 and prov.num_moe_experts and prov.add_bias_linear:
+            raise HFCheckpointError(f"{self.key}={self.path!r}: its experts have biases, which Megatron splits "
+                                    f"only with parallel.etp=1 (got {etp}); set parallel.etp=1")
+        prov.expert_tensor_parallel_size = etp
+        prov.sequence_parallel = bool(p.sequence_parallel and p.tp > 1)
+        prov.bf16, prov.fp16 = precision == "bf16", precision == "fp16"
+        prov.params_dtype = prov.pipeline_dtype = dtype
+        if hasattr(prov, "autocast_dtype"):
+            prov.autocast_dtype = dtype
+        prov.seq_length = seq_length
+        prov.should_pad_vocab = True  # Megatron's padded vocabulary; the padding rows never leave Megatron
+        prov.make_vocab_size_divisible_by = make_vocab_size_divisible_by
+        prov.hidden_dropout = prov.attention_dropout = 0.0
+        prov.calculate_per_token_loss = True  # megatron-kd's losses are per-token sums
+        prov.use_cpu_initialization = not cuda
+        prov.deallocate_pipeline_outputs = p.pp > 1
+        for k, v in (recompute or {}).items():
+            setattr(prov, k, v)
+        for k, v in (overrides or {}).items():
+            if not hasattr(prov, k):
+                raise HFCheckpointError(f"{self.key}: {k!r} is not a field of Bridge's provider (a megatron-core "
+                                        "TransformerConfig); check the `megatron:` pass-through keys")
+            setattr(prov, k, v)
+        prov.finalize()
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        prov._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        return prov
+
+    def build(self, parallel, *, load_weights: bool = True, **provider_kw):
+        """This rank's model chunks (one, or vpp under virtual pipeline), on the current device, with the
+        checkpoint's weights (load_weights=False: randomly initialized, e.g. before loading a Megatron save).
+        Returns (chunks, provider); the provider is the chunks' TransformerConfig."""
+        from megatron.core import parallel_state as ps
+        prov = self.provider(parallel, **provider_kw)
+        prov.perform_initialization = not load_weights
+        chunks = []
+        vpp = parallel.vpp
+        for vp in range(vpp or 1):
+            stage = vp if vpp else None
+            first = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
+            last = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+            m = prov.provide(pre_process=first, post_process=last, vp_stage=stage)
+            if stage is not None:
+                m.vp_stage = stage
+            if torch.cuda.is_available():
+                m.cuda(torch.cuda.current_device())
+            chunks.append(m)
+        from megatron.core import tensor_parallel
+        for m in chunks:
+            for name, prm in m.named_parameters():
+                if name.endswith("softmax_offset") and parallel.tp > 1:
+                    # learned sinks hold this rank's heads, but megatron-core leaves them unmarked: mark them,
+                    # so weight hashes, grad norms and checkpoints treat them as the TP shards they are
+                    tensor_parallel.set_tensor_model_parallel_attributes(prm, True, 0, 1)
+            for prm in m.parameters():
+                tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(prm)
+        if load_weights:
+            self.load(chunks)
+        return chunks, prov
+
+    def load(self, chunks) -> None:
+        """Copy the checkpoint's tensors onto this rank's shards of `chunks` (collective over the model's ranks)."""
+        with torch.no_grad():
+            self.bridge.load_hf_weights(list(chunks))
+
+    def export(self, chunks, out_dir, *, dtype=None, show_progress: bool = False) -> None:
+        """Write `chunks` (all ranks call it; rank 0 writes) as an HF checkpoint: config.json with `dtype`
+        (default: the chunks' parameter dtype), safetensors in that dtype, and the source's tokenizer files."""
+        import torch.distributed as dist
+        params = [p for c in chunks for p in c.parameters()]
+        dtype = dtype or (params[0].dtype if params else torch.float32)
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        if rank0:
+            os.makedirs(out_dir, exist_ok=True)
+        self.bridge.hf_pretrained.config.dtype = dtype  # config.json names the dtype the tensors are in
+        self.bridge.save_hf_pretrained(list(chunks), out_dir, show_progress=show_progress, weight_dtype=dtype)
+        if rank0:
+            import shutil
+            for f in HF_TOKENIZER_FILES:  # Bridge copies the tokenizer when transformers loads one; be sure
+                src, dst = os.path.join(self.path, f), os.path.join(out_dir, f)
+                if os.path.isfile(src) and not os.path.exists(dst):
+                    shutil.copy2(src, dst)
+
+    def architecture(self) -> dict:
+        """The architecture in megatron-kd's ModelConfig names (for FLOP counts, plans, resume checks)."""
+        prov = self.bridge.to_megatron_provider(load_weights=False)
+        act = getattr(prov.activation_func, "__name__", "")
+        gated = bool(prov.gated_linear_unit)
+        return dict(
+            num_layers=prov.num_layers, hidden_size=prov.hidden_size, ffn_hidden_size=prov.ffn_hidden_size,
+            num_attention_heads=prov.num_attention_heads, num_query_groups=prov.num_query_groups,
+            kv_channels=prov.kv_channels, normalization=prov.normalization, layernorm_epsilon=prov.layernorm_epsilon,
+            activation="swiglu" if gated and act == "silu" else ("gelu" if "gelu" in act else "squared_relu"),
+            add_bias_linear=prov.add_bias_linear, add_qkv_bias=prov.add_qkv_bias, qk_layernorm=prov.qk_layernorm,
+            position_embedding_type="rope" if prov.position_embedding_type in ("rope", "yarn")
+            else prov.position_embedding_type,
+            rotary_base=int(prov.rotary_base), tie_embeddings=bool(prov.share_embeddings_and_output_weights),
+            num_moe_experts=prov.num_moe_experts, moe_router_topk=prov.moe_router_topk,
+            moe_ffn_hidden_size=prov.moe_ffn_hidden_size)

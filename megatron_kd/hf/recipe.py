@@ -1,0 +1,90 @@
+"""A recipe's Hugging Face checkpoints: `model.hf_path` (the student starts from it) and `teacher.hf_path`.
+
+`resolve(recipe)` runs before any work: it checks each HF directory (a checkpoint, Bridge installed, an
+architecture Bridge maps, a layout it splits into), that teacher, student, data.tokenizer and an existing
+kd.cache share one tokenizer, and writes the checkpoint's architecture into the recipe section (so FLOP
+counts, plans, checkpoints and resume checks see the real model). Duck-typed on megatron-kd's Recipe; imports
+nothing of megatron/ (megatron/ calls in here).
+"""
+import hashlib
+import json
+import os
+
+from .checks import HFCheckpointError, check_hf_dir, check_layout, check_same_tokenizer, hf_vocab_size
+
+_OPEN = {}
+
+
+def open_hf(path, key: str):
+    """One HFModel per directory and process (Bridge reads config and tokenizer once)."""
+    from .model import HFModel
+    real = os.path.realpath(path)
+    if real not in _OPEN:
+        _OPEN[real] = HFModel(path, key)
+    hf = _OPEN[real]
+    hf.key = key
+    return hf
+
+
+def teacher_used(r) -> bool:
+    return r.kd.mode == "online" or (r.kd.mode == "offline" and (r.kd.build_cache or _cache_missing(r.kd.cache)))
+
+
+def _cache_missing(cache) -> bool:
+    return bool(cache) and not os.path.isfile(os.path.join(cache, "manifest.json"))
+
+
+def sections(r, *, teacher: bool | None = None):
+    """(recipe key prefix, section) of the sections that name an HF checkpoint and are used."""
+    out = [("model", r.model)] if r.model.hf_path else []
+    use_teacher = teacher_used(r) if teacher is None else teacher
+    if r.teacher.hf_path and use_teacher:
+        out.append(("teacher", r.teacher))
+    return out
+
+
+def resolve(r, *, teacher: bool | None = None) -> list:
+    """Check the recipe's HF checkpoints and fill their sections' architecture. Returns the keys resolved."""
+    p = r.parallel
+    done = []
+    for name, m in sections(r, teacher=teacher):
+        key = f"{name}.hf_path"
+        check_hf_dir(m.hf_path, key)
+        if name == "teacher":  # the teacher runs unpipelined beside the student / in the cache builder
+            check_layout(m.hf_path, key, tp=p.tp, ep=p.ep, etp=p.etp)
+        else:
+            check_layout(m.hf_path, key, tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp)
+        arch = open_hf(m.hf_path, key).architecture()
+        for k, v in arch.items():
+            setattr(m, k, v)
+        if p.etp is None and arch["num_moe_experts"] and arch["add_bias_linear"]:
+            p.etp = 1  # Megatron splits MoE layers with biases (GPT-OSS) only with expert TP 1
+        done.append(name)
+    if r.model.hf_path and r.teacher.hf_path and "teacher" in done:
+        check_same_tokenizer(r.teacher.hf_path, "teacher.hf_path", r.model.hf_path, "model.hf_path")
+    for name, m in sections(r, teacher=teacher):
+        key = f"{name}.hf_path"
+        if r.data.tokenizer:
+            check_same_tokenizer(m.hf_path, key, r.data.tokenizer, "data.tokenizer")
+        elif r.data.vocab_size is not None and r.data.vocab_size != hf_vocab_size(m.hf_path, key):
+            raise HFCheckpointError(f"data.vocab_size={r.data.vocab_size} but {key}={m.hf_path!r} has "
+                                    f"{hf_vocab_size(m.hf_path, key)} ids; set data.vocab_size to it (or give "
+                                    "data.tokenizer, the checkpoint's tokenizer.json)")
+    check_cache_tokenizer(r)
+    return done
+
+
+def check_cache_tokenizer(r) -> None:
+    """An existing kd.cache was built on data of the same tokenizer file as data.tokenizer."""
+    cache, tok = getattr(r.kd, "cache", None), r.data.tokenizer
+    manifest = os.path.join(cache, "manifest.json") if cache else ""
+    if not (tok and os.path.isfile(manifest) and os.path.isfile(tok)):
+        return
+    with open(manifest) as f:
+        recorded = str(json.load(f).get("tokenizer") or "")
+    with open(tok, "rb") as f:
+        sha = hashlib.sha256(f.read()).hexdigest()[:16]
+    if recorded and recorded != sha:
+        raise HFCheckpointError(f"kd.cache={cache} was built with another tokenizer (sha {recorded}) than "
+                                f"data.tokenizer={tok} (sha {sha}): its ids mean other tokens; use the cache's "
+                                "tokenizer, or rebuild the cache (kd.build_cache=true with a new kd.cache)")

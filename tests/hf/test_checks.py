@@ -1,0 +1,113 @@
+"""Bad Hugging Face input fails before any work with an error naming the fix (no Bridge needed, except where
+marked): not a checkpoint, an architecture Bridge does not map, different tokenizers / vocabularies, a layout the
+checkpoint cannot be split into; and without Bridge an HF path names what to install."""
+import json
+import os
+import sys
+
+import pytest
+
+from megatron_kd.hf import HFCheckpointError, check_hf_dir, check_layout, check_same_tokenizer, require_bridge
+from megatron_kd.hf.recipe import check_cache_tokenizer
+
+
+def fake_hf(d, vocab=64, heads=8, kv=4, layers=4, experts=None, arch="LlamaForCausalLM", tok_shift=0):
+    os.makedirs(d, exist_ok=True)
+    cfg = {"architectures": [arch], "model_type": "llama", "vocab_size": vocab, "num_attention_heads": heads,
+           "num_key_value_heads": kv, "num_hidden_layers": layers, "hidden_size": 64, "intermediate_size": 128}
+    if experts:
+        cfg["num_local_experts"] = experts
+    json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
+    open(os.path.join(d, "model.safetensors"), "wb").close()
+    write_tokenizer(os.path.join(d, "tokenizer.json"), vocab, tok_shift)
+    return str(d)
+
+
+def write_tokenizer(path, vocab, shift=0):
+    from tokenizers import Tokenizer, models
+    ids = {f"t{i}": (i + shift) % vocab for i in range(vocab)}
+    Tokenizer(models.WordLevel(ids, unk_token="t0")).save(str(path))
+
+
+def test_not_a_checkpoint(tmp_path):
+    with pytest.raises(HFCheckpointError, match=r"teacher.hf_path=.*is not a directory"):
+        check_hf_dir(str(tmp_path / "nope"), "teacher.hf_path")
+    with pytest.raises(HFCheckpointError, match=r"model.hf_path=.*not a Hugging Face checkpoint \(no config.json\)"):
+        check_hf_dir(str(tmp_path), "model.hf_path")
+    d = fake_hf(tmp_path / "a")
+    os.remove(os.path.join(d, "model.safetensors"))
+    with pytest.raises(HFCheckpointError, match="holds no weights"):
+        check_hf_dir(d, "model.hf_path")
+    json.dump({"model_type": "llama"}, open(os.path.join(d, "config.json"), "w"))
+    with pytest.raises(HFCheckpointError, match="names no `architectures`"):
+        check_hf_dir(d, "model.hf_path")
+
+
+@pytest.mark.parametrize("kw,layout,match", [
+    (dict(heads=6, kv=6), dict(tp=4), r"6 attention heads, which do not divide by parallel.tp=4"),
+    (dict(heads=8, kv=2), dict(tp=4), r"2 query groups .* do not divide by parallel.tp=4"),
+    (dict(experts=6), dict(ep=4), r"6 experts, which do not divide by parallel.ep=4"),
+    (dict(), dict(ep=2), r"not a mixture of experts; set parallel.ep=1"),
+    (dict(layers=6), dict(pp=4), r"6 layers, which do not divide into parallel.pp=4"),
+    (dict(layers=8), dict(pp=2, vpp=3), r"parallel.pp=2 x parallel.vpp=3"),
+])
+def test_layout_the_checkpoint_cannot_split_into(tmp_path, kw, layout, match):
+    d = fake_hf(tmp_path / "m", **kw)
+    with pytest.raises(HFCheckpointError, match=match):
+        check_layout(d, "teacher.hf_path", **layout)
+
+
+def test_layouts_that_split(tmp_path):
+    check_layout(fake_hf(tmp_path / "m", heads=8, kv=4, layers=4, experts=8), "x", tp=4, pp=2, ep=8)
+
+
+def test_different_vocabularies_and_tokenizers(tmp_path):
+    a = fake_hf(tmp_path / "t", vocab=64)
+    with pytest.raises(HFCheckpointError, match="vocabulary of 64 ids .* one of 128"):
+        check_same_tokenizer(a, "teacher.hf_path", fake_hf(tmp_path / "s", vocab=128), "model.hf_path")
+    with pytest.raises(HFCheckpointError, match="different tokenizers"):
+        check_same_tokenizer(a, "teacher.hf_path", fake_hf(tmp_path / "s2", vocab=64, tok_shift=1), "model.hf_path")
+    check_same_tokenizer(a, "teacher.hf_path", fake_hf(tmp_path / "s3", vocab=64), "model.hf_path")
+    write_tokenizer(tmp_path / "data_tok.json", 64, shift=3)
+    with pytest.raises(HFCheckpointError, match="data.tokenizer.*different tokenizers"):
+        check_same_tokenizer(a, "teacher.hf_path", str(tmp_path / "data_tok.json"), "data.tokenizer")
+
+
+def test_cache_of_another_tokenizer(tmp_path):
+    from types import SimpleNamespace
+    write_tokenizer(tmp_path / "tok.json", 64)
+    (tmp_path / "cache").mkdir()
+    json.dump({"tokenizer": "0123456789abcdef"}, open(tmp_path / "cache" / "manifest.json", "w"))
+    r = SimpleNamespace(kd=SimpleNamespace(cache=str(tmp_path / "cache")),
+                        data=SimpleNamespace(tokenizer=str(tmp_path / "tok.json")))
+    with pytest.raises(HFCheckpointError, match="built with another tokenizer"):
+        check_cache_tokenizer(r)
+
+
+def test_without_bridge_the_error_names_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "megatron.bridge", None)  # import fails as when not installed
+    with pytest.raises(HFCheckpointError, match=r"model.hf_path needs Megatron-Bridge 0.6.2 .*pip install "
+                                                r"megatron-bridge==0.6.2"):
+        require_bridge("model.hf_path")
+
+
+def test_recipe_with_bad_hf_path_fails_before_work(tmp_path):
+    from megatron_kd.megatron.config import RecipeError, to_recipe
+    from megatron_kd.megatron.recipes import compose
+    from megatron_kd.megatron.train import preflight
+    r = to_recipe(compose("tiny_cpu", [f"model.hf_path={tmp_path}", "train.device=cpu"], save=str(tmp_path / "r")))
+    with pytest.raises(RecipeError, match=r"model.hf_path=.*no config.json"):
+        preflight(r, 1, False)
+
+
+@pytest.mark.bridge
+def test_architecture_bridge_does_not_map(tmp_path):
+    import bridge_env_check  # noqa: F401
+    from transformers import OPTConfig
+    from megatron_kd.hf.checks import check_architecture
+    d = tmp_path / "opt"
+    OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, ffn_dim=64, num_attention_heads=2,
+              architectures=["OPTForCausalLM"]).save_pretrained(d)
+    (d / "model.safetensors").write_bytes(b"")
+    with pytest.raises(HFCheckpointError, match=r"no mapping for architecture \['OPTForCausalLM'\]; it maps .*Llama"):
+        check_architecture(str(d), "teacher.hf_path")

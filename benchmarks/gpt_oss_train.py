@@ -61,7 +61,7 @@ def run_overrides(a, work):
 
 # --smoke on CPU with megatron-core 0.16.1: its MoE router names an undefined te_general_gemm (0.19 sets None);
 # plan/build.py's megatron_compat() fixes it (the training CLI does not call it yet).
-SMOKE_MAIN = ("import sys; from megatron_kd.plan.build import megatron_compat; megatron_compat(); "
+SMOKE_MAIN = ("import sys; from megatron_kd.megatron.cpu_patches import megatron_compat; megatron_compat(); "
               "from megatron_kd.cli.main import main; sys.exit(main(sys.argv[1:]))")
 
 

@@ -115,7 +115,7 @@ def cache_arm(ov, cache) -> dict:
 def random_teacher(r):
     """recipe_teacher's teacher with random weights (no teacher.load): the random-init arm."""
     from megatron.core import parallel_state as ps
-    from megatron_kd.cache.teacher import MegatronTeacher
+    from megatron_kd.megatron.teacher import MegatronTeacher
     from megatron_kd.megatron.dist import init_model_parallel, init_process_group, set_seed, use_cuda
     from megatron_kd.megatron.model import build_gpt
     from megatron_kd.megatron.teacher import freeze

@@ -64,7 +64,7 @@ def megatron_kd_teacher(save_dir: str, vocab_size: int, seq_length: int, tp: int
     ranks split the samples (data parallel)."""
     import dataclasses
     from megatron.core import parallel_state as ps
-    from ..cache.teacher import MegatronTeacher
+    from ..megatron.teacher import MegatronTeacher
     from ..megatron import checkpoint as ckpt
     from ..megatron.config import ModelConfig, ParallelConfig
     from ..megatron.dist import init_model_parallel, init_process_group, use_cuda

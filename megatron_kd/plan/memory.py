@@ -228,7 +228,7 @@ def loss_buffers(shape: ModelShape, lay: Layout, tr: Training, T: int) -> dict:
                     bwd=gath + targets + 2 * 4 * tv + 2 * tv + 6 * vh + 2 * T * h + extra, tail=tied_tail)
     stats = T * (K + 4) * 4
     if tr.loss == "fused":
-        # megatron_kd.kernels.fused.run: rows follow the global vocabulary V; at tp == 1 the "scaled" path keeps
+        # megatron_kd.loss.fused.run (its plan: loss.chunks.chunk_plan): rows follow the global vocabulary V; at tp == 1 the "scaled" path keeps
         # S rows of anchored bf16 logits (no fp32 logits; LOGITS="fp32": C rows of fp32 logits and S >= C rows
         # of bf16 dz), at tp > 1 (two-pass) C == S rows of each.
         import torch  # here, not at import: `megatron-kd plan --help` loads no torch

@@ -28,7 +28,7 @@ def _worker(rank, world, cases):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron_kd.cache.build import _teacher_topk
-    from megatron_kd.cache.teacher import MegatronTeacher
+    from megatron_kd.megatron.teacher import MegatronTeacher
     from megatron_kd.hf.model import local_layer_spec
     from megatron_kd.hf.recipe import open_hf
     from megatron_kd.megatron.cpu_patches import apply_cpu_patches, seed_model_parallel_rng

@@ -7,6 +7,7 @@ from ..parallel.vocab import VocabShard
 from .function import TopKKLFunction
 from .inputs import check_and_flatten
 from .options import LossOptions
+from .temper import retemper_logprobs
 
 # Elements of one chunk's fp32 logit block: 2**26 * 4 B = 256 MiB. Big enough for efficient GEMMs,
 # small enough that the chunked impls stay a few hundred MiB above their inputs.
@@ -35,7 +36,8 @@ def _pick_impl(opts: LossOptions, n: int, v_local: int, device: torch.device) ->
 def topk_kl_loss(hidden, weight, topk_ids, topk_logprobs, *, labels=None, loss_mask=None, kl_weight=1.0,
                  ce_weight=0.0, temperature=1.0, tail="none", reduction="mean", impl="auto", chunk_size=None,
                  ignore_index=-100, tp_group=None, sequence_parallel=False, vocab_start_index=None,
-                 valid_vocab_size=None):
+                 valid_vocab_size=None, divergence="forward_kl", jsd_beta=0.5, cache_temperature=None,
+                 metrics=None):
     """KL(teacher top-K || student) from the student's hidden states, never holding [N, V] logits.
 
     hidden [..., H] (under sequence_parallel: this rank's [s/tp, ...] shard), weight [V_local, H] (this
@@ -43,7 +45,12 @@ def topk_kl_loss(hidden, weight, topk_ids, topk_logprobs, *, labels=None, loss_m
     its full vocabulary), labels / loss_mask [...]. Returns a scalar ("mean", "sum") or [...] ("none").
     """
     opts = LossOptions(kl_weight=float(kl_weight), ce_weight=float(ce_weight), temperature=float(temperature),
-                       tail=tail, reduction=reduction, impl=impl, chunk_size=chunk_size, ignore_index=ignore_index)
+                       tail=tail, reduction=reduction, impl=impl, chunk_size=chunk_size, ignore_index=ignore_index,
+                       divergence=divergence, jsd_beta=float(jsd_beta),
+                       cache_temperature=None if cache_temperature is None else float(cache_temperature),
+                       monitor=metrics is not None)
+    if metrics is not None and not isinstance(metrics, dict):
+        raise ValueError(f"metrics must be a dict to fill (or None), got {type(metrics).__name__}")
     tp = group_size(tp_group)
     if sequence_parallel and tp == 1:
         sequence_parallel = False
@@ -55,9 +62,17 @@ def topk_kl_loss(hidden, weight, topk_ids, topk_logprobs, *, labels=None, loss_m
                                    vocab_size=shard.valid_size, seq_shards=tp if sequence_parallel else 1)
     if weight.dtype != hidden.dtype:
         raise ValueError(f"weight dtype {weight.dtype} must match hidden dtype {hidden.dtype}")
+    if opts.retemper is not None:
+        t.logp = retemper_logprobs(t.logp, t.valid, opts.retemper)
     if sequence_parallel:
         h = gather_sequence(hidden, tp_group).reshape(-1, hidden.shape[-1])
     mode = _pick_impl(opts, h.shape[0], -(-shard.valid_size // tp), h.device)
+    if mode == "fused" and (opts.divergence != "forward_kl" or opts.monitor):
+        if opts.impl == "fused":
+            raise ValueError(f"impl='fused' supports divergence='forward_kl' without metrics so far; got "
+                             f"divergence={opts.divergence!r}, metrics={'on' if opts.monitor else 'off'}: use "
+                             "impl='chunked' or 'auto'")
+        mode = "forward_chunked" if opts.reduction != "none" else "chunked"
     if mode == "fused":
         from ..kernels.fused import fused_topk_kl
         out = fused_topk_kl(h, weight, t, opts, shard, reduce_grad_input=not sequence_parallel)
@@ -67,5 +82,9 @@ def topk_kl_loss(hidden, weight, topk_ids, topk_logprobs, *, labels=None, loss_m
         n = max(1, h.shape[0])
         # chunk tokens follow the global vocabulary, so a TP rank's chunk buffer shrinks with its shard
         chunk = n if mode == "dense" else int(opts.chunk_size or default_chunk_size(shard.valid_size))
-        out = TopKKLFunction.apply(h, weight, t, opts, shard, mode, chunk, not sequence_parallel)
-    return out.reshape(lead) if opts.reduction == "none" else out
+        out = TopKKLFunction.apply(h, weight, t, opts, shard, mode, chunk, not sequence_parallel, metrics)
+    if opts.reduction == "none":
+        if metrics is not None and "kl_bucket" in metrics:
+            metrics["kl_bucket"] = metrics["kl_bucket"].reshape(lead)
+        return out.reshape(lead)
+    return out

@@ -289,6 +289,10 @@ def plot_curves(out: str, png: str) -> None:
         if mode != "ce":
             axes[0].plot([r["iteration"] for r in train], [r["kl"] for r in train], color=color,
                          linestyle="--" if mode == "online" else "-", label=f"{mode}: KL to teacher top-K (train)")
+            kb = [r for r in train if r.get("kl_bucket") is not None]  # issue 20: the monitor, a true KL (>= 0)
+            if kb:
+                axes[0].plot([r["iteration"] for r in kb], [r["kl_bucket"] for r in kb], color=color, linestyle=":",
+                             label=f"{mode}: bucket-tail KL (>= 0, train)")
         axes[1].plot([r["iteration"] for r in train], [r["ce"] for r in train], color=color, alpha=0.5,
                      label=f"{mode}: train CE")
         axes[1].plot([r["iteration"] for r in ev], [r["ce"] for r in ev], "o-", color=color,

@@ -93,6 +93,9 @@ class KDConfig:
     top_k: int = 32
     temperature: float = 1.0
     tail: str = "none"                           # none | renormalize | bucket (see topk_kl_loss)
+    divergence: str = "forward_kl"               # forward_kl | reverse_kl | jsd (docs/loss.md; issue 20)
+    jsd_beta: float = 0.5                        # jsd: the teacher's weight beta in (0, 1) (Liger's convention)
+    cache_temperature: Optional[float] = None    # the T the cache was captured at, to re-temper it to kd.temperature
     kl_weight: float = 1.0                       # offline/online; ce mode trains on CE alone (weight 1)
     ce_weight: float = 0.0                       # offline/online: adds this x CE on the labels
     impl: str = "auto"                           # auto | dense | chunked | forward_chunked | fused
@@ -273,7 +276,8 @@ def check_recipe(r: Recipe, world_size: int | None = 1, cuda: bool = False) -> N
     from ..loss import LossOptions
     try:
         LossOptions(kl_weight=kd.kl_weight, ce_weight=kd.ce_weight, temperature=kd.temperature, tail=kd.tail,
-                    impl=kd.impl, chunk_size=kd.chunk_size)
+                    impl=kd.impl, chunk_size=kd.chunk_size, divergence=kd.divergence, jsd_beta=kd.jsd_beta,
+                    cache_temperature=kd.cache_temperature)
     except ValueError as e:
         raise RecipeError(f"kd: {e}") from None
     _need(d.kind in ("mock", "indexed"), f"data.kind={d.kind!r}: use mock or indexed")

@@ -322,7 +322,8 @@ def build_teacher_cache(r: Recipe, tok, train_ds, num_samples: int) -> dict:
         teacher = MegatronTeacher(m, tok.vocab_size, name=r.teacher.name,
                                   tp_group=ps.get_tensor_model_parallel_group())
     manifest = build_cache(teacher, train_ds, r.kd.cache, top_k=r.kd.top_k, encoding=r.kd.cache_encoding,
-                           temperature=r.kd.temperature, num_samples=num_samples,
+                           temperature=r.kd.temperature if r.kd.cache_temperature is None else r.kd.cache_temperature,
+                           num_samples=num_samples,
                            micro_batch_size=r.train.micro_batch_size, chunk_size=r.kd.chunk_size,
                            tokenizer_id=getattr(tok, "sha", ""), dataset_id=dataset_id(train_ds),
                            progress=r.train.progress and is_rank0(), tp_group=ps.get_tensor_model_parallel_group(),

@@ -38,11 +38,24 @@ def topk_kl_loss(hidden, weight, topk_ids, topk_logprobs, *, labels=None, loss_m
                  ignore_index=-100, tp_group=None, sequence_parallel=False, vocab_start_index=None,
                  valid_vocab_size=None, divergence="forward_kl", jsd_beta=0.5, cache_temperature=None,
                  metrics=None):
-    """KL(teacher top-K || student) from the student's hidden states, never holding [N, V] logits.
+    """A divergence between a sparse top-K teacher and the student, from the student's hidden states, never
+    holding [N, V] logits.
 
     hidden [..., H] (under sequence_parallel: this rank's [s/tp, ...] shard), weight [V_local, H] (this
     rank's vocab shard), topk_ids / topk_logprobs [..., K] (global ids, -1 = empty; teacher log-probs over
     its full vocabulary), labels / loss_mask [...]. Returns a scalar ("mean", "sum") or [...] ("none").
+
+    Per position: loss = T^2 * kl_weight * D(teacher, softmax(z / T)) + ce_weight * CE(softmax(z), label).
+    T^2 is included (ModelOpt's Megatron plugin and Liger leave it out: pass kl_weight=1/T**2 for their number).
+    Only the student is tempered: topk_logprobs must be the teacher's log-softmax at T, or were captured at
+    cache_temperature=T0 and are re-tempered here over the K ids plus one rest class (an approximation:
+    docs/loss.md gives its measured error). divergence: "forward_kl" KL(t || s), "reverse_kl" KL(s || t), "jsd"
+    beta KL(t || m) + (1 - beta) KL(s || m), m = beta t + (1 - beta) s, beta = jsd_beta in (0, 1). tail: what
+    the K ids are compared as: "none" the K ids as they are (forward KL can go below 0), "renormalize" both
+    renormalized over the K ids, "bucket" the K ids plus one class for the rest of the vocabulary.
+    reduction: "mean" sum(w loss) / sum(w), w = loss_mask x (labels != ignore_index); "sum" sum(w loss); "none"
+    per position (0 where w = 0). metrics: a dict to fill with "kl_bucket", the bucket-tail KL(t || s) at T (no
+    T^2, detached, same reduction), a true divergence to monitor. Full definitions: docs/loss.md.
     """
     opts = LossOptions(kl_weight=float(kl_weight), ce_weight=float(ce_weight), temperature=float(temperature),
                        tail=tail, reduction=reduction, impl=impl, chunk_size=chunk_size, ignore_index=ignore_index,

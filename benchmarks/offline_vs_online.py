@@ -382,6 +382,17 @@ def sweep_plot(res: dict, png: str) -> None:
     plt.close(fig)
 
 
+def train_students(bench: Bench, modes) -> dict | None:
+    """One `megatron-kd train` process per mode (finished ones are kept); {mode: command}, None on a failure."""
+    commands = {}
+    for m in modes:
+        o = bench.student_overrides(m)
+        commands[m] = "megatron-kd train " + " ".join(o)
+        if bench.stage_train(f"student_{m}", o):
+            return None
+    return commands
+
+
 def run_sweep(bench: Bench, args, t0: float) -> int:
     from megatron_kd.megatron.evaluate import compare
     from megatron_kd.megatron.checkpoint import iter_dir
@@ -389,12 +400,9 @@ def run_sweep(bench: Bench, args, t0: float) -> int:
     ks = tuple(int(k) for k in args.sweep_k.split(","))
     divs = tuple(args.sweep_div.split(","))
     modes = sweep_modes(ks, SWEEP_TAILS, divs)
-    commands = {}
-    for m in modes:
-        o = bench.student_overrides(m)
-        commands[m] = "megatron-kd train " + " ".join(o)
-        if bench.stage_train(f"student_{m}", o):
-            return 2
+    commands = train_students(bench, modes)
+    if commands is None:
+        return 2
     t = time.time()
     r = bench.recipe("online_full")
     students = {m: (r.model, iter_dir(os.path.join(bench.out, f"student_{m}"), s.student_iters)) for m in modes}
@@ -469,12 +477,9 @@ def main(argv=None) -> int:
     if not check["is_full_kl"]:
         bench.say("online_full is NOT the full KL; stopping")
         return 2
-    commands = {}
-    for m in MODES:
-        o = bench.student_overrides(m)
-        commands[m] = "megatron-kd train " + " ".join(o)
-        if bench.stage_train(f"student_{m}", o):
-            return 2
+    commands = train_students(bench, MODES)
+    if commands is None:
+        return 2
     t = time.time()
     ev = evaluate_curves(bench)
     bench.times["evaluate"] = time.time() - t

@@ -70,7 +70,9 @@ SWEEP_BAR = 0.01  # offline K=100 forward KL (tail none) within 1% of online ful
 
 
 def sweep_modes(ks=SWEEP_K, tails=SWEEP_TAILS, divs=SWEEP_DIVS) -> list:
-    return [f"k{k}_{tail}_{div}" for k in ks for tail in tails for div in divs] + ["online_full", "ce"]
+    """References and the largest K first: an interrupted sweep has what the bar needs."""
+    return ["online_full", "ce"] + [f"k{k}_{tail}_{div}" for k in sorted(ks, reverse=True) for tail in tails
+                                    for div in divs]
 
 
 def sweep_mode(mode: str):

@@ -18,9 +18,9 @@ pytest.importorskip("triton")
 import torch.distributed as dist  # noqa: E402
 
 from megatron_kd import topk_kl_loss  # noqa: E402
-from megatron_kd.kernels import fused  # noqa: E402
-from megatron_kd.kernels.fused import fused_topk_kl, plan_chunks  # noqa: E402
-from megatron_kd.kernels.ops.rows import row_sweep  # noqa: E402
+from megatron_kd.loss import fused  # noqa: E402
+from megatron_kd.loss.fused import fused_topk_kl, plan_chunks  # noqa: E402
+from megatron_kd.kernels.rows import row_sweep  # noqa: E402
 from megatron_kd.loss.inputs import check_and_flatten  # noqa: E402
 from megatron_kd.loss.options import LossOptions  # noqa: E402
 from megatron_kd.parallel.vocab import VocabShard  # noqa: E402
@@ -89,7 +89,7 @@ def test_no_float_scalars_reach_the_kernels(monkeypatch):
     """A compiled kernel types a Python float argument as fp32 (the interpreter keeps float64), so 1/T by
     value broke the fp64 bar on the GPU at T=0.7 only. The scalars now travel as a tensor in the
     accumulation dtype; this guards that no float is passed by value again."""
-    from megatron_kd.kernels.ops import rows
+    from megatron_kd.kernels import rows
     seen = []
     real = rows._launch
 
@@ -167,7 +167,7 @@ def test_autotuned_launch_binds(monkeypatch):
     """The GPU path launches through triton.autotune; with one config it skips benchmarking, so the
     interpreter can check that arguments and the BLOCK/num_warps config bind as on the GPU."""
     import triton
-    from megatron_kd.kernels.ops import rows
+    from megatron_kd.kernels import rows
     one = [triton.Config({"BLOCK": 64}, num_warps=4)]
     monkeypatch.setattr(rows, "_sweep_tuned", triton.autotune(one, key=["V", "WRITE_E", "NEED_S1", "ACC"])(
         rows._sweep_kernel))

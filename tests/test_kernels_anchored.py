@@ -1,4 +1,4 @@
-"""impl="fused" with anchored bf16 logits (kernels/anchored.py) against the float64 reference.
+"""impl="fused" with anchored bf16 logits (loss/anchored.py) against the float64 reference.
 
 Three logit scales put none, some and all of the tokens over the anchor bound TAU, so both the common path
 and the fp32 redo of flagged tokens (with their weight-gradient contribution taken back out) are checked.
@@ -8,9 +8,9 @@ import torch
 
 from test_kernels import DEV, TUNE, rel, run_fused, run_ref  # sets TRITON_INTERPRET first
 
-from megatron_kd.kernels import anchored, fused  # noqa: E402
-from megatron_kd.kernels.ops import gemm  # noqa: E402
-from megatron_kd.kernels.ops.cols import anchor_logits, col_sweep  # noqa: E402
+from megatron_kd.loss import anchored, fused  # noqa: E402
+from megatron_kd.kernels import gemm  # noqa: E402
+from megatron_kd.kernels.cols import anchor_logits, col_sweep  # noqa: E402
 from reference import make_inputs  # noqa: E402
 
 ANCH = dict(TUNE, logits="anchored")
@@ -110,7 +110,7 @@ def test_anchors_skip_empty_slots():
 
 
 def test_anchored_rows_budget():
-    from megatron_kd.kernels.settings import anchored_rows
+    from megatron_kd.loss.settings import anchored_rows
     assert anchored_rows(128256, 3072, 0) == 2688  # <= 0.9 H, a multiple of 128: E <= 0.9 |W| in bf16
     assert anchored_rows(201088, 2880, 0) == 2560
     assert anchored_rows(1000, 64, 768 << 20) == (768 << 20) // 2000 // 128 * 128

@@ -6,8 +6,8 @@ import torch
 
 from test_kernels import DEV, rel, run_fused  # sets TRITON_INTERPRET first
 
-from megatron_kd.kernels.ops.scaled import scaled_rows  # noqa: E402
-from megatron_kd.kernels.sparse import combine_stats, grad_coefficients, prepare_slots  # noqa: E402
+from megatron_kd.kernels.scaled import scaled_rows  # noqa: E402
+from megatron_kd.loss.sparse import combine_stats, grad_coefficients, prepare_slots  # noqa: E402
 from megatron_kd.loss.function import row_weights  # noqa: E402
 from megatron_kd.loss.inputs import check_and_flatten  # noqa: E402
 from megatron_kd.loss.options import LossOptions  # noqa: E402
@@ -93,7 +93,7 @@ def test_scaled_rows_refuses_what_it_does_not_cover():
 
 def test_many_slots_fall_back_to_torch_rows(monkeypatch):
     """K1 above ops.scaled.MAX_SLOTS: the fused loss keeps the torch bookkeeping (and stays exact)."""
-    from megatron_kd.kernels import fused
+    from megatron_kd.loss import fused
     from test_kernels import run_ref
     monkeypatch.setattr(fused, "MAX_SLOTS", 8)
     called = []

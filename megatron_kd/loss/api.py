@@ -87,7 +87,7 @@ def topk_kl_loss(hidden, weight, topk_ids, topk_logprobs, *, labels=None, loss_m
                              "impl='chunked' or 'auto'")
         mode = "forward_chunked" if opts.reduction != "none" else "chunked"
     if mode == "fused":
-        from ..kernels.fused import fused_topk_kl
+        from .fused import fused_topk_kl
         out = fused_topk_kl(h, weight, t, opts, shard, reduce_grad_input=not sequence_parallel)
     else:
         if mode == "forward_chunked" and opts.reduction == "none":

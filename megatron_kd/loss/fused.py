@@ -53,15 +53,15 @@ reduction="none" needs per-position upstream grads, unknown in forward: it runs 
 
 import torch
 
-from ..loss.core import ChunkStats, chunk_loss
-from ..loss.function import TopKKLFunction, reduce, row_weights
+from ..kernels import gemm
+from ..kernels.rows import row_grad, row_sweep, slot_gather_mask
+from ..kernels.scaled import MAX_SLOTS, scale_rows, scaled_rows
 from ..parallel.comm import all_reduce_sum, group_size
-from .ops import gemm
-from .ops.rows import row_grad, row_sweep, slot_gather_mask
+from .core import ChunkStats, chunk_loss
+from .function import TopKKLFunction, reduce, row_weights
 from .sparse import combine_stats, grad_coefficients, prepare_slots
 
 from .anchored import AnchoredLogits, anchor_columns, anchor_ids
-from .ops.scaled import MAX_SLOTS, scale_rows, scaled_rows
 from .settings import A_BYTES, DEFAULTS, E_BYTES, LOGITS, MIB, OVERLAP, ROWS, Z_BYTES, anchored_rows  # noqa: F401
 SLACK = 20.0  # anchor slack (nats): E <= e^20, and rows are re-swept only beyond it
 GRAD_SCALE_ATTR = "megatron_kd_grad_scale"
@@ -382,7 +382,7 @@ def fused_topk_kl(h, weight, t, opts, shard, reduce_grad_input=True, **tuning):
     tuning (tests/benchmarks): sub / sup (chunk rows), block (Triton tile), force_two_pass, overlap,
     logits ("fp32" / "bf16"), row_math ("torch"); None or absent: the module settings (DEFAULTS / environment)."""
     if opts.reduction == "none" or h.shape[0] == 0:
-        from ..loss.api import default_chunk_size
+        from .api import default_chunk_size
         chunk = int(opts.chunk_size or default_chunk_size(shard.local_valid))
         return TopKKLFunction.apply(h, weight, t, opts, shard, "chunked", chunk, reduce_grad_input)
     return FusedTopKKL.apply(h, weight, t, opts, shard, reduce_grad_input, tuning)

@@ -17,9 +17,9 @@ sub-chunk logits plus the bf16 dz buffer.
 """
 import torch
 
-from .ops import gemm
-from .ops.cols import anchor_logits, col_sweep
-from .ops.rows import slot_gather_mask
+from ..kernels import gemm
+from ..kernels.cols import anchor_logits, col_sweep
+from ..kernels.rows import slot_gather_mask
 
 TAU = 4.0
 ANCHOR_SLOTS = 4

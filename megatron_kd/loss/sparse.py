@@ -9,9 +9,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..loss.core import ChunkStats, chunk_grad, local_columns, unpack_stats
-from ..loss.inputs import Targets
-from ..loss.options import LossOptions
+from .core import ChunkStats, chunk_grad, local_columns, unpack_stats
+from .inputs import Targets
+from .options import LossOptions
 from ..parallel.comm import all_reduce_max, all_reduce_sum
 from ..parallel.vocab import VocabShard
 

@@ -80,15 +80,9 @@ def topk_kl_loss(hidden, weight, topk_ids, topk_logprobs, *, labels=None, loss_m
     if sequence_parallel:
         h = gather_sequence(hidden, tp_group).reshape(-1, hidden.shape[-1])
     mode = _pick_impl(opts, h.shape[0], -(-shard.valid_size // tp), h.device)
-    if mode == "fused" and (opts.divergence != "forward_kl" or opts.monitor):
-        if opts.impl == "fused":
-            raise ValueError(f"impl='fused' supports divergence='forward_kl' without metrics so far; got "
-                             f"divergence={opts.divergence!r}, metrics={'on' if opts.monitor else 'off'}: use "
-                             "impl='chunked' or 'auto'")
-        mode = "forward_chunked" if opts.reduction != "none" else "chunked"
     if mode == "fused":
         from .fused import fused_topk_kl
-        out = fused_topk_kl(h, weight, t, opts, shard, reduce_grad_input=not sequence_parallel)
+        out = fused_topk_kl(h, weight, t, opts, shard, reduce_grad_input=not sequence_parallel, metrics=metrics)
     else:
         if mode == "forward_chunked" and opts.reduction == "none":
             mode = "chunked"  # per-position upstream grads are unknown in forward

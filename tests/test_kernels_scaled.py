@@ -80,16 +80,25 @@ def test_scaled_rows_matches_torch(dtype, kw, with_bad):
 
 @pytest.mark.parametrize("logits", ["anchored", "fp32"])
 @pytest.mark.parametrize("kw", [dict(), dict(ce_weight=0.4, temperature=1.0)], ids=["kl", "ce"])
-def test_run_kernel_rows_equal_torch_rows(logits, kw):
-    """The whole fused loss with either bookkeeping: same loss and gradients up to rounding."""
+def test_run_kernel_rows_equal_torch_rows(monkeypatch, logits, kw):
+    """The whole fused loss with either bookkeeping (the torch one is the fallback above MAX_SLOTS slots): same loss
+    and gradients up to rounding."""
     inp = make_inputs(n_shape=(5, 9), V=300, H=24, K=9, dtype=torch.float32, seed=5)
     inp["hidden"], inp["weight"] = inp["hidden"].bfloat16(), (inp["weight"] * 0.3).bfloat16()
     ids = inp["ids"]
     inp["ids"] = torch.where((ids >= 0) & (torch.arange(9) % 3 == 2), ids[..., :1], ids)  # duplicate ids
     inp["labels"] = torch.where(torch.arange(9) % 2 == 0, inp["ids"][..., 1].clamp_min(0), inp["labels"])
-    tune = dict(sub=8, sup=16, block=128, logits=logits)
-    a = run_fused(inp, 1.0, dict(tune, row_math="kernel"), **kw)
-    b = run_fused(inp, 1.0, dict(tune, row_math="torch"), **kw)
+    tune = dict(sub_rows=8, super_rows=16, block=128, logits=logits)
+    from megatron_kd.loss import fused
+    called = []
+    real = fused.scaled_rows
+    monkeypatch.setattr(fused, "scaled_rows", lambda *a, **k: called.append(1) or real(*a, **k))
+    a = run_fused(inp, 1.0, tune, **kw)
+    assert called
+    monkeypatch.setattr(fused, "MAX_SLOTS", 0)  # every K1 above it: the torch bookkeeping
+    called.clear()
+    b = run_fused(inp, 1.0, tune, **kw)
+    assert not called
     errs = [rel(x, y) for x, y in zip(a, b)]
     assert errs[0] <= 1e-5 and max(errs[1:]) <= 1e-2, errs  # bf16 gradients: one rounding apart
 
@@ -108,7 +117,7 @@ def test_many_slots_fall_back_to_torch_rows(monkeypatch):
     called = []
     monkeypatch.setattr(fused, "scaled_rows", lambda *a, **k: called.append(1))
     inp = make_inputs(n_shape=(20,), V=200, H=16, K=9, dtype=torch.float64, seed=4)
-    got = run_fused(inp, 1.0, dict(sub=8, sup=16, block=128), ce_weight=0.3)
+    got = run_fused(inp, 1.0, dict(sub_rows=8, super_rows=16, block=128), ce_weight=0.3)
     want = run_ref(inp, 1.0, ce_weight=0.3)
     assert not called and max(rel(a, b) for a, b in zip(got, want)) <= 1e-9
 

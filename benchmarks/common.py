@@ -22,24 +22,29 @@ def synthetic_teacher(n, k, vocab, device, seed=0):
 
 
 def measure(fn, reps=3, warmup=1):
-    """Median ms and peak GiB of fn() (forward+backward), inputs included in the peak."""
-    torch.cuda.synchronize()
+    """Median ms and peak GiB of fn() (forward+backward), inputs included in the peak. On CPU (smoke runs)
+    only the times: peak_gib is None."""
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
     for _ in range(warmup):  # the first call also autotunes and compiles kernels
         fn()
-    torch.cuda.synchronize()
+    sync()
     gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
+    base = None
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         times.append((time.perf_counter() - t0) * 1e3)
-    peak = torch.cuda.max_memory_allocated()
-    return dict(ms=statistics.median(times), ms_all=times, peak_gib=peak / 2**30,
-                above_inputs_gib=(peak - base) / 2**30)
+    peak = torch.cuda.max_memory_allocated() if cuda else None
+    return dict(ms=statistics.median(times), ms_all=times, peak_gib=None if peak is None else peak / 2**30,
+                above_inputs_gib=None if peak is None else (peak - base) / 2**30)
 
 
 def gemm_floor(h, w):

@@ -1,4 +1,4 @@
-"""impl="fused" with anchored bf16 logits (kernels/anchored.py) against the float64 reference.
+"""impl="fused" with anchored bf16 logits (loss/logits.py) against the float64 reference.
 
 Three logit scales put none, some and all of the tokens over the anchor bound TAU, so both the common path
 and the fp32 redo of flagged tokens (with their weight-gradient contribution taken back out) are checked.
@@ -8,9 +8,10 @@ import torch
 
 from test_kernels import DEV, TUNE, rel, run_fused, run_ref  # sets TRITON_INTERPRET first
 
-from megatron_kd.kernels import anchored, fused  # noqa: E402
-from megatron_kd.kernels.ops import gemm  # noqa: E402
-from megatron_kd.kernels.ops.cols import anchor_logits, col_sweep  # noqa: E402
+from megatron_kd.loss import fused  # noqa: E402
+from megatron_kd.loss.logits import anchor_columns  # noqa: E402
+from megatron_kd.kernels import gemm  # noqa: E402
+from megatron_kd.kernels.cols import anchor_logits, col_sweep  # noqa: E402
 from reference import make_inputs  # noqa: E402
 
 ANCH = dict(TUNE, logits="anchored")
@@ -37,8 +38,9 @@ def bf16_inputs(scale, seed=7, n=(37,), V=300, H=24, K=9):
 
 
 @pytest.mark.parametrize("scale,expect", [(0.25, "none"), (1.0, "some"), (6.0, "all")])
-@pytest.mark.parametrize("kw", [dict(), dict(ce_weight=0.5), dict(temperature=0.7), dict(reduction="sum")],
-                         ids=["kl", "ce", "T0.7", "sum"])
+@pytest.mark.parametrize("kw", [dict(), dict(ce_weight=0.5), dict(temperature=0.7), dict(reduction="sum"),
+                                dict(divergence="reverse_kl"), dict(divergence="jsd", ce_weight=0.5)],
+                         ids=["kl", "ce", "T0.7", "sum", "rkl", "jsd"])
 def test_anchored_matches_reference(redone, scale, expect, kw):
     inp = bf16_inputs(scale)
     got = run_fused(inp, 1.0, ANCH, **kw)
@@ -106,11 +108,11 @@ def test_anchors_skip_empty_slots():
     w = torch.tensor([[2.0, 0.0], [0.0, 3.0], [5.0, 5.0]], device=DEV).bfloat16()
     idx = torch.tensor([[0, -1], [-1, -1], [1, 2]], dtype=torch.int32, device=DEV)
     assert anchor_logits(h, w, idx).tolist() == [2.0, 0.0, 10.0]
-    assert anchored.anchor_columns(9, 10) == [0, 1, 2, 9] and anchored.anchor_columns(2, 2) == [0, 1]
+    assert anchor_columns(9, 10) == [0, 1, 2, 9] and anchor_columns(2, 2) == [0, 1]
 
 
 def test_anchored_rows_budget():
-    from megatron_kd.kernels.settings import anchored_rows
+    from megatron_kd.loss.chunks import anchored_rows
     assert anchored_rows(128256, 3072, 0) == 2688  # <= 0.9 H, a multiple of 128: E <= 0.9 |W| in bf16
     assert anchored_rows(201088, 2880, 0) == 2560
     assert anchored_rows(1000, 64, 768 << 20) == (768 << 20) // 2000 // 128 * 128
@@ -166,7 +168,7 @@ def test_anchored_syncs_do_not_grow_with_chunks(ce, logits):
     run_fused(inp, 1.0, dict(ANCH, logits=logits), ce_weight=ce)  # fill the kernels' cached constants first
     counts = []
     for sup in (96, 16):  # one chunk, six chunks
-        tune = dict(ANCH, sup=sup, sub=8, logits=logits)
+        tune = dict(ANCH, super_rows=sup, sub_rows=8, logits=logits)
         counts.append(len(_sync_ops(lambda: run_fused(inp, 1.0, tune, ce_weight=ce))))
     assert counts[0] == counts[1], counts
 
@@ -179,7 +181,7 @@ def test_gpu_anchored_host_syncs():
     inp = bf16_inputs(0.25, n=(1024,), V=4096, H=256, K=16)
     counts = []
     for sup in (1024, 128):
-        tune = dict(logits="anchored", sup=sup)
+        tune = dict(logits="anchored", super_rows=sup)
         run_fused(inp, 1.0, tune)  # compile and cache first
         torch.cuda.set_sync_debug_mode("warn")
         try:

@@ -10,8 +10,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first `import triton`: the kernel runs on CPU
 
-from megatron_kd.kernels.ops import adam  # noqa: E402
-from megatron_kd.kernels.ops.adam import adamw_step_, join_master, split_master  # noqa: E402
+from megatron_kd.megatron import adam_kernel as adam  # noqa: E402
+from megatron_kd.megatron.adam_kernel import adamw_step_, join_master, split_master  # noqa: E402
 from megatron_kd.megatron.lean_adam import LeanAdamW  # noqa: E402
 
 

@@ -8,10 +8,12 @@ import sys
 import pytest
 
 from dist_utils import run_ranks
-from megatron_kd.kernels.settings import E_BYTES, Z_BYTES
+from megatron_kd.loss import FusedSettings
 from megatron_kd.plan import GIB, Layout, ModelShape, Training, layer_activations, plan_memory, preset
 from megatron_kd.plan.memory import loss_buffers
 from megatron_kd.plan.shapes import padded_vocab, param_counts, total_params
+
+Z_BYTES, E_BYTES = FusedSettings().z_mib << 20, FusedSettings().e_mib << 20  # the fused loss's default budgets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -4,20 +4,13 @@ import torch
 from ..parallel.comm import group_size
 from ..parallel.sequence import gather_sequence
 from ..parallel.vocab import VocabShard
+from .chunks import FusedSettings, default_chunk_size
 from .function import TopKKLFunction
 from .inputs import check_and_flatten
 from .options import LossOptions
 from .temper import retemper_logprobs
 
-# Elements of one chunk's fp32 logit block: 2**26 * 4 B = 256 MiB. Big enough for efficient GEMMs,
-# small enough that the chunked impls stay a few hundred MiB above their inputs.
-CHUNK_ELEMENTS = 1 << 26
 DENSE_AUTO_LIMIT = 1 << 24  # "auto" on CPU materializes logits below this many elements
-
-
-def default_chunk_size(vocab_local: int) -> int:
-    c = max(1, CHUNK_ELEMENTS // max(1, vocab_local))
-    return max(16, 1 << (c.bit_length() - 1))  # a power of two: tidy tiles
 
 
 def _pick_impl(opts: LossOptions, n: int, v_local: int, device: torch.device) -> str:
@@ -36,8 +29,8 @@ def _pick_impl(opts: LossOptions, n: int, v_local: int, device: torch.device) ->
 def topk_kl_loss(hidden, weight, topk_ids, topk_logprobs, *, labels=None, loss_mask=None, kl_weight=1.0,
                  ce_weight=0.0, temperature=1.0, tail="none", reduction="mean", impl="auto", chunk_size=None,
                  ignore_index=-100, tp_group=None, sequence_parallel=False, vocab_start_index=None,
-                 valid_vocab_size=None, divergence="forward_kl", jsd_beta=0.5, cache_temperature=None,
-                 metrics=None):
+                 valid_vocab_size=None, fused_settings=None, grad_scale=1.0, divergence="forward_kl", jsd_beta=0.5,
+                 cache_temperature=None, metrics=None):
     """A divergence between a sparse top-K teacher and the student, from the student's hidden states, never
     holding [N, V] logits.
 
@@ -56,7 +49,17 @@ def topk_kl_loss(hidden, weight, topk_ids, topk_logprobs, *, labels=None, loss_m
     reduction: "mean" sum(w loss) / sum(w), w = loss_mask x (labels != ignore_index); "sum" sum(w loss); "none"
     per position (0 where w = 0). metrics: a dict to fill with "kl_bucket", the bucket-tail KL(t || s) at T (no
     T^2, detached, same reduction), a true divergence to monitor. Full definitions: docs/loss.md.
+    fused_settings: FusedSettings for impl="fused" (None: the production defaults; loss/chunks.py).
+    grad_scale: the grad_output backward will bring (Megatron: the optimizer's loss scale, megatron.optim.loss_scale).
+    impl="fused" writes the weight gradient into weight.main_grad during forward already times grad_scale; a
+    different grad_output is still exact but reruns the whole loss in backward.
     """
+    grad_scale = float(grad_scale)
+    if not (grad_scale > 0 and grad_scale < float("inf")):
+        raise ValueError(f"grad_scale={grad_scale} must be a finite positive number (the expected grad_output)")
+    if fused_settings is not None and not isinstance(fused_settings, FusedSettings):
+        raise ValueError(f"fused_settings must be a megatron_kd.loss.FusedSettings or None, got "
+                         f"{type(fused_settings).__name__}")
     opts = LossOptions(kl_weight=float(kl_weight), ce_weight=float(ce_weight), temperature=float(temperature),
                        tail=tail, reduction=reduction, impl=impl, chunk_size=chunk_size, ignore_index=ignore_index,
                        divergence=divergence, jsd_beta=float(jsd_beta),
@@ -80,15 +83,10 @@ def topk_kl_loss(hidden, weight, topk_ids, topk_logprobs, *, labels=None, loss_m
     if sequence_parallel:
         h = gather_sequence(hidden, tp_group).reshape(-1, hidden.shape[-1])
     mode = _pick_impl(opts, h.shape[0], -(-shard.valid_size // tp), h.device)
-    if mode == "fused" and (opts.divergence != "forward_kl" or opts.monitor):
-        if opts.impl == "fused":
-            raise ValueError(f"impl='fused' supports divergence='forward_kl' without metrics so far; got "
-                             f"divergence={opts.divergence!r}, metrics={'on' if opts.monitor else 'off'}: use "
-                             "impl='chunked' or 'auto'")
-        mode = "forward_chunked" if opts.reduction != "none" else "chunked"
     if mode == "fused":
-        from ..kernels.fused import fused_topk_kl
-        out = fused_topk_kl(h, weight, t, opts, shard, reduce_grad_input=not sequence_parallel)
+        from .fused import fused_topk_kl
+        out = fused_topk_kl(h, weight, t, opts, shard, reduce_grad_input=not sequence_parallel,
+                            settings=fused_settings, grad_scale=grad_scale, metrics=metrics)
     else:
         if mode == "forward_chunked" and opts.reduction == "none":
             mode = "chunked"  # per-position upstream grads are unknown in forward

@@ -13,7 +13,7 @@ DP Megatron's distributed optimizer divides its 12 bytes of state by DP and wins
 """
 import torch
 
-from ..kernels.ops.adam import adamw_step_, adamw_update_
+from .adam_kernel import adamw_step_, adamw_update_
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -141,6 +141,17 @@ def build_scheduler(optimizer, t: TrainConfig):
         lr_wsd_decay_style="linear" if t.lr_decay_style == "WSD" else None)
 
 
+def loss_scale(config) -> float:
+    """The grad_output Megatron's schedule feeds into the loss's backward, config.grad_scale_func(1): the fp16 loss
+    scale (read once per micro-batch, one host sync), 1.0 under bf16 / fp32 (no grad scaler: no sync). The fused
+    loss takes it as topk_kl_loss(grad_scale=) and writes main_grad during forward already scaled by it."""
+    func = getattr(config, "grad_scale_func", None)
+    if func is None or not getattr(config, "fp16", False):
+        return 1.0
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return float(func(torch.ones(1, device=dev)))
+
+
 def set_model_hooks(config, ddp_chunks, optimizer) -> None:
     """What Megatron-LM's training loop sets on the model config for its schedules."""
     from megatron.core.distributed import finalize_model_grads

@@ -17,6 +17,7 @@ from ..loss import topk_kl_loss
 from .config import KDConfig
 from .hook import forward_with_head, output_layout
 from .model import unwrap
+from .optim import loss_scale
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask", "topk_ids", "topk_logprobs")
 
@@ -43,8 +44,9 @@ class KDHead:
 
     summed = True  # loss_func: the output tensor holds the masked sum already
 
-    def __init__(self, batch: dict, kd: KDConfig, valid_vocab_size: int, split: bool = True):
+    def __init__(self, batch: dict, kd: KDConfig, valid_vocab_size: int, split: bool = True, grad_scale: float = 1.0):
         self.kd, self.kw, self.valid_vocab_size = kd, loss_kwargs(kd), valid_vocab_size
+        self.grad_scale = grad_scale  # loss-core hook: the loss scale backward brings (optim.loss_scale)
         self.labels, self.loss_mask = batch["labels"], batch.get("loss_mask")
         self.ids, self.logp = batch.get("topk_ids"), batch.get("topk_logprobs")
         self.split = split
@@ -69,7 +71,8 @@ class KDHead:
         else:
             ids, logp = self.ids.transpose(0, 1), self.logp.transpose(0, 1)
         kw = self.kw
-        total = self._loss(hidden, weight, ids, logp, mask, labels=labels if kw["ce_weight"] else None, **kw)
+        total = self._loss(hidden, weight, ids, logp, mask, labels=labels if kw["ce_weight"] else None,
+                           grad_scale=self.grad_scale, **kw)
         if not kw["kl_weight"]:
             self.ce = total.detach() / kw["ce_weight"]
         else:
@@ -152,6 +155,8 @@ class KDStep:
         elif "topk_ids" not in batch:
             raise ValueError("offline mode: the batch has no topk_ids; wrap the dataset with the cache "
                              "(megatron_kd.cache.TopKDataset)")
-        head = KDHead(batch, self.kd, self.valid_vocab_size, self.split_report).bind(unwrap(model))
+        gpt = unwrap(model)
+        head = KDHead(batch, self.kd, self.valid_vocab_size, self.split_report,
+                      loss_scale(getattr(gpt, "config", None))).bind(gpt)
         output = forward_with_head(model, head, batch["tokens"], batch["position_ids"], batch.get("attention_mask"))
         return output, partial(loss_func, batch["loss_mask"], head)

@@ -26,11 +26,10 @@ from .shapes import Layout, ModelShape, padded_vocab, param_counts
 GIB = float(1 << 30)
 RESERVE_GIB = 3.0          # CUDA context, NCCL buffers, allocator rounding: not in max_memory_allocated
 H200_GIB = 139.8           # usable HBM of one H200 (torch.cuda.mem_get_info total)
-from ..loss.api import CHUNK_ELEMENTS as LOSS_CHUNK_ELEMENTS  # noqa: E402  (torch chunked impls)
-from ..kernels.settings import anchored_rows  # noqa: E402  (anchored bf16 logits / dz rows, tp == 1)
-from ..kernels.settings import E_BYTES as FUSED_E_BYTES  # noqa: E402  (bf16 dz of one super-chunk)
-from ..kernels.settings import LOGITS as FUSED_LOGITS  # noqa: E402
-from ..kernels.settings import Z_BYTES as FUSED_Z_BYTES  # noqa: E402  (fp32 logits of one sub-chunk)
+from ..loss.chunks import CHUNK_ELEMENTS as LOSS_CHUNK_ELEMENTS  # noqa: E402  (torch chunked impls)
+from ..loss.chunks import MIB, FusedSettings, anchored_rows  # noqa: E402  (loss-core hook: was kernels.settings;
+_FUSED = FusedSettings()  # structure replaces the block below with loss.chunks.chunk_plan)
+FUSED_E_BYTES, FUSED_LOGITS, FUSED_Z_BYTES = _FUSED.e_mib * MIB, _FUSED.logits, _FUSED.z_mib * MIB
 TOPK_CHUNK_ELEMENTS = 1 << 26   # teacher top-K on the fly: logits of one chunk
 
 RECOMPUTE = ("full", "selective", "none")

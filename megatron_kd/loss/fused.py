@@ -1,0 +1,260 @@
+"""impl="fused": the sparse top-K KL with cuBLAS GEMMs and Triton sweeps over the logit rows (kernels/).
+
+Forward does all the work (no recompute GEMM), token chunk by token chunk, on one of three loops that
+chunks.chunk_plan picks (anchored, fp32_logits, two_pass; sizes from the caller's FusedSettings):
+  1. the chunk's logits and their per-row sums (logits.py: AnchoredLogits or Fp32Logits, one interface);
+  2. the per-row statistics and gradient coefficients: kernels.scaled (one launch per chunk, up to MAX_SLOTS
+     slots) or sparse.py's torch ops (two-pass, and the fallback above MAX_SLOTS), + TP collectives;
+  3. the logit gradient dz in the input dtype, then grad_h = dz @ W and grad_W += dz^T @ h (fp32 accumulator).
+
+Two ways to get dz (both exact up to the input dtype's rounding of dz):
+  scaled   (anchored and fp32_logits: TP = 1, tail "none", no CE at T != 1, non-negative weights)
+           the sweep already writes E = exp(u - a) with a per-row anchor a, and dz = s_r * E off the slot
+           columns with s_r = A_r exp(a_r - lse_r) known only after the sweep. s_r is a row scale, so it
+           is applied to the GEMMs' small side: grad_h = s * (E @ W), grad_W += E^T @ (s * h).
+           One read of the logits per element. With fp32 logits several sub-chunks fill one E super-chunk, so
+           the weight-gradient GEMM sees many tokens per call (its fp32 read-modify-write is per call).
+  two-pass (everything else) a second sweep writes dz = A exp(u - lse) + B exp(z - lse1) once the
+           global statistics are known.
+Slot columns (teacher ids, label) are masked in the sweep and get their finished values by one
+scatter_add; s_r >= A_r e^-(slack + log V) keeps those values in range.
+Anchored logits cost S x V bf16 (<= 0.9 x the bf16 weight); fp32 logits C x V fp32 plus S x V of E. On an H200
+(N=32768, V=128256, weight grad into main_grad; benchmarks/results/loss_fused_v128k_h200.json): anchored
+122.6 ms, 3.40 GiB peak; fp32 logits 121.2 ms, 5.31 GiB; the three GEMMs alone 109.0 ms.
+
+Weight gradient: fp32 accumulator, or straight into weight.main_grad when the weight has an fp32 one
+(Megatron's gradient-accumulation fusion: no extra memory); a bf16 main_grad (grad_reduce_in_fp32 off,
+train.optimizer=lean_adam) gets the fp32 accumulator added once in forward (no bf16 weight-grad copy).
+main_grad is written during forward assuming grad_output == grad_scale (the caller's promise, default 1.0;
+Megatron's loss scale under fp16: megatron/step.py passes optim.loss_scale); backward reads grad_output (one
+host sync; 1.0 skips scaling grad_h, which is handed over, so backward runs once) and, if it differs from
+grad_scale, adds the difference by recomputing the whole loss. Then, like Megatron's linear
+layers, backward returns no weight gradient (or a dummy one and sets grad_added_to_main_grad, when the weight
+carries that attribute).
+reduction="none" needs per-position upstream grads, unknown in forward: it runs the torch "chunked" impl.
+"""
+
+from dataclasses import replace
+
+import torch
+
+from ..kernels import gemm
+from ..kernels.scaled import MAX_SLOTS, scale_rows, scaled_rows
+from ..parallel.comm import all_reduce_sum, group_size
+from .chunks import FusedSettings, chunk_plan, default_chunk_size
+from .core import ChunkStats, chunk_loss, chunk_monitor
+from .function import TopKKLFunction, reduce, row_weights
+from .logits import AnchoredLogits, Fp32Logits
+from .sparse import combine_stats, grad_coefficients, prepare_slots
+
+SLACK = 20.0  # anchor slack (nats): E <= e^20, and rows are re-swept only beyond it
+_TAKEN = object()  # backward has handed grad_h over
+
+
+def _main_grad(weight):
+    """weight.main_grad (Megatron DDP's buffer) when the loss can write the weight gradient into it."""
+    mg = getattr(weight, "main_grad", None)
+    if torch.is_tensor(mg) and mg.shape == weight.shape and mg.dtype in (torch.float32, torch.float64,
+                                                                         torch.bfloat16, torch.float16):
+        return mg
+    return None
+
+
+def _add_to_main(hidden, weight, t, opts, shard, main, wscale, settings) -> None:
+    """main += wscale * dL/dW. An fp32 main_grad is the accumulator itself; a 16-bit one (bf16 grad buffer)
+    gets an fp32 accumulator added once (one rounding, as DDP's own add; never bf16 across chunks)."""
+    if main.dtype in (torch.float32, torch.float64):
+        run(hidden, weight, t, opts, shard, settings, acc=main, wscale=wscale)
+        return
+    acc = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+    run(hidden, weight, t, opts, shard, settings, acc=acc, wscale=wscale, acc_fresh=True)
+    main.add_(acc)
+
+
+def run(h, weight, t, opts, shard, settings: FusedSettings, *, grad_h=None, acc=None, wscale=1.0, acc_fresh=False,
+        g=None, defer_redo=False):
+    """One pass over all tokens. Fills grad_h [N, H] (if given, unreduced over TP) and acc [V, H] += wscale
+    * dL/dW (if given) for grad_output = 1. Returns the per-position statistics (ChunkStats over N).
+    acc_fresh: acc holds garbage (torch.empty); the first weight-gradient GEMM overwrites instead of adding
+    (saves a memset of the fp32 accumulator), and rows never written are zeroed. g: the row weights
+    (default: from t; given when run recomputes a subset of rows). defer_redo: return (statistics, redo) where
+    redo() (None: nothing to redo) syncs, recomputes flagged rows and returns the final statistics; the GPU then
+    never idles while the host queues the loss."""
+    n = h.shape[0]
+    v = shard.local_valid
+    w = weight[:v]
+    mdt = t.logp.dtype
+    T = float(opts.temperature)
+    want = grad_h is not None or acc is not None
+    # rows follow the global vocabulary, so a TP rank's buffers shrink with its shard
+    plan = chunk_plan(shard.valid_size, h.shape[1], tp=group_size(shard.group), dtype=h.dtype, opts=opts,
+                      settings=settings, needs_grad=want)
+    scaled, anchored = plan.path != "two_pass", plan.path == "anchored"
+    C, S = plan.sub_rows, plan.super_rows
+    k1 = t.ids.shape[1] + int(opts.needs_ce)
+    row_kernel = scaled and k1 <= MAX_SLOTS  # above: the torch bookkeeping (sparse.py)
+    sl = prepare_slots(t, opts, shard, dedupe=not row_kernel)
+    g = row_weights(t, opts) if g is None else g
+    if anchored:
+        logits = AnchoredLogits(h, w, sl, min(S, n), T)
+        bad_all = torch.zeros(n, dtype=torch.bool, device=h.device)
+    else:
+        logits = Fp32Logits(h, w, sl, C, min(S, n), mdt, want, scaled, T, opts.needs_ce and T != 1.0, SLACK,
+                            settings.block)
+    fresh = acc is not None and acc_fresh
+    stats = []
+    for s0 in range(0, n, S):
+        s1_ = min(n, s0 + S)
+        slc = sl.rows(s0, s1_)
+        e, zg, stat, bad = logits.sweep(s0, s1_, slc)
+        if bad is not None:
+            bad_all[s0:s1_] = bad
+        if row_kernel:  # one launch for the per-row statistics, coefficients and scale
+            lse, uk, zy, scale, vals, rest = scaled_rows(zg, stat[:, 0], stat[:, 1], bad, slc, t.slice(s0, s1_),
+                                                         opts, g[s0:s1_], e.dtype)
+            stats.append(ChunkStats(lse=lse, uk=uk, lse1=lse if opts.needs_ce else None, zy=zy, rest_lse=rest))
+        else:
+            st = combine_stats(zg, stat, slc, opts, shard)
+            stats.append(st)
+            if want:
+                vals, A, B = grad_coefficients(zg, st, t.slice(s0, s1_), slc, opts, g[s0:s1_])
+        if not want:
+            continue
+        if scaled and not row_kernel:
+            scale = A * torch.exp(stat[:, 0] - st.lse)
+            if bad is not None:  # flagged rows add nothing here; they are redone after the loop
+                scale = torch.where(bad, torch.zeros_like(scale), scale)
+            vals = torch.where((scale != 0)[:, None], vals / scale[:, None], torch.zeros_like(vals))
+        elif not scaled and v:
+            lse1 = st.lse1 if B is not None else st.lse
+            coef = torch.stack([A, st.lse, A if B is None else B, lse1], 1).contiguous()
+            logits.dz(e, coef, B is not None)  # two-pass: S == C, one sub-chunk
+        if not v:  # nothing on this shard: no gradient contribution
+            if grad_h is not None:
+                grad_h[s0:s1_].zero_()
+            continue
+        e.scatter_add_(1, slc.col, vals.to(e.dtype))
+        hs = h[s0:s1_]
+        if grad_h is not None:
+            if row_kernel:  # one pass; scale is 0 on flagged rows, whose E may hold huge values (no inf * 0)
+                scale_rows(gemm.mm(e, w, mdt), scale, grad_h[s0:s1_])
+            elif scaled:
+                gh = gemm.mm(e, w, mdt).mul_(scale[:, None])
+                if bad is not None:  # where, not mul: a flagged row's E may hold huge values (inf * 0)
+                    gh = torch.where(bad[:, None], torch.zeros((), dtype=mdt, device=gh.device), gh)
+                grad_h[s0:s1_] = gh
+            else:
+                gemm.mm_into(e, w, grad_h[s0:s1_])
+        if acc is not None:
+            if row_kernel:  # fp32 product, one rounding
+                hs = scale_rows(hs if hs.stride(1) == 1 else hs.contiguous(), scale,
+                                torch.empty(hs.shape, dtype=h.dtype, device=h.device))
+            elif scaled:
+                hs = torch.mul(hs, scale[:, None]).to(h.dtype)  # fp32 product (type promotion), one rounding
+            if fresh:  # first contribution: overwrite (acc came from torch.empty)
+                gemm.mm_into(e.t(), hs, acc[:v])
+                if wscale != 1.0:
+                    acc[:v].mul_(wscale)
+                acc[v:].zero_()
+                fresh = False
+            else:
+                gemm.addmm_(acc[:v], e.t(), hs, alpha=wscale)
+    if fresh:  # nothing was written (no rows on this shard)
+        acc.zero_()
+    out = ChunkStats.cat(stats)
+    redo = None
+    if anchored:  # one host sync per call, after every chunk is queued
+        def redo():
+            rows = bad_all.nonzero()[:, 0]
+            if not rows.numel():
+                return out
+            return _redo_rows(rows, h, weight, t, opts, shard, grad_h, acc, wscale, g, out, settings)
+    if defer_redo:  # the caller queues more GPU work (the loss) before it calls redo and syncs
+        return out, redo
+    return out if redo is None else redo()
+
+
+def _redo_rows(rows, h, weight, t, opts, shard, grad_h, acc, wscale, g, st, settings):
+    """Anchored logits, flagged rows (their scale was 0, so they added nothing yet): recompute those rows alone
+    with fp32 logits, adding to acc and writing their grad_h rows and statistics."""
+    gh = None if grad_h is None else torch.empty((rows.numel(), h.shape[1]), dtype=grad_h.dtype, device=h.device)
+    sub = run(h[rows], weight, t.take(rows), opts, shard, replace(settings, logits="fp32"), grad_h=gh, acc=acc,
+              wscale=wscale, g=g[rows])
+    if grad_h is not None:
+        grad_h[rows] = gh
+    return st.put(rows, sub)
+
+
+class FusedTopKKL(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, t, opts, shard, reduce_grad_input, settings, grad_scale, metrics=None):
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        mdt = t.logp.dtype
+        main = _main_grad(weight) if need_w else None
+        expect = float(grad_scale)
+        grad_h = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_h else None
+        acc = None
+        if need_w:
+            acc = main if main is not None and main.dtype in (torch.float32, torch.float64) else \
+                torch.empty(weight.shape, dtype=mdt if main is None else torch.float32, device=weight.device)
+        st, redo = run(hidden, weight, t, opts, shard, settings, grad_h=grad_h, acc=acc,
+                       wscale=expect if main is not None else 1.0, acc_fresh=acc is not main, defer_redo=True)
+        out = reduce(chunk_loss(st, t, opts), t, opts)  # queued before redo's sync
+        if redo is not None:
+            st2 = redo()
+            if st2 is not st:  # some rows were redone: their loss changed
+                out = reduce(chunk_loss(st2, t, opts), t, opts)
+            st = st2
+        if opts.monitor and metrics is not None:  # the bucket-tail KL (docs/loss.md), from the same statistics
+            metrics["kl_bucket"] = reduce(chunk_monitor(st, t), t, opts)
+        if main is not None and acc is not main:  # 16-bit main_grad: one add of the fp32 result
+            main.add_(acc)
+        if grad_h is not None and reduce_grad_input:
+            all_reduce_sum(grad_h, shard.group)
+        ctx.main, ctx.expect, ctx.settings = main is not None, expect, settings
+        ctx.opts, ctx.shard, ctx.t, ctx.weight_dtype = opts, shard, t, weight.dtype
+        grad_w = None if (acc is None or main is not None) else acc.to(weight.dtype)
+        del acc
+        if ctx.main:  # handed over in backward (see there), not kept: no saved tensor aliases a caller's .grad
+            ctx.grad_h = grad_h
+            ctx.save_for_backward(hidden, weight)
+        else:
+            ctx.save_for_backward(grad_h, grad_w)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        # a 0-dim grad_out keeps the result's dtype but multiplies in its own precision (not rounded to bf16)
+        if not ctx.main:  # fresh tensors, no sync: a second backward (retain_graph) works
+            grad_h, grad_w = ctx.saved_tensors
+            gh = None if grad_h is None else grad_h * grad_out
+            gw = None if grad_w is None else grad_w * grad_out
+            return (gh, gw) + (None,) * (len(ctx.needs_input_grad) - 2)
+        if ctx.grad_h is _TAKEN:
+            raise RuntimeError("the fused loss wrote its weight gradient into main_grad in forward and hands its "
+                               "input gradient over once: backward cannot run twice (retain_graph); call the loss "
+                               "again instead")
+        hidden, weight = ctx.saved_tensors
+        grad_h, ctx.grad_h = ctx.grad_h, _TAKEN
+        g0 = float(grad_out)  # host sync: main_grad already holds expect * dL/dW
+        gh = None if grad_h is None else (grad_h if g0 == 1.0 else grad_h * grad_out)  # 1.0: no pass over [N, H]
+        if g0 != ctx.expect:
+            _add_to_main(hidden, weight, ctx.t, ctx.opts, ctx.shard, weight.main_grad, g0 - ctx.expect, ctx.settings)
+        gw = None
+        if hasattr(weight, "grad_added_to_main_grad"):  # Megatron's convention for fused wgrad accumulation
+            make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+            gw = make(weight.shape, dtype=ctx.weight_dtype, device=weight.device)
+            weight.grad_added_to_main_grad = True
+        return (gh, gw) + (None,) * (len(ctx.needs_input_grad) - 2)
+
+
+def fused_topk_kl(h, weight, t, opts, shard, reduce_grad_input=True, settings: FusedSettings | None = None,
+                  grad_scale: float = 1.0, metrics=None):
+    """h [N, H] (hidden dtype), weight [V_local, H]; returns the reduced loss (scalar) or [N] for "none".
+    settings: FusedSettings (None: the production defaults). grad_scale: the grad_output backward will bring
+    (with main_grad, anything else costs a second pass)."""
+    settings = FusedSettings() if settings is None else settings
+    if opts.reduction == "none" or h.shape[0] == 0:
+        chunk = int(opts.chunk_size or default_chunk_size(shard.local_valid))
+        return TopKKLFunction.apply(h, weight, t, opts, shard, "chunked", chunk, reduce_grad_input, metrics)
+    return FusedTopKKL.apply(h, weight, t, opts, shard, reduce_grad_input, settings, grad_scale, metrics)

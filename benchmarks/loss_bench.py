@@ -128,6 +128,10 @@ def variants_for(a, h, w, ids, logp):
         v[f"ours {impl}"] = ours(h, w, ids, logp, impl)
         if impl == "fused":
             v["ours fused, grad into main_grad"] = ours(h, w, ids, logp, "fused", main_grad=True)
+            for div in a.divergences:  # issue 20: the same fused path with another divergence
+                v[f"ours fused {div}"] = ours(h, w, ids, logp, "fused", divergence=div)
+                v[f"ours fused {div}, grad into main_grad"] = ours(h, w, ids, logp, "fused", main_grad=True,
+                                                                  divergence=div)
             for spec in a.settings:
                 from megatron_kd.loss import FusedSettings
                 fs = FusedSettings(**parse_settings(spec))
@@ -153,6 +157,8 @@ def bench(a, dev):
                 if results[name] is None or not results[name].get("error"):
                     results[name] = pool(results[name], timed(fn, a.reps, h, w))
         floor = (results.get("3 GEMMs alone (floor)") or {}).get("ms")
+        if a.divergences:
+            result.setdefault("divergences", {})[str(n)] = divergence_check(results, floor, a.divergences)
         for name, r in results.items():
             r.update(variant=name, tokens=n, vocab=a.vocab, hidden=a.hidden, topk=a.topk)
             if floor and r.get("ms"):
@@ -169,6 +175,21 @@ def bench(a, dev):
         drop_all()
         save(a.out, result)
     return result
+
+
+def divergence_check(results, floor, divergences):
+    """Issue 20's bar per divergence: x the floor (<= 1.20) and peak memory against fused forward KL (<= +0.1 GiB),
+    for plain .grad and grad into main_grad."""
+    out = {}
+    for div in divergences:
+        for suffix in ("", ", grad into main_grad"):
+            r, f = results.get(f"ours fused {div}{suffix}") or {}, results.get(f"ours fused{suffix}") or {}
+            if r.get("ms") and f.get("peak_gib") is not None and floor:
+                x, dm = r["ms"] / floor, r["peak_gib"] - f["peak_gib"]
+                out[f"{div}{suffix}"] = dict(x_floor=x, peak_minus_forward_kl_gib=dm, forward_kl_x_floor=f["ms"] / floor,
+                                             bar_met=x <= 1.20 and dm <= 0.1)
+    print(json.dumps(out, indent=1), flush=True)
+    return out
 
 
 def drop_all():
@@ -400,8 +421,9 @@ def main():
     ap.add_argument("--impls", nargs="+", default=["dense", "chunked", "forward_chunked", "fused"])
     ap.add_argument("--baselines", nargs="+", default=["gemm", "liger", "cce"])
     ap.add_argument("--settings", nargs="*", default=[],
-                    help="extra fused variants (main_grad) as FusedSettings fields: logits=fp32 a_mib=768 "
-                         "z_mib=256,e_mib=1024")
+                    help="extra fused variants (main_grad), FusedSettings fields: logits=fp32 a_mib=768 z_mib=256,e_mib=1024")
+    ap.add_argument("--divergences", nargs="*", default=[], choices=["reverse_kl", "jsd"],
+                    help="also time fused with these divergences (issue 20: x floor, peak vs fused forward KL)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2, help="passes over all variants; ms = median of all reps")
     ap.add_argument("--profile", action="store_true", help="also profile each fused variant once (torch.profiler)")

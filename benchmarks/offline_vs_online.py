@@ -62,9 +62,28 @@ class BenchSettings(Settings):
 
 SMALL = dict(teacher_iters=250, student_iters=60, eval_samples=32, eval_interval=20)
 
+# --sweep (issue 20): K x tail x divergence, every K read from the ONE K=100 cache (its K most probable entries)
+SWEEP_K = (8, 20, 50, 100)
+SWEEP_TAILS = ("none", "renormalize", "bucket")
+SWEEP_DIVS = ("forward_kl", "reverse_kl", "jsd")
+JSD_BETA = 0.5
+SWEEP_BAR = 0.01  # offline K=100 forward KL (tail none) within 1% of online full on held-out CE and KL
+
+
+def sweep_modes(ks=SWEEP_K, tails=SWEEP_TAILS, divs=SWEEP_DIVS) -> list:
+    """References and the largest K first: an interrupted sweep has what the bar needs."""
+    return ["online_full", "ce"] + [f"k{k}_{tail}_{div}" for k in sorted(ks, reverse=True) for tail in tails
+                                    for div in divs]
+
+
+def sweep_mode(mode: str):
+    k, tail, div = mode.split("_", 2)
+    return int(k[1:]), tail, div
+
 
 class Bench(Demo):
     """The demo's stages (data, teacher, cache, `megatron-kd train` processes) with this benchmark's students."""
+    sweep = False
 
     def say(self, text: str) -> None:
         print(f"[offline_vs_online] {text}", flush=True)
@@ -75,6 +94,14 @@ class Bench(Demo):
         if mode == "offline":  # the demo's cache stage composes its recipe from this: K = the cache's K
             mode = "offline_k100"
         o = self.common(f"student_{mode}", s.student_iters, s.student_lr) + [f"train.save_interval={s.eval_interval}"]
+        if self.sweep:  # the fidelity sweep (issue 20): only the final checkpoint is evaluated
+            o = self.common(f"student_{mode}", s.student_iters, s.student_lr)
+            o = [x.replace(f"train.eval_interval={s.eval_interval}", f"train.eval_interval={s.student_iters}")
+                 for x in o]
+        if mode.startswith("k") and "_" in mode:  # k{K}_{tail}_{divergence}, all read from the one K=100 cache
+            k, tail, div = sweep_mode(mode)
+            return o + ["kd=offline", f"kd.top_k={k}", f"kd.tail={tail}", f"kd.divergence={div}",
+                        f"kd.jsd_beta={JSD_BETA}", teacher, f"kd.cache={self.cache}", "kd.build_cache=false"]
         if mode.startswith("offline"):
             k = s.top_k if mode == "offline_k100" else s.small_k
             o += ["kd=offline", f"kd.top_k={k}", "kd.tail=none", teacher, f"kd.cache={self.cache}",
@@ -232,6 +259,189 @@ def plot(res: dict, png: str) -> None:
     fig.savefig(png, dpi=110)
     plt.close(fig)
 
+# --- the fidelity sweep (issue 20) ----------------------------------------------------------------------------
+
+def _hidden_and_weight(model, batch):
+    """The student's final hidden states [s, b, H] and output weight through the training hook (no logits)."""
+    from megatron_kd.megatron.hook import forward_with_head
+    out = {}
+
+    def head(hidden, weight):
+        out["h"], out["w"] = hidden, weight
+        return hidden.new_empty((hidden.shape[0], hidden.shape[1], 0))
+    forward_with_head(model, head, batch["tokens"], batch["position_ids"], None)
+    return out["h"], out["w"]
+
+
+def retemper_check(bench: Bench, student_dir: str, num_samples: int, ks=(20, 100), temps=(0.5, 2.0, 4.0)) -> dict:
+    """Re-tempering a cache captured at T0 = 1 to T (K ids + one rest class) against re-tempering the teacher's
+    full distribution, on the demo teacher's real held-out distributions. Per (K, T): mean |delta log p| over the
+    K ids, mean total variation over the K+1 classes, and the relative error of the mean training loss (T^2
+    forward KL, tails none and bucket) of a trained student (student_dir) between the two caches."""
+    import torch
+    from megatron_kd import topk_kl_loss
+    from megatron_kd.loss.temper import retemper_logprobs
+    from megatron_kd.megatron.checkpoint import iter_dir
+    from megatron_kd.megatron.data import build_datasets, load_tokenizer, loader, samples_needed
+    from megatron_kd.megatron.dist import distributed
+    from megatron_kd.megatron.evaluate import _load
+    r = bench.recipe("online_full")
+    vocab = load_tokenizer(r.data).vocab_size
+    acc = {}
+    with torch.no_grad(), distributed(r.parallel, r.train.seed, r.train.device):
+        _, valid = build_datasets(r.data, load_tokenizer(r.data), samples_needed(r.train, r.data)[0], num_samples)
+        t_model = _load(r.teacher, os.path.join(bench.out, "teacher"), r, vocab)
+        student = _load(r.model, iter_dir(student_dir, bench.s.student_iters), r, vocab)
+        for batch in loader(valid, num_samples, 0, min(16, num_samples), 0, 1):
+            th, tw = _hidden_and_weight(t_model, batch)
+            z = (th @ tw.t())[..., :vocab].float()  # [s, b, V] teacher logits
+            sh, sw = _hidden_and_weight(student, batch)
+            for k in ks:
+                lp0, ids = torch.log_softmax(z, -1).topk(k, dim=-1)
+                flat = lp0.reshape(-1, k)
+                ok = torch.ones_like(flat, dtype=torch.bool)
+                for T in temps:
+                    approx = retemper_logprobs(flat.double(), ok, 1.0 / T).float().reshape(lp0.shape)
+                    exact = torch.log_softmax(z / T, -1).gather(-1, ids)
+                    pa, pe = approx.exp(), exact.exp()
+                    tv = 0.5 * ((pa - pe).abs().sum(-1) + ((1 - pa.sum(-1)) - (1 - pe.sum(-1))).abs())
+                    a = acc.setdefault(f"K={k},T={T}", {"dlogp": 0.0, "tv": 0.0, "n": 0, "slots": 0})
+                    a["dlogp"] += (approx - exact).abs().sum().item()
+                    a["slots"] += approx.numel()
+                    a["tv"] += tv.sum().item()
+                    a["n"] += tv.numel()
+                    for tail in ("none", "bucket"):
+                        kw = dict(temperature=T, tail=tail, reduction="sum", impl="chunked", valid_vocab_size=vocab)
+                        la = topk_kl_loss(sh, sw, ids, lp0, cache_temperature=1.0, **kw).item()
+                        le = topk_kl_loss(sh, sw, ids, exact, **kw).item()
+                        a[f"loss_{tail}_approx"] = a.get(f"loss_{tail}_approx", 0.0) + la
+                        a[f"loss_{tail}_exact"] = a.get(f"loss_{tail}_exact", 0.0) + le
+    out = {}
+    for key, a in acc.items():
+        row = {"mean_abs_dlogp_topk": a["dlogp"] / a["slots"], "mean_tv_k_plus_rest": a["tv"] / a["n"]}
+        for tail in ("none", "bucket"):
+            ex = a[f"loss_{tail}_exact"]
+            row[f"loss_{tail}_exact_per_token"] = ex / a["n"]
+            row[f"loss_{tail}_rel_err"] = (a[f"loss_{tail}_approx"] - ex) / abs(ex)
+        out[key] = row
+    return out
+
+
+def sweep_label(mode: str) -> str:
+    if mode == "online_full":
+        return "online, full vocabulary (forward KL)"
+    if mode == "ce":
+        return "CE only (no teacher)"
+    k, tail, div = sweep_mode(mode)
+    return f"K={k}, tail {tail}, {div if div != 'jsd' else f'JSD({JSD_BETA})'}"
+
+
+def sweep_table(res: dict) -> str:
+    final, ref = res["final"], res["final"]["online_full"]
+    lines = ["| student | K | tail | divergence | held-out CE | KL to teacher | CE vs online | KL vs online |",
+             "|---|---|---|---|---|---|---|---|"]
+    for m in res["modes"]:
+        f = final[m]
+        if m in ("online_full", "ce"):
+            k, tail, div = ("V", "-", "forward_kl") if m == "online_full" else ("-", "-", "CE only")
+        else:
+            k, tail, div = sweep_mode(m)
+            div = div if div != "jsd" else f"jsd({JSD_BETA})"
+        cg = (f["ce"] - ref["ce"]) / ref["ce"] * 100
+        kg = (f["kl"] - ref["kl"]) / ref["kl"] * 100
+        lines.append(f"| {m} | {k} | {tail} | {div} | {f['ce']:.4f} | {f['kl']:.4f} | {cg:+.2f}% | {kg:+.2f}% |")
+    lines.append(f"| teacher (reference) | | | | {res['teacher_ce']:.4f} | - | | |")
+    return "\n".join(lines)
+
+
+def sweep_plot(res: dict, png: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    final = res["final"]
+    ks = sorted({sweep_mode(m)[0] for m in res["modes"] if m not in ("online_full", "ce")})
+    divs = [d for d in SWEEP_DIVS if any(m.endswith("_" + d) for m in res["modes"])]
+    fig, axes = plt.subplots(2, len(divs), figsize=(5 * len(divs), 8), squeeze=False)
+    colors = {"none": "tab:blue", "renormalize": "tab:purple", "bucket": "tab:red"}
+    for j, div in enumerate(divs):
+        for i, metric in enumerate(("kl", "ce")):
+            ax = axes[i][j]
+            for tail in SWEEP_TAILS:
+                ms = [f"k{k}_{tail}_{div}" for k in ks]
+                if all(m in final for m in ms):
+                    ax.plot(ks, [final[m][metric] for m in ms], "o-", color=colors[tail], label=f"tail {tail}")
+            ax.axhline(final["online_full"][metric], color="tab:orange", linestyle="--", label="online full (fwd KL)")
+            ax.axhline(final["ce"][metric], color="tab:green", linestyle=":", label="CE only")
+            name = div if div != "jsd" else f"JSD({JSD_BETA})"
+            ax.set(xscale="log", xticks=ks, xticklabels=[str(k) for k in ks], xlabel="K (from one K=100 cache)",
+                   ylabel="nats/token", title=f"{name}: held-out {'KL(teacher || student)' if metric == 'kl' else 'CE'}")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    s = res["settings"]
+    fig.suptitle(f"Fidelity sweep: pydoc text, vocab {s['vocab_size']}, {s['student_iters']} steps x "
+                 f"{s['global_batch_size']}x{s['seq_length']} tokens, same seed; final held-out metrics", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def train_students(bench: Bench, modes) -> dict | None:
+    """One `megatron-kd train` process per mode (finished ones are kept); {mode: command}, None on a failure."""
+    commands = {}
+    for m in modes:
+        o = bench.student_overrides(m)
+        commands[m] = "megatron-kd train " + " ".join(o)
+        if bench.stage_train(f"student_{m}", o):
+            return None
+    return commands
+
+
+def run_sweep(bench: Bench, args, t0: float) -> int:
+    from megatron_kd.megatron.evaluate import compare
+    from megatron_kd.megatron.checkpoint import iter_dir
+    s = bench.s
+    ks = tuple(int(k) for k in args.sweep_k.split(","))
+    divs = tuple(args.sweep_div.split(","))
+    modes = sweep_modes(ks, SWEEP_TAILS, divs)
+    commands = train_students(bench, modes)
+    if commands is None:
+        return 2
+    t = time.time()
+    r = bench.recipe("online_full")
+    students = {m: (r.model, iter_dir(os.path.join(bench.out, f"student_{m}"), s.student_iters)) for m in modes}
+    metrics = compare(r, os.path.join(bench.out, "teacher"), students, s.eval_samples,
+                      min(s.micro_batch_size, s.eval_samples))
+    bench.times["evaluate"] = time.time() - t
+    t = time.time()
+    retemper = retemper_check(bench, os.path.join(bench.out, "student_ce"), min(64, s.eval_samples))
+    bench.times["retemper_check"] = time.time() - t
+    final = {m: {k: metrics[m][k] for k in ("ce", "kl")} for m in modes}
+    from common import environment
+    res = {"benchmark": "fidelity sweep: K x tail x divergence from one K=100 cache vs online full KD (issue 20)",
+           "command": "python benchmarks/offline_vs_online.py --sweep" + (" --small" if args.small else ""),
+           "device": "CPU", "cpu_cores": os.cpu_count(), "environment": environment(),
+           "settings": dataclasses.asdict(s), "jsd_beta": JSD_BETA, "modes": modes, "student_commands": commands,
+           "teacher_ce": metrics["teacher"]["ce"], "final": final, "retemper_error": retemper,
+           "stage_s": bench.times}
+    key = f"k{max(ks)}_none_forward_kl"
+    ref = final["online_full"]
+    gap = {m: (final[key][m] - ref[m]) / ref[m] for m in ("ce", "kl")} if key in final else None
+    res["gap_k100_forward_kl_vs_online"] = gap
+    res["bar"] = f"|gap| <= {SWEEP_BAR:.0%} for offline K=100 forward KL (tail none) vs online full, CE and KL"
+    res["bar_met"] = bool(gap) and max(ks) == 100 and all(abs(v) <= SWEEP_BAR for v in gap.values())
+    res["total_s"] = time.time() - t0
+    os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
+    sweep_plot(res, args.results + ".png")
+    table = sweep_table(res)
+    with open(args.results + ".json", "w") as f:
+        json.dump(res, f, indent=2)
+    with open(args.results + ".md", "w") as f:
+        f.write(table + "\n")
+    print("\n" + table + "\n", flush=True)
+    print(json.dumps(retemper, indent=1), flush=True)
+    bench.say(f"bar ({res['bar']}): {'MET' if res['bar_met'] else 'MISSED'} {gap}; total {res['total_s']:.0f} s")
+    return 0 if res["bar_met"] else 1
+
 
 LEAN_MODES = {"adam_fp32": ["train.precision=fp32"],
          "lean_bf16": ["train.precision=bf16", "train.optimizer=lean_adam"]}
@@ -307,7 +517,13 @@ def main(argv=None) -> int:
     p.add_argument("--small", action="store_true", help="smoke-test sizes")
     p.add_argument("--overwrite", action="store_true", help="discard a previous run in --out")
     p.add_argument("--progress", action="store_true", help="tqdm bars instead of log lines")
+    p.add_argument("--sweep", action="store_true", help="issue 20's fidelity sweep: K x tail x divergence from one "
+                   "K=100 cache, against online full KD and CE only (results default: divergence_sweep_cpu)")
+    p.add_argument("--sweep-k", default=",".join(map(str, SWEEP_K)), help="--sweep: the K values")
+    p.add_argument("--sweep-div", default=",".join(SWEEP_DIVS), help="--sweep: the divergences")
     args = p.parse_args(argv)
+    if args.sweep and not args.results:
+        args.results = os.path.join(HERE, "results", "divergence_sweep_cpu" + ("_small" if args.small else ""))
     args.results = args.results or os.path.join(HERE, "results", "lean_adam_quality_cpu" if args.lean_adam
                                                 else "offline_vs_online_cpu")
     from megatron_kd.megatron import quiet_megatron_warnings
@@ -316,6 +532,7 @@ def main(argv=None) -> int:
     out = os.path.abspath(args.out)
     prepare_out_dir(out, s, args.overwrite)
     bench = Bench(out, s, progress=args.progress)
+    bench.sweep = args.sweep
     t0 = time.time()
     bench.stage_data()
     if bench.stage_train("teacher", bench.teacher_overrides()):
@@ -323,6 +540,8 @@ def main(argv=None) -> int:
     bench.stage_cache()
     if args.lean_adam:
         return lean_adam_quality(args, s, out, bench, t0)
+    if args.sweep:
+        return run_sweep(bench, args, t0)
     t = time.time()
     check = check_full_kl(bench, min(32, s.eval_samples))
     bench.times["check_full_kl"] = time.time() - t
@@ -330,12 +549,9 @@ def main(argv=None) -> int:
     if not check["is_full_kl"]:
         bench.say("online_full is NOT the full KL; stopping")
         return 2
-    commands = {}
-    for m in MODES:
-        o = bench.student_overrides(m)
-        commands[m] = "megatron-kd train " + " ".join(o)
-        if bench.stage_train(f"student_{m}", o):
-            return 2
+    commands = train_students(bench, MODES)
+    if commands is None:
+        return 2
     t = time.time()
     ev = evaluate_curves(bench)
     bench.times["evaluate"] = time.time() - t

@@ -19,7 +19,8 @@ import triton.language as tl
 from .rows import INTERPRET, _acc, _consts
 
 
-MAX_SLOTS = 256  # K1 above this: the K1 x K1 duplicate search outgrows a program (loss/fused.py: torch ops)
+DIVERGENCE_CODES = {"forward_kl": 0, "reverse_kl": 1, "jsd": 2}  # the kernel's DIV
+MAX_SLOTS = 256  # K1 above this: the K1 x K1 duplicate search outgrows a program (fused.py uses the torch ops)
 
 
 def _kernel_dtype(dtype):
@@ -30,9 +31,9 @@ def _kernel_dtype(dtype):
 
 @triton.jit
 def _scaled_rows_kernel(zg_ptr, a_ptr, se_ptr, ast, bad_ptr, col_ptr, own_ptr, logp_ptr, valid_ptr,
-                        g_ptr, lab_ptr, lse_ptr, uk_ptr, zy_ptr, scale_ptr, vals_ptr, prm_ptr, K, K1,
+                        g_ptr, lab_ptr, lse_ptr, uk_ptr, zy_ptr, scale_ptr, vals_ptr, rest_ptr, prm_ptr, K, K1,
                         HAS_BAD: tl.constexpr, NEED_KL: tl.constexpr, NEED_CE: tl.constexpr, KP: tl.constexpr,
-                        ACC: tl.constexpr):
+                        ACC: tl.constexpr, DIV: tl.constexpr = 0, NEED_REST: tl.constexpr = False):
     r = tl.program_id(0).to(tl.int64)
     js = tl.arange(0, KP)
     jin = js < K1
@@ -41,6 +42,7 @@ def _scaled_rows_kernel(zg_ptr, a_ptr, se_ptr, ast, bad_ptr, col_ptr, own_ptr, l
     T = tl.load(prm_ptr + 1)
     kw = tl.load(prm_ptr + 2)
     cw = tl.load(prm_ptr + 3)
+    beta = tl.load(prm_ptr + 4)
     zg = tl.load(zg_ptr + r * K1 + js, mask=jin, other=float("-inf")).to(ACC)
     own = tl.load(own_ptr + r * K1 + js, mask=jin, other=0) != 0
     col = tl.load(col_ptr + r * K1 + js, mask=jin, other=-1)
@@ -53,8 +55,11 @@ def _scaled_rows_kernel(zg_ptr, a_ptr, se_ptr, ast, bad_ptr, col_ptr, own_ptr, l
     u = zg * inv_t
     m = tl.where(tl.abs(a) < float("inf"), a, 0.0)  # an empty row's anchor is -inf
     e_slot = tl.where(first, tl.exp(u - m), 0.0)
-    lse = m + tl.log(se * tl.exp(a - m) + tl.sum(e_slot, 0))
+    base = se * tl.exp(a - m)
+    lse = m + tl.log(base + tl.sum(e_slot, 0))
     tl.store(lse_ptr + r, lse)
+    if NEED_REST:  # log-sum-exp over every column but the teacher's ids (the label's column counts)
+        tl.store(rest_ptr + r, m + tl.log(base + tl.sum(tl.where(js == K, e_slot, 0.0), 0)))
     tl.store(uk_ptr + r * K + js, tl.where(own & tin, u, 0.0), mask=tin)
     g = tl.load(g_ptr + r).to(ACC)
     dense = g * 0.0
@@ -62,10 +67,24 @@ def _scaled_rows_kernel(zg_ptr, a_ptr, se_ptr, ast, bad_ptr, col_ptr, own_ptr, l
     if NEED_KL:
         lp = tl.load(logp_ptr + r * K + js, mask=tin, other=0.0).to(ACC)
         vd = tl.load(valid_ptr + r * K + js, mask=tin, other=0) != 0
-        p = tl.where(vd, tl.exp(lp), 0.0)
         ac = T * kw * g
-        dense += ac * tl.sum(p, 0)
-        sp -= ac * p
+        if DIV == 0:  # forward KL: dz = ac (P q - p)
+            p = tl.where(vd, tl.exp(lp), 0.0)
+            dense += ac * tl.sum(p, 0)
+            sp -= ac * p
+        else:  # reverse KL / JSD, tail none: H = q df/dq, dz = ac (H - q sum H) (loss/core.py _divergence_grad)
+            lq = u - lse
+            qk = tl.where(vd & own, tl.exp(lq), 0.0)
+            if DIV == 1:
+                G = lq - lp + 1.0
+            else:
+                x1 = lp + tl.log(beta)
+                x2 = lq + tl.log(1.0 - beta)
+                mx = tl.maximum(x1, x2)
+                G = (1.0 - beta) * (lq - (mx + tl.log(tl.exp(x1 - mx) + tl.exp(x2 - mx))))
+            H = tl.where(qk > 0.0, qk * G, 0.0)
+            dense -= ac * tl.sum(H, 0)
+            sp += ac * H
     if NEED_CE:
         lab = tl.load(lab_ptr + r)
         dense += cw * g
@@ -86,9 +105,12 @@ def _scaled_rows_kernel(zg_ptr, a_ptr, se_ptr, ast, bad_ptr, col_ptr, own_ptr, l
 def scaled_rows(zg, a, se, bad, sl, t, opts, g, vals_dtype):
     """zg [C, K1] slot logits (math dtype), a / se [C] (equal row strides), bad [C] bool or None; sl the chunk's
     Slots (col and own are read; duplicates are found here, so sl.first / sl.cid may be None), t its Targets, g
-    its row weights. Returns (lse, uk, zy or None, scale [C], vals [C, K1] vals_dtype)."""
+    its row weights. Returns (lse, uk, zy or None, scale [C], vals [C, K1] vals_dtype, rest_lse or None); opts
+    reads kl_weight, ce_weight, temperature, tail, divergence, jsd_beta and monitor (rest_lse: log-sum-exp off the
+    teacher's ids, for the bucket-KL monitor)."""
     c, k1 = zg.shape
-    if k1 > MAX_SLOTS or (opts.needs_ce and opts.temperature != 1.0) or opts.tail != "none":
+    if k1 > MAX_SLOTS or (opts.needs_ce and opts.temperature != 1.0) or opts.tail != "none" or \
+            opts.divergence not in DIVERGENCE_CODES:
         raise ValueError(f"scaled_rows covers tail 'none', CE only at T = 1 and K1 <= {MAX_SLOTS} slots; got "
                          f"tail={opts.tail!r}, ce_weight={opts.ce_weight}, T={opts.temperature}, K1={k1}")
     k = sl.k
@@ -97,17 +119,21 @@ def scaled_rows(zg, a, se, bad, sl, t, opts, g, vals_dtype):
     uk = torch.empty((c, k), dtype=dt, device=zg.device)
     zy = torch.empty(c, dtype=dt, device=zg.device) if opts.needs_ce else None
     scale = torch.empty(c, dtype=dt, device=zg.device)
+    rest = torch.empty(c, dtype=dt, device=zg.device) if opts.monitor else None
     vals = torch.empty((c, k1), dtype=_kernel_dtype(vals_dtype), device=zg.device)
     if c:
         assert a.stride(0) == se.stride(0) and zg.is_contiguous()
-        prm = _consts(zg.device, dt, 1.0 / opts.temperature, opts.temperature, opts.kl_weight, opts.ce_weight)
+        prm = _consts(zg.device, dt, 1.0 / opts.temperature, opts.temperature, opts.kl_weight, opts.ce_weight,
+                      opts.jsd_beta)
         lab = t.labels if opts.needs_ce else g
         _scaled_rows_kernel[(c,)](
             zg, a, se, a.stride(0), bad if bad is not None else g, sl.col.contiguous(), sl.own.contiguous(),
             t.logp.contiguous(), t.valid.contiguous(), g, lab, lse, uk,
-            zy if zy is not None else lse, scale, vals, prm, k, k1, HAS_BAD=bad is not None,
-            NEED_KL=opts.needs_kl, NEED_CE=opts.needs_ce, KP=max(2, triton.next_power_of_2(k1)), ACC=_acc(dt))
-    return lse, uk, zy, scale, vals.to(vals_dtype)
+            zy if zy is not None else lse, scale, vals, rest if rest is not None else lse, prm, k, k1,
+            HAS_BAD=bad is not None, NEED_KL=opts.needs_kl, NEED_CE=opts.needs_ce,
+            KP=max(2, triton.next_power_of_2(k1)), ACC=_acc(dt), DIV=DIVERGENCE_CODES[opts.divergence],
+            NEED_REST=rest is not None)
+    return lse, uk, zy, scale, vals.to(vals_dtype), rest
 
 
 @triton.jit

@@ -8,6 +8,7 @@ from .chunks import FusedSettings, default_chunk_size
 from .function import TopKKLFunction
 from .inputs import check_and_flatten
 from .options import LossOptions
+from .temper import retemper_logprobs
 
 DENSE_AUTO_LIMIT = 1 << 24  # "auto" on CPU materializes logits below this many elements
 
@@ -28,12 +29,26 @@ def _pick_impl(opts: LossOptions, n: int, v_local: int, device: torch.device) ->
 def topk_kl_loss(hidden, weight, topk_ids, topk_logprobs, *, labels=None, loss_mask=None, kl_weight=1.0,
                  ce_weight=0.0, temperature=1.0, tail="none", reduction="mean", impl="auto", chunk_size=None,
                  ignore_index=-100, tp_group=None, sequence_parallel=False, vocab_start_index=None,
-                 valid_vocab_size=None, fused_settings=None, grad_scale=1.0):
-    """KL(teacher top-K || student) from the student's hidden states, never holding [N, V] logits.
+                 valid_vocab_size=None, fused_settings=None, grad_scale=1.0, divergence="forward_kl", jsd_beta=0.5,
+                 cache_temperature=None, metrics=None):
+    """A divergence between a sparse top-K teacher and the student, from the student's hidden states, never
+    holding [N, V] logits.
 
     hidden [..., H] (under sequence_parallel: this rank's [s/tp, ...] shard), weight [V_local, H] (this
     rank's vocab shard), topk_ids / topk_logprobs [..., K] (global ids, -1 = empty; teacher log-probs over
     its full vocabulary), labels / loss_mask [...]. Returns a scalar ("mean", "sum") or [...] ("none").
+
+    Per position: loss = T^2 * kl_weight * D(teacher, softmax(z / T)) + ce_weight * CE(softmax(z), label).
+    T^2 is included (ModelOpt's Megatron plugin and Liger leave it out: pass kl_weight=1/T**2 for their number).
+    Only the student is tempered: topk_logprobs must be the teacher's log-softmax at T, or were captured at
+    cache_temperature=T0 and are re-tempered here over the K ids plus one rest class (an approximation:
+    docs/loss.md gives its measured error). divergence: "forward_kl" KL(t || s), "reverse_kl" KL(s || t), "jsd"
+    beta KL(t || m) + (1 - beta) KL(s || m), m = beta t + (1 - beta) s, beta = jsd_beta in (0, 1). tail: what
+    the K ids are compared as: "none" the K ids as they are (forward KL can go below 0), "renormalize" both
+    renormalized over the K ids, "bucket" the K ids plus one class for the rest of the vocabulary.
+    reduction: "mean" sum(w loss) / sum(w), w = loss_mask x (labels != ignore_index); "sum" sum(w loss); "none"
+    per position (0 where w = 0). metrics: a dict to fill with "kl_bucket", the bucket-tail KL(t || s) at T (no
+    T^2, detached, same reduction), a true divergence to monitor. Full definitions: docs/loss.md.
     fused_settings: FusedSettings for impl="fused" (None: the production defaults; loss/chunks.py).
     grad_scale: the grad_output backward will bring (Megatron: the optimizer's loss scale, megatron.optim.loss_scale).
     impl="fused" writes the weight gradient into weight.main_grad during forward already times grad_scale; a
@@ -46,7 +61,12 @@ def topk_kl_loss(hidden, weight, topk_ids, topk_logprobs, *, labels=None, loss_m
         raise ValueError(f"fused_settings must be a megatron_kd.loss.FusedSettings or None, got "
                          f"{type(fused_settings).__name__}")
     opts = LossOptions(kl_weight=float(kl_weight), ce_weight=float(ce_weight), temperature=float(temperature),
-                       tail=tail, reduction=reduction, impl=impl, chunk_size=chunk_size, ignore_index=ignore_index)
+                       tail=tail, reduction=reduction, impl=impl, chunk_size=chunk_size, ignore_index=ignore_index,
+                       divergence=divergence, jsd_beta=float(jsd_beta),
+                       cache_temperature=None if cache_temperature is None else float(cache_temperature),
+                       monitor=metrics is not None)
+    if metrics is not None and not isinstance(metrics, dict):
+        raise ValueError(f"metrics must be a dict to fill (or None), got {type(metrics).__name__}")
     tp = group_size(tp_group)
     if sequence_parallel and tp == 1:
         sequence_parallel = False
@@ -58,18 +78,24 @@ def topk_kl_loss(hidden, weight, topk_ids, topk_logprobs, *, labels=None, loss_m
                                    vocab_size=shard.valid_size, seq_shards=tp if sequence_parallel else 1)
     if weight.dtype != hidden.dtype:
         raise ValueError(f"weight dtype {weight.dtype} must match hidden dtype {hidden.dtype}")
+    if opts.retemper is not None:
+        t.logp = retemper_logprobs(t.logp, t.valid, opts.retemper)
     if sequence_parallel:
         h = gather_sequence(hidden, tp_group).reshape(-1, hidden.shape[-1])
     mode = _pick_impl(opts, h.shape[0], -(-shard.valid_size // tp), h.device)
     if mode == "fused":
         from .fused import fused_topk_kl
         out = fused_topk_kl(h, weight, t, opts, shard, reduce_grad_input=not sequence_parallel,
-                            settings=fused_settings, grad_scale=grad_scale)
+                            settings=fused_settings, grad_scale=grad_scale, metrics=metrics)
     else:
         if mode == "forward_chunked" and opts.reduction == "none":
             mode = "chunked"  # per-position upstream grads are unknown in forward
         n = max(1, h.shape[0])
         # chunk tokens follow the global vocabulary, so a TP rank's chunk buffer shrinks with its shard
         chunk = n if mode == "dense" else int(opts.chunk_size or default_chunk_size(shard.valid_size))
-        out = TopKKLFunction.apply(h, weight, t, opts, shard, mode, chunk, not sequence_parallel)
-    return out.reshape(lead) if opts.reduction == "none" else out
+        out = TopKKLFunction.apply(h, weight, t, opts, shard, mode, chunk, not sequence_parallel, metrics)
+    if opts.reduction == "none":
+        if metrics is not None and "kl_bucket" in metrics:
+            metrics["kl_bucket"] = metrics["kl_bucket"].reshape(lead)
+        return out.reshape(lead)
+    return out

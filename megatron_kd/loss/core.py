@@ -3,6 +3,7 @@
 Notation: z = student logits of this rank's vocab shard [C, Vs]; u = z / T; lse = logsumexp(u) over
 the whole (global) vocabulary; q = softmax(u). Only O(C x K) values cross ranks (see chunk_stats).
 """
+import math
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +64,7 @@ def chunk_stats(z: torch.Tensor, t: Targets, opts: LossOptions, shard: VocabShar
     e = torch.exp(u - m[:, None])
     cols = [e.sum(dim=1)]
     own, idx = local_columns(t.ids, t.valid, shard)
-    if opts.tail == "bucket":
+    if opts.needs_rest:
         hit = torch.zeros_like(e).scatter_add_(1, idx, own.to(e.dtype)) if z.shape[1] else e
         cols.append(e.masked_fill(hit > 0, 0.0).sum(dim=1))  # exact: no 1 - sum(q) cancellation
     del e
@@ -82,7 +83,7 @@ def unpack_stats(packed: torch.Tensor, m: torch.Tensor, n_cols: int, opts: LossO
     T = float(opts.temperature)
     st = ChunkStats(lse=m + torch.log(packed[:, 0]), uk=packed[:, n_cols:])
     j = 1
-    if opts.tail == "bucket":
+    if opts.needs_rest:
         st.rest_lse = m + torch.log(packed[:, j])
         j += 1
     if opts.needs_ce:
@@ -112,29 +113,115 @@ def _log_S(st: ChunkStats, t: Targets):
     return torch.logsumexp(st.uk.masked_fill(~t.valid, float("-inf")), dim=1) - st.lse
 
 
+def forward_kl(st: ChunkStats, t: Targets, tail: str) -> torch.Tensor:
+    """Per-position KL(teacher || student) [C] on the teacher's ids, with the given tail (unweighted, no T^2)."""
+    p, P = _teacher(t)
+    if tail == "renormalize":
+        logP = torch.log(P)
+        lqt = st.uk - torch.logsumexp(st.uk.masked_fill(~t.valid, float("-inf")), dim=1, keepdim=True)
+        kl = (p * (t.logp - logP[:, None] - lqt)).masked_fill(~t.valid, 0.0).sum(dim=1) / P
+        return torch.where(P > 0, kl, torch.zeros_like(kl))
+    lq = st.uk - st.lse[:, None]
+    kl = (p * (t.logp - lq)).masked_fill(~t.valid, 0.0).sum(dim=1)
+    if tail == "bucket":
+        R = _rest_mass(P)
+        log_r = st.rest_lse - st.lse
+        rest = R * (torch.log(R) - log_r)
+        kl = kl + torch.where(R > 0, rest, torch.zeros_like(rest))
+    return kl
+
+
+# Reverse KL on the bucket tail needs log R of the teacher's rest class; a cache whose top-K holds all the mass
+# (R below rounding) would make it log 0. The rest class's teacher mass is floored at this value inside that log
+# only (docs/loss.md). At K = V the student's rest mass is exactly 0, so the floor never acts there.
+REVERSE_REST_FLOOR = 1e-6
+
+
+def _classes(st: ChunkStats, t: Targets, tail: str):
+    """The classes a divergence compares, per row: teacher and student log-probs at the K slots (lp, lq, both
+    renormalized over the slots for tail "renormalize"), the slot mask, and for tail "bucket" the rest class
+    (lp_r, lq_r) [C] (teacher mass R = 1 - P, student mass r = its mass off the teacher's ids)."""
+    ok = t.valid
+    ninf = torch.full_like(st.uk, float("-inf"))
+    if tail == "renormalize":
+        p, P = _teacher(t)
+        lp = torch.where(ok, t.logp - torch.log(P)[:, None], ninf)
+        lq = st.uk - torch.logsumexp(st.uk.masked_fill(~ok, float("-inf")), dim=1, keepdim=True)
+        ok = ok & (P > 0)[:, None]
+        return lp, torch.where(ok, lq, ninf), ok, None
+    lp = torch.where(ok, t.logp, ninf)
+    lq = torch.where(ok, st.uk - st.lse[:, None], ninf)
+    if tail != "bucket":
+        return lp, lq, ok, None
+    _, P = _teacher(t)
+    return lp, lq, ok, (torch.log(_rest_mass(P)), st.rest_lse - st.lse)
+
+
+def _terms(lp, lq, divergence: str, beta: float, rest: bool = False):
+    """Elementwise f(p, q) (the divergence is the sum of f over classes) and G = df/dq (0 where q = 0, where
+    only q G, which then vanishes, is ever used). reverse: f = q log(q / p); jsd: f = beta p log(p / m) +
+    (1 - beta) q log(q / m) with m = beta p + (1 - beta) q. rest: the bucket's rest class (reverse KL floors p)."""
+    q = torch.exp(lq)
+    qpos = q > 0
+    zero = torch.zeros((), dtype=q.dtype, device=q.device)
+    if divergence == "reverse_kl":
+        if rest:
+            lp = torch.clamp_min(lp, math.log(REVERSE_REST_FLOOR))
+        d = torch.where(qpos, lq - lp, zero)
+        return torch.where(qpos, q * d, zero), torch.where(qpos, d + 1.0, zero)
+    lm = torch.logaddexp(lp + math.log(beta), lq + math.log1p(-beta))
+    p = torch.exp(lp)
+    dq = torch.where(qpos, lq - lm, zero)
+    f = torch.where(p > 0, beta * p * (lp - lm), zero) + (1.0 - beta) * q * dq
+    return f, (1.0 - beta) * dq
+
+
+def divergence_per_row(st: ChunkStats, t: Targets, opts: LossOptions) -> torch.Tensor:
+    """Per-position divergence [C] between the sparse teacher and the student (unweighted, no T^2)."""
+    if opts.divergence == "forward_kl":
+        return forward_kl(st, t, opts.tail)
+    lp, lq, ok, rest = _classes(st, t, opts.tail)
+    f, _ = _terms(lp, lq, opts.divergence, opts.jsd_beta)
+    d = f.masked_fill(~ok, 0.0).sum(dim=1)
+    if rest is not None:
+        d = d + _terms(rest[0], rest[1], opts.divergence, opts.jsd_beta, rest=True)[0]
+    return d
+
+
+def _divergence_grad(st: ChunkStats, t: Targets, opts: LossOptions):
+    """(dense [C], sparse [C, K]) with d divergence / du = dense * q (every column) + sparse (at the slots).
+    With class probabilities q_c and G_c = df/dq_c: d/du_j = q_j G_j [j a slot] + q_j G_rest [j off the slots]
+    - q_j sum_c q_c G_c (renormalize: over the slots only, q renormalized)."""
+    lp, lq, ok, rest = _classes(st, t, opts.tail)
+    _, G = _terms(lp, lq, opts.divergence, opts.jsd_beta)
+    G = G.masked_fill(~ok, 0.0)
+    q = torch.exp(lq)  # 0 at empty slots (lq = -inf)
+    H = q * G
+    Hsum = H.sum(dim=1)
+    if opts.tail == "renormalize":
+        return torch.zeros_like(Hsum), H - q * Hsum[:, None]
+    if rest is None:
+        return -Hsum, H
+    _, Gr = _terms(rest[0], rest[1], opts.divergence, opts.jsd_beta, rest=True)
+    r = torch.exp(rest[1])
+    return Gr - (Hsum + r * Gr), H - q * Gr[:, None]
+
+
 def chunk_loss(st: ChunkStats, t: Targets, opts: LossOptions) -> torch.Tensor:
     """Per-position loss [C] (unweighted)."""
     T = float(opts.temperature)
     loss = torch.zeros_like(st.lse)
     if opts.needs_kl:
-        p, P = _teacher(t)
-        if opts.tail == "renormalize":
-            logP = torch.log(P)
-            lqt = st.uk - torch.logsumexp(st.uk.masked_fill(~t.valid, float("-inf")), dim=1, keepdim=True)
-            kl = (p * (t.logp - logP[:, None] - lqt)).masked_fill(~t.valid, 0.0).sum(dim=1) / P
-            kl = torch.where(P > 0, kl, torch.zeros_like(kl))
-        else:
-            lq = st.uk - st.lse[:, None]
-            kl = (p * (t.logp - lq)).masked_fill(~t.valid, 0.0).sum(dim=1)
-            if opts.tail == "bucket":
-                R = _rest_mass(P)
-                log_r = st.rest_lse - st.lse
-                rest = R * (torch.log(R) - log_r)
-                kl = kl + torch.where(R > 0, rest, torch.zeros_like(rest))
-        loss = loss + (T * T * opts.kl_weight) * kl
+        loss = loss + (T * T * opts.kl_weight) * divergence_per_row(st, t, opts)
     if opts.needs_ce:
         loss = loss + opts.ce_weight * (st.lse1 - st.zy)
     return loss
+
+
+def chunk_monitor(st: ChunkStats, t: Targets) -> torch.Tensor:
+    """Per-position bucket-tail KL(teacher || student) [C] at the training temperature: a true, non-negative
+    divergence to watch beside the training loss (which, with tail "none", can go below 0)."""
+    return forward_kl(st, t, "bucket")
 
 
 def chunk_grad(z: torch.Tensor, st: ChunkStats, t: Targets, opts: LossOptions, shard: VocabShard,
@@ -144,7 +231,11 @@ def chunk_grad(z: torch.Tensor, st: ChunkStats, t: Targets, opts: LossOptions, s
     dense = torch.zeros_like(st.lse)      # per-row coefficient of q
     sparse = torch.zeros_like(st.uk)      # per-slot values added at the teacher ids
     a = T * opts.kl_weight * g            # dz = T^2 kw dKL/du * (1/T)
-    if opts.needs_kl:
+    if opts.needs_kl and opts.divergence != "forward_kl":
+        dc, sp = _divergence_grad(st, t, opts)
+        dense = dense + a * dc
+        sparse = sparse + a[:, None] * sp
+    elif opts.needs_kl:
         p, P = _teacher(t)
         if opts.tail == "none":
             dense = dense + a * P

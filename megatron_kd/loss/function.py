@@ -9,7 +9,7 @@ import torch
 
 from ..parallel.comm import all_reduce_sum
 from . import matmul
-from .core import ChunkStats, chunk_grad, chunk_loss, chunk_stats
+from .core import ChunkStats, chunk_grad, chunk_loss, chunk_monitor, chunk_stats
 
 
 def row_weights(t, opts):
@@ -31,12 +31,12 @@ def reduce(per_pos, t, opts):
 
 class TopKKLFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, t, opts, shard, mode, chunk, reduce_grad_input):
+    def forward(ctx, hidden, weight, t, opts, shard, mode, chunk, reduce_grad_input, metrics=None):
         mdt = t.logp.dtype
         n = hidden.shape[0]
         w = weight[: shard.local_valid]
         g = row_weights(t, opts)
-        per_pos, stats, saved_z = [], [], []
+        per_pos, stats, saved_z, monitor = [], [], [], []
         grad_h = grad_w = None
         if mode == "forward_chunked":
             grad_h = torch.empty((n, hidden.shape[1]), dtype=hidden.dtype, device=hidden.device)
@@ -47,6 +47,8 @@ class TopKKLFunction(torch.autograd.Function):
             z = matmul.logits(hidden[a:b], w, mdt)
             st = chunk_stats(z, tc, opts, shard)
             per_pos.append(chunk_loss(st, tc, opts))
+            if opts.monitor:
+                monitor.append(chunk_monitor(st, tc))
             if mode == "dense":
                 saved_z.append(z)
                 stats.append(st)
@@ -59,6 +61,8 @@ class TopKKLFunction(torch.autograd.Function):
             del z
         per_pos = torch.cat(per_pos) if per_pos else torch.zeros(0, dtype=mdt, device=hidden.device)
         out = reduce(per_pos, t, opts)
+        if opts.monitor and metrics is not None:
+            metrics["kl_bucket"] = reduce(torch.cat(monitor) if monitor else torch.zeros_like(per_pos), t, opts)
 
         ctx.mode, ctx.chunk, ctx.opts, ctx.shard, ctx.t = mode, chunk, opts, shard, t
         ctx.reduce_grad_input, ctx.weight_dtype = reduce_grad_input, weight.dtype
@@ -78,7 +82,7 @@ class TopKKLFunction(torch.autograd.Function):
         if ctx.mode == "forward_chunked":
             grad_h, grad_w = ctx.saved_tensors
             s = grad_out.to(grad_h.dtype)
-            return grad_h * s, grad_w * grad_out.to(grad_w.dtype), None, None, None, None, None, None
+            return (grad_h * s, grad_w * grad_out.to(grad_w.dtype)) + (None,) * (len(ctx.needs_input_grad) - 2)
         hidden, weight = ctx.saved_tensors
         w = weight[: shard.local_valid]
         mdt = t.logp.dtype
@@ -98,4 +102,4 @@ class TopKKLFunction(torch.autograd.Function):
             del z, dz
         if ctx.reduce_grad_input:
             all_reduce_sum(grad_h, shard.group)
-        return grad_h, grad_w.to(ctx.weight_dtype), None, None, None, None, None, None
+        return (grad_h, grad_w.to(ctx.weight_dtype)) + (None,) * (len(ctx.needs_input_grad) - 2)

@@ -42,7 +42,7 @@ from ..kernels import gemm
 from ..kernels.scaled import MAX_SLOTS, scale_rows, scaled_rows
 from ..parallel.comm import all_reduce_sum, group_size
 from .chunks import FusedSettings, chunk_plan, default_chunk_size
-from .core import ChunkStats, chunk_loss
+from .core import ChunkStats, chunk_loss, chunk_monitor
 from .function import TopKKLFunction, reduce, row_weights
 from .logits import AnchoredLogits, Fp32Logits
 from .sparse import combine_stats, grad_coefficients, prepare_slots
@@ -110,9 +110,9 @@ def run(h, weight, t, opts, shard, settings: FusedSettings, *, grad_h=None, acc=
         if bad is not None:
             bad_all[s0:s1_] = bad
         if row_kernel:  # one launch for the per-row statistics, coefficients and scale
-            lse, uk, zy, scale, vals = scaled_rows(zg, stat[:, 0], stat[:, 1], bad, slc, t.slice(s0, s1_), opts,
-                                                   g[s0:s1_], e.dtype)
-            stats.append(ChunkStats(lse=lse, uk=uk, lse1=lse if opts.needs_ce else None, zy=zy))
+            lse, uk, zy, scale, vals, rest = scaled_rows(zg, stat[:, 0], stat[:, 1], bad, slc, t.slice(s0, s1_),
+                                                         opts, g[s0:s1_], e.dtype)
+            stats.append(ChunkStats(lse=lse, uk=uk, lse1=lse if opts.needs_ce else None, zy=zy, rest_lse=rest))
         else:
             st = combine_stats(zg, stat, slc, opts, shard)
             stats.append(st)
@@ -187,7 +187,7 @@ def _redo_rows(rows, h, weight, t, opts, shard, grad_h, acc, wscale, g, st, sett
 
 class FusedTopKKL(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, t, opts, shard, reduce_grad_input, settings, grad_scale):
+    def forward(ctx, hidden, weight, t, opts, shard, reduce_grad_input, settings, grad_scale, metrics=None):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         mdt = t.logp.dtype
         main = _main_grad(weight) if need_w else None
@@ -204,6 +204,9 @@ class FusedTopKKL(torch.autograd.Function):
             st2 = redo()
             if st2 is not st:  # some rows were redone: their loss changed
                 out = reduce(chunk_loss(st2, t, opts), t, opts)
+            st = st2
+        if opts.monitor and metrics is not None:  # the bucket-tail KL (docs/loss.md), from the same statistics
+            metrics["kl_bucket"] = reduce(chunk_monitor(st, t), t, opts)
         if main is not None and acc is not main:  # 16-bit main_grad: one add of the fp32 result
             main.add_(acc)
         if grad_h is not None and reduce_grad_input:
@@ -226,7 +229,7 @@ class FusedTopKKL(torch.autograd.Function):
             grad_h, grad_w = ctx.saved_tensors
             gh = None if grad_h is None else grad_h * grad_out
             gw = None if grad_w is None else grad_w * grad_out
-            return gh, gw, None, None, None, None, None, None
+            return (gh, gw) + (None,) * (len(ctx.needs_input_grad) - 2)
         if ctx.grad_h is _TAKEN:
             raise RuntimeError("the fused loss wrote its weight gradient into main_grad in forward and hands its "
                                "input gradient over once: backward cannot run twice (retain_graph); call the loss "
@@ -242,16 +245,16 @@ class FusedTopKKL(torch.autograd.Function):
             make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
             gw = make(weight.shape, dtype=ctx.weight_dtype, device=weight.device)
             weight.grad_added_to_main_grad = True
-        return gh, gw, None, None, None, None, None, None
+        return (gh, gw) + (None,) * (len(ctx.needs_input_grad) - 2)
 
 
 def fused_topk_kl(h, weight, t, opts, shard, reduce_grad_input=True, settings: FusedSettings | None = None,
-                  grad_scale: float = 1.0):
+                  grad_scale: float = 1.0, metrics=None):
     """h [N, H] (hidden dtype), weight [V_local, H]; returns the reduced loss (scalar) or [N] for "none".
     settings: FusedSettings (None: the production defaults). grad_scale: the grad_output backward will bring
     (with main_grad, anything else costs a second pass)."""
     settings = FusedSettings() if settings is None else settings
     if opts.reduction == "none" or h.shape[0] == 0:
         chunk = int(opts.chunk_size or default_chunk_size(shard.local_valid))
-        return TopKKLFunction.apply(h, weight, t, opts, shard, "chunked", chunk, reduce_grad_input)
-    return FusedTopKKL.apply(h, weight, t, opts, shard, reduce_grad_input, settings, grad_scale)
+        return TopKKLFunction.apply(h, weight, t, opts, shard, "chunked", chunk, reduce_grad_input, metrics)
+    return FusedTopKKL.apply(h, weight, t, opts, shard, reduce_grad_input, settings, grad_scale, metrics)

@@ -6,6 +6,7 @@ from typing import Optional
 TAILS = ("none", "renormalize", "bucket")
 REDUCTIONS = ("mean", "sum", "none")
 IMPLS = ("auto", "dense", "chunked", "forward_chunked", "fused")
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")  # docs/loss.md defines each on a sparse teacher, per tail
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,14 @@ class LossOptions:
     impl: str = "auto"
     chunk_size: int | None = None
     ignore_index: int = -100
+    # divergences (issue 20): the divergence, JSD's teacher weight beta (Liger's convention), the temperature the
+    # cache was captured at (None: the training temperature; otherwise the cache is re-tempered, an approximation:
+    # docs/loss.md), and whether to also compute the bucket-tail forward KL for monitoring (topk_kl_loss sets it
+    # when given a metrics dict)
+    divergence: str = "forward_kl"
+    jsd_beta: float = 0.5
+    cache_temperature: float | None = None
+    monitor: bool = False
 
     def __post_init__(self):
         if self.tail not in TAILS:
@@ -28,6 +37,14 @@ class LossOptions:
             raise ValueError(f"impl={self.impl!r} is unknown; use one of {IMPLS}")
         if not float(self.temperature) > 0:
             raise ValueError(f"temperature={self.temperature} must be > 0")
+        if self.divergence not in DIVERGENCES:
+            raise ValueError(f"divergence={self.divergence!r} is unknown; use one of {DIVERGENCES}")
+        if self.divergence == "jsd" and not 0.0 < float(self.jsd_beta) < 1.0:
+            raise ValueError(f"jsd_beta={self.jsd_beta} must be in (0, 1); Liger's beta=0 is divergence='forward_kl', "
+                             "beta=1 is divergence='reverse_kl'")
+        if self.cache_temperature is not None and not float(self.cache_temperature) > 0:
+            raise ValueError(f"cache_temperature={self.cache_temperature} must be > 0 (or None: the cache was "
+                             "captured at the training temperature)")
         if self.chunk_size is not None and int(self.chunk_size) < 1:
             raise ValueError(f"chunk_size={self.chunk_size} must be a positive number of tokens")
 
@@ -39,6 +56,17 @@ class LossOptions:
     def needs_kl(self) -> bool:
         return self.kl_weight != 0.0
 
+    @property
+    def needs_rest(self) -> bool:
+        """The student's mass outside the teacher's ids is needed (bucket tail, or the bucket-KL monitor)."""
+        return self.tail == "bucket" or self.monitor
+
+    @property
+    def retemper(self) -> float | None:
+        """T0 / T when the cache's log-probs must be re-tempered, else None."""
+        if self.cache_temperature is None or float(self.cache_temperature) == float(self.temperature):
+            return None
+        return float(self.cache_temperature) / float(self.temperature)
 
 @dataclass
 class KDLoss:
@@ -50,6 +78,9 @@ class KDLoss:
     tail: str = "none"                           # none | renormalize | bucket (see topk_kl_loss)
     impl: str = "auto"                           # auto | dense | chunked | forward_chunked | fused
     chunk_size: Optional[int] = None
+    divergence: str = "forward_kl"               # forward_kl | reverse_kl | jsd (docs/loss.md)
+    jsd_beta: float = 0.5                        # jsd: the teacher's weight beta in (0, 1) (Liger's convention)
+    cache_temperature: Optional[float] = None    # the T the cache was captured at, to re-temper it to temperature
 
     def loss_options(self, **overrides) -> LossOptions:
         """The checked LossOptions of these keys (ValueError naming the key when one is wrong)."""
@@ -57,4 +88,6 @@ class KDLoss:
         kw.update(overrides)
         return LossOptions(kl_weight=float(kw["kl_weight"]), ce_weight=float(kw["ce_weight"]),
                            temperature=float(kw["temperature"]), tail=kw["tail"], impl=kw["impl"],
-                           chunk_size=kw["chunk_size"])
+                           chunk_size=kw["chunk_size"], divergence=kw["divergence"],
+                           jsd_beta=float(kw["jsd_beta"]), cache_temperature=None if kw["cache_temperature"] is None
+                           else float(kw["cache_temperature"]))

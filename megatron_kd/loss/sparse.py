@@ -72,7 +72,7 @@ def combine_stats(zg, stat, sl: Slots, opts: LossOptions, shard: VocabShard) -> 
     e_slot = torch.where(sl.first, torch.exp(u - m[:, None]), zero)
     base = se * torch.exp(a - m)
     cols = [base + e_slot.sum(1)]
-    if opts.tail == "bucket":  # the rest: every column but the teacher's ids (the label's column counts)
+    if opts.needs_rest:  # the rest: every column but the teacher's ids (the label's column counts)
         cols.append(base + (e_slot[:, sl.k] if opts.needs_ce else 0.0))
     if opts.needs_ce:
         if T != 1.0:

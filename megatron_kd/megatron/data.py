@@ -176,7 +176,8 @@ def check_cache(reader, kd: KDConfig, d: DataConfig, train_ds, vocab_size: int, 
     from ..cache import CacheError
     notes = []
     try:
-        reader.check_compatible(vocab_size=vocab_size, top_k=kd.top_k, temperature=kd.temperature,
+        captured = kd.temperature if kd.cache_temperature is None else kd.cache_temperature  # re-tempering
+        reader.check_compatible(vocab_size=vocab_size, top_k=kd.top_k, temperature=captured,
                                 seq_length=d.seq_length)
     except CacheError as e:
         msg = str(e).replace("top_k: the run", "kd.top_k: the run").replace("temperature: the cache",

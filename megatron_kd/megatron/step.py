@@ -49,7 +49,7 @@ class KDHead:
         self.labels, self.loss_mask = batch["labels"], batch.get("loss_mask")
         self.ids, self.logp = batch.get("topk_ids"), batch.get("topk_logprobs")
         self.split = split
-        self.kl = self.ce = None
+        self.kl = self.ce = self.kl_bucket = None
         self.tp_group, self.sequence_parallel = None, False
 
     def bind(self, gpt) -> "KDHead":
@@ -75,11 +75,15 @@ class KDHead:
         if not kw["kl_weight"]:
             self.ce = total.detach() / kw["ce_weight"]
         else:
-            if self.split:  # forward-only CE over the same hidden states ("chunked": no gradient work)
+            if self.split:  # forward-only CE over the same hidden states ("chunked": no gradient work), and
+                # the bucket-tail KL at T (a true divergence, >= 0) for the report (issue 20's monitor)
+                metrics = {}
                 with torch.no_grad():
-                    self.ce = self._loss(hidden.detach(), weight.detach(), ids[..., :0], logp[..., :0], mask,
-                                         labels=labels, kl_weight=0.0, ce_weight=1.0, impl="chunked",
-                                         chunk_size=kw["chunk_size"])
+                    self.ce = self._loss(hidden.detach(), weight.detach(), ids, logp, mask, labels=labels,
+                                         kl_weight=0.0, ce_weight=1.0, impl="chunked", chunk_size=kw["chunk_size"],
+                                         temperature=kw["temperature"], cache_temperature=kw["cache_temperature"],
+                                         metrics=metrics)
+                self.kl_bucket = metrics["kl_bucket"]
             if self.ce is not None or not kw["ce_weight"]:
                 ce_part = kw["ce_weight"] * self.ce if kw["ce_weight"] else 0.0
                 self.kl = (total.detach() - ce_part) / (kw["temperature"] ** 2 * kw["kl_weight"])
@@ -97,7 +101,7 @@ def loss_func(loss_mask: torch.Tensor, head: KDHead, output_tensor: torch.Tensor
         loss = torch.sum(output_tensor.reshape(-1).float() * mask)
     count = mask.sum()
     report = {"total": torch.stack([loss.detach(), count])}
-    for name in ("kl", "ce"):
+    for name in ("kl", "ce", "kl_bucket"):
         val = getattr(head, name, None)
         if val is not None:
             val = val if val.dim() == 0 else torch.sum(val.transpose(0, 1).reshape(-1).float() * mask)

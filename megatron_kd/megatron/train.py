@@ -197,7 +197,7 @@ class Trainer:
             times.append(dt)
             tokens = t.global_batch_size * r.data.seq_length
             rec = {"kind": "train", "iteration": it, "loss": losses.get("total"), "kl": losses.get("kl"),
-                   "ce": losses.get("ce"), "lr": self.optimizer.param_groups[0]["lr"],
+                   "ce": losses.get("ce"), "kl_bucket": losses.get("kl_bucket"), "lr": self.optimizer.param_groups[0]["lr"],
                    "grad_norm": None if grad_norm is None else float(grad_norm), "step_s": dt,
                    "tokens_per_s": tokens / dt, "tflops_per_gpu": self.flops / dt / self.world / 1e12,
                    "peak_mem_gib": peak_memory_gib(self.cuda), "skipped": not ok}
@@ -275,7 +275,7 @@ class Trainer:
 
 def _line(rec: dict) -> str:
     parts = [f"iter {rec['iteration']}", f"loss {rec['loss']:.4f}"]
-    for k in ("kl", "ce"):
+    for k in ("kl", "ce", "kl_bucket"):
         if rec.get(k) is not None:
             parts.append(f"{k} {rec[k]:.4f}")
     parts += [f"lr {rec['lr']:.2e}", f"{rec['tokens_per_s']:.0f} tok/s", f"{rec['tflops_per_gpu']:.3g} TFLOP/s",
@@ -287,7 +287,7 @@ def reduce_reports(reports: list) -> dict:
     """Token-weighted means over micro-batches and ranks. Each report is counted once per model replica:
     only the last pipeline stage's TP rank 0 contributes, then one all-reduce over the world."""
     from megatron.core import parallel_state as ps
-    names = ("total", "kl", "ce")
+    names = ("total", "kl", "ce", "kl_bucket")
     buf = torch.zeros(2 * len(names), dtype=torch.float64)
     owner = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
     if owner:
@@ -320,7 +320,8 @@ def build_teacher_cache(r: Recipe, tok, train_ds, num_samples: int) -> dict:
               "check, not a distillation); set teacher.load to a trained teacher's save dir", flush=True)
     teacher = cache_teacher(r, tok.vocab_size)
     manifest = build_cache(teacher, train_ds, r.kd.cache, top_k=r.kd.top_k, encoding=r.kd.cache_encoding,
-                           temperature=r.kd.temperature, num_samples=num_samples,
+                           temperature=r.kd.temperature if r.kd.cache_temperature is None else r.kd.cache_temperature,
+                           num_samples=num_samples,
                            micro_batch_size=r.train.micro_batch_size, chunk_size=r.kd.chunk_size,
                            tokenizer_id=getattr(tok, "sha", ""), dataset_id=dataset_id(train_ds),
                            progress=r.train.progress and is_rank0(), tp_group=ps.get_tensor_model_parallel_group(),

@@ -84,6 +84,33 @@ def test_fp64_matches_reference(tail, T, ce, red):
     check(inp, 1e-9, tail=tail, temperature=T, ce_weight=ce, kl_weight=0.8, reduction=red)
 
 
+# reverse KL and JSD (issue 20); (T, ce) = (1.7, 0.5) is CE at T != 1: the two-pass path, also at tail none
+DIV_CASES = [(div, tail, T, ce) for div in ("reverse_kl", "jsd") for tail in ("none", "renormalize", "bucket")
+             for (T, ce) in ((1.0, 0.5), (1.7, 0.0), (1.7, 0.5))]
+
+
+@pytest.mark.parametrize("div,tail,T,ce", DIV_CASES)
+def test_fp64_divergences_match_reference(div, tail, T, ce):
+    inp = make_inputs(n_shape=(37,), V=300, H=16, K=5, seed=hash((div, tail, T)) % 997)
+    check(inp, 1e-9, tail=tail, temperature=T, ce_weight=ce, divergence=div, jsd_beta=0.3)
+
+
+@pytest.mark.parametrize("T", [1.0, 1.4], ids=["one-sweep", "two-pass"])
+@pytest.mark.parametrize("div", ["forward_kl", "reverse_kl"])
+def test_fused_monitor_is_the_bucket_kl(div, T):
+    inp = _dev(make_inputs(n_shape=(29,), V=200, H=8, K=6, seed=4))
+    opts = LossOptions(impl="fused", divergence=div, ce_weight=0.3, temperature=T, monitor=True)
+    shard = VocabShard.build(inp["weight"].shape[0])
+    hh, t, _ = check_and_flatten(inp["hidden"], inp["weight"], inp["ids"], inp["logp"], inp["labels"],
+                                 inp["loss_mask"], opts, vocab_size=shard.valid_size)
+    m = {}
+    fused_topk_kl(hh, inp["weight"].clone().requires_grad_(True), t, opts, shard, True, FusedSettings(**TUNE),
+                  metrics=m)
+    ref = reference_loss(inp["hidden"].cpu(), inp["weight"].cpu(), inp["ids"].cpu(), inp["logp"].cpu(),
+                         inp["labels"].cpu(), inp["loss_mask"].cpu(), temperature=T, monitor=True)
+    assert rel(m["kl_bucket"].cpu(), ref) <= 1e-9
+
+
 def test_no_float_scalars_reach_the_kernels(monkeypatch):
     """A compiled kernel types a Python float argument as fp32 (the interpreter keeps float64), so 1/T by
     value broke the fp64 bar on the GPU at T=0.7 only. The scalars now travel as a tensor in the

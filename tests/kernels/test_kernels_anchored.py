@@ -38,8 +38,9 @@ def bf16_inputs(scale, seed=7, n=(37,), V=300, H=24, K=9):
 
 
 @pytest.mark.parametrize("scale,expect", [(0.25, "none"), (1.0, "some"), (6.0, "all")])
-@pytest.mark.parametrize("kw", [dict(), dict(ce_weight=0.5), dict(temperature=0.7), dict(reduction="sum")],
-                         ids=["kl", "ce", "T0.7", "sum"])
+@pytest.mark.parametrize("kw", [dict(), dict(ce_weight=0.5), dict(temperature=0.7), dict(reduction="sum"),
+                                dict(divergence="reverse_kl"), dict(divergence="jsd", ce_weight=0.5)],
+                         ids=["kl", "ce", "T0.7", "sum", "rkl", "jsd"])
 def test_anchored_matches_reference(redone, scale, expect, kw):
     inp = bf16_inputs(scale)
     got = run_fused(inp, 1.0, ANCH, **kw)

@@ -52,17 +52,26 @@ def case(seed, dtype, n=45, V=40, K=7, **kw):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("kw", [dict(), dict(ce_weight=0.5), dict(temperature=0.6), dict(kl_weight=0.0, ce_weight=1.0),
-                                dict(kl_weight=0.7, temperature=2.0, reduction="sum")],
-                         ids=["kl", "ce", "T0.6", "ce-only", "T2-sum"])
+                                dict(kl_weight=0.7, temperature=2.0, reduction="sum"),
+                                dict(divergence="reverse_kl", temperature=1.3), dict(divergence="jsd", jsd_beta=0.3,
+                                                                                    ce_weight=0.5),
+                                dict(divergence="reverse_kl", ce_weight=0.2, monitor=True), dict(monitor=True)],
+                         ids=["kl", "ce", "T0.6", "ce-only", "T2-sum", "rkl", "jsd-ce", "rkl-monitor", "monitor"])
 @pytest.mark.parametrize("with_bad", [False, True])
 def test_scaled_rows_matches_torch(dtype, kw, with_bad):
     zg, stat, bad, sl, t, opts, shard, g = case(3, dtype, **kw)
     bad = bad if with_bad else None
     st, scale, vals = torch_rows(zg, stat, bad, sl, t, opts, shard, g)
-    lse, uk, zy, scale2, vals2 = scaled_rows(zg, stat[:, 0], stat[:, 1], bad, sl, t, opts, g, dtype)
+    lse, uk, zy, scale2, vals2, rest2 = scaled_rows(zg, stat[:, 0], stat[:, 1], bad, sl, t, opts, g, dtype)
     tol = 1e-12 if dtype == torch.float64 else 2e-6
-    for got, want in [(lse, st.lse), (uk, st.uk), (scale2, scale), (vals2, vals)] + \
-            ([(zy, st.zy)] if opts.needs_ce else []):
+    assert (rest2 is None) == (not opts.monitor)
+    # reverse KL / JSD: A = -sum(H) over mixed-sign terms, so vals = dz / scale amplifies rounding where A is
+    # small; what the gradient uses is scale * vals (= dz at the slot), compared relative to its row's size
+    fwd = opts.divergence == "forward_kl" or dtype == torch.float64
+    dz2, dz = vals2 * scale2[:, None], vals * scale[:, None]
+    assert ((dz2 - dz).abs() <= 4 * tol * dz.abs().amax(1, keepdim=True).clamp_min(1e-30)).all()
+    for got, want in [(lse, st.lse), (uk, st.uk), (scale2, scale)] + ([(vals2, vals)] if fwd else []) + \
+            ([(zy, st.zy)] if opts.needs_ce else []) + ([(rest2, st.rest_lse)] if opts.monitor else []):
         assert got.shape == want.shape
         assert torch.allclose(got, want, rtol=tol, atol=tol), (got - want).abs().max()
     assert (zy is None) == (not opts.needs_ce)

@@ -24,7 +24,7 @@ def _gather_rows(x, group=None):
     return torch.cat(parts)
 
 
-def _check_case(rank, world, impl, tail, sp, temperature, ce, padded, uneven, reduction="mean", seed=0):
+def _check_case(rank, world, impl, tail, sp, temperature, ce, padded, uneven, reduction="mean", seed=0, div=None):
     s, b, V = 4 * world, 3, 13 * world
     inp = make_inputs(n_shape=(s, b), V=V, H=8, K=5, seed=seed)
     valid = V - 3 if padded else None
@@ -42,7 +42,7 @@ def _check_case(rank, world, impl, tail, sp, temperature, ce, padded, uneven, re
     h_full = inp["hidden"]
     n_loc = s // world
     h = (h_full[rank * n_loc:(rank + 1) * n_loc] if sp else h_full).clone().requires_grad_(True)
-    kw = dict(tail=tail, temperature=temperature, ce_weight=ce, reduction=reduction)
+    kw = dict(tail=tail, temperature=temperature, ce_weight=ce, reduction=reduction, **(div or {}))
     out = topk_kl_loss(h, w, inp["ids"], inp["logp"], labels=inp["labels"], loss_mask=inp["loss_mask"],
                        impl=impl, chunk_size=5, tp_group=dist.group.WORLD, sequence_parallel=sp,
                        vocab_start_index=start, valid_vocab_size=valid, **kw)
@@ -53,7 +53,7 @@ def _check_case(rank, world, impl, tail, sp, temperature, ce, padded, uneven, re
     ref = reference_loss(h64, w64, inp["ids"], inp["logp"], inp["labels"], inp["loss_mask"],
                          valid_vocab_size=valid, **kw)
     (ref * gout).sum().backward()
-    tag = (impl, tail, sp, temperature, ce, padded, uneven, reduction)
+    tag = (impl, tail, sp, temperature, ce, padded, uneven, reduction, div)
     assert _rel(out.detach(), ref.detach()) <= 1e-9, tag
     gh_ref = h64.grad[rank * n_loc:(rank + 1) * n_loc] if sp else h64.grad
     assert _rel(h.grad, gh_ref) <= 1e-9, tag
@@ -75,6 +75,12 @@ def _cases(world):
     cases += [(impl, "bucket", False, 0.7, 0.2, False, True) for impl in IMPLS]
     cases += [(impl, "none", sp, 1.0, 0.5, False, False, "none") for impl in IMPLS for sp in (False, True)]
     cases += [(impl, "none", True, 1.0, 0.5, True, False, "sum") for impl in IMPLS]
+    # reverse KL and JSD: every impl x tail x SP, with temperature, CE and padding; uneven shards; "none"
+    for div in (dict(divergence="reverse_kl"), dict(divergence="jsd", jsd_beta=0.3)):
+        cases += [(impl, tail, sp, 1.7, 0.3, True, False, "mean", 1, div)
+                  for impl in IMPLS for tail in TAILS for sp in (False, True)]
+        cases += [(impl, "bucket", False, 0.7, 0.0, False, True, "sum", 2, div) for impl in IMPLS]
+        cases += [(impl, "none", True, 1.0, 0.5, False, False, "none", 3, div) for impl in IMPLS]
     return cases
 
 
@@ -90,10 +96,12 @@ def _no_global_vocab_rows(rank, world):
     vl = V // world
     w = inp["weight"][rank * vl:(rank + 1) * vl].clone().requires_grad_(True)
     h = inp["hidden"].clone().requires_grad_(True)
-    for impl, tail in [("chunked", "bucket"), ("forward_chunked", "none"), ("chunked", "renormalize")]:
+    for impl, tail, div in [("chunked", "bucket", "forward_kl"), ("forward_chunked", "none", "forward_kl"),
+                            ("chunked", "renormalize", "forward_kl"), ("chunked", "bucket", "reverse_kl"),
+                            ("forward_chunked", "bucket", "jsd")]:
         with LargestAllocation() as m:
             loss = topk_kl_loss(h, w, inp["ids"], inp["logp"], labels=inp["labels"], ce_weight=0.5, impl=impl,
-                                tail=tail, chunk_size=chunk, tp_group=dist.group.WORLD)
+                                tail=tail, chunk_size=chunk, tp_group=dist.group.WORLD, divergence=div)
             loss.backward()
         assert m.largest <= chunk * vl, f"rank {rank} {impl}: {m.largest} elements > one local chunk {chunk * vl}"
 

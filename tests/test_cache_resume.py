@@ -120,9 +120,12 @@ KILLS = [
 ]
 
 
-def _check_killed(r, out, what, sidecars, bare_bin, tmp_left):
+def _check_killed(r, out, what, sidecars, bare_bin, tmp_left, ref_files):
     assert r.returncode == -signal.SIGKILL, (what, r.returncode, r.stderr[-2000:])
     files = snapshot(out)
+    for name, data in files.items():  # whatever is committed is already the uninterrupted build's bytes
+        if name.endswith(".bin"):
+            assert data == ref_files[name], f"{what}: committed {name} differs from the uninterrupted build"
     assert sum(f.endswith(".json") and f.startswith("shards") for f in files) == sidecars, what
     if bare_bin is not None:
         assert f"shards/{bare_bin:06d}.bin" in files and f"shards/{bare_bin:06d}.json" not in files, what
@@ -149,7 +152,7 @@ def test_sigkill_at_each_point_then_resume_is_byte_identical(tmp_path, reference
     out = tmp_path / "cache"
     for kill_at, what, sidecars, bare_bin, tmp_left in KILLS:
         r = run(build_cmd(out, tokens, *teacher_args(0, kill_at)))
-        _check_killed(r, out, what, sidecars, bare_bin, tmp_left)
+        _check_killed(r, out, what, sidecars, bare_bin, tmp_left, ref_files)
     r = run(build_cmd(out, tokens, *teacher_args(0)))  # the same command once more
     assert r.returncode == 0, r.stderr[-2000:]
     _check_identical(out, ref_files)

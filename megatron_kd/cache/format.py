@@ -100,5 +100,5 @@ def check_format(meta: dict, path) -> None:
         raise CacheError(f"{path} is not a megatron-kd top-K cache (format={meta.get('format')!r}); "
                          "point to the directory `megatron-kd cache build --out` wrote")
     if meta.get("format_version") != FORMAT_VERSION:
-        raise CacheError(f"{path} has cache format version {meta.get('format_version')}, this megatron-kd reads "
+        raise CacheError(f"{path} has format_version {meta.get('format_version')} (the cache format), this megatron-kd reads "
                          f"version {FORMAT_VERSION}; rebuild the cache with this version or use the matching release")

@@ -126,9 +126,8 @@ class CacheWriter:
             if not overwrite:
                 finished = os.path.exists(os.path.join(self.path, MANIFEST))
                 what = "a finished cache" if finished else "a partial build"
-                name, d = diffs[0]
                 raise CacheError(
-                    f"{self.path} holds {what} built with different settings ({name}):\n  " + "\n  ".join(d)
+                    f"{self.path} holds {what} built with different settings:\n  " + "\n  ".join(diffs[0][1])
                     + "\nWrite to a new directory (--out), rerun with the original settings to "
                     + ("use it" if finished else "resume it") + ", or pass --overwrite (overwrite=True) to delete it.")
             self._remove_all()

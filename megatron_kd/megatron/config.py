@@ -98,6 +98,8 @@ class KDConfig:
     impl: str = "auto"                           # auto | dense | chunked | forward_chunked | fused
     chunk_size: Optional[int] = None
     check_tokens: bool = True                    # compare each sample's token hash with the cache's
+    teacher_id: Optional[str] = None             # offline: the cache's teacher ("name" or "name@weights_hash");
+                                                 # a cache from another teacher is refused (data-safety hook)
     log_ce: bool = True                          # report the student's CE in KD modes (one forward-only output-
                                                  # layer pass per micro-batch; large GPU runs may turn it off)
 

@@ -99,7 +99,7 @@ def test_unreadable_manifest_and_not_a_cache(cache, tmp_path):
     m = json.loads((out / "settings.json").read_text())
     m["format_version"] = 99
     (out / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(CacheError, match="format version 99.*rebuild"):
+    with pytest.raises(CacheError, match="format_version 99.*rebuild"):
         CacheReader(out)
 
 

@@ -4,9 +4,12 @@ Layout: shards are fixed ranges of sample indices; data-parallel rank r computes
 within a TP group every rank runs the teacher and the vocab-parallel top-K, and TP rank 0 writes. A pipelined
 teacher (teacher.pp_group, see pipeline.py) runs its stages on every rank of the pipeline; only the last stage's
 ranks compute the top-K, and its TP rank 0 writes.
-Global rank 0 writes settings.json before anyone computes and manifest.json after everyone is done.
+Global rank 0 holds the directory's lock for the whole build, writes settings.json before anyone computes (and
+checks that the shards an earlier run finished were built from this dataset's tokens) and manifest.json after
+everyone is done.
 Micro-batches never cross a shard boundary, so a shard's bytes do not depend on where a previous run died.
 """
+import hashlib
 import os
 import sys
 
@@ -18,6 +21,7 @@ from ..parallel.topk import topk_from_hidden, vocab_parallel_topk
 from .dataset import split_sample
 from .errors import CacheError
 from .format import MANIFEST, make_settings
+from .hashing import token_hash
 from .progress import Progress
 from .reader import load_manifest
 from .writer import CacheWriter
@@ -110,16 +114,40 @@ def build_cache(teacher, dataset, out_dir, *, top_k: int = 100, encoding: str = 
     if micro_batch_size < 1:
         raise CacheError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
     seq = int(_tokens(dataset, 0).numel())
-    if dataset_id is None:
-        dataset_id = str(getattr(dataset, "unique_description_hash", ""))
+    if not dataset_id:
+        dataset_id = str(getattr(dataset, "unique_description_hash", "") or "")
+    if not dataset_id:  # nothing names the data: name it by its content, so other data is never taken for it
+        dataset_id = content_id(dataset, n)
     settings = make_settings(encoding=encoding, top_k=top_k, vocab_size=teacher.vocab_size, temperature=temperature,
                              seq_length=seq, num_samples=n, teacher=_teacher_identity(teacher, teacher_id),
                              tokenizer=tokenizer_id, dataset=dataset_id, samples_per_shard=samples_per_shard)
 
-    writer = CacheWriter(out_dir, settings, overwrite=overwrite) if is_root else None
-    _barrier()
-    if writer is None:
-        writer = CacheWriter(out_dir, settings)
+    writer = None
+    try:
+        if is_root:
+            writer = CacheWriter(out_dir, settings, overwrite=overwrite)
+            writer.check_tokens(lambda i: token_hash(_tokens(dataset, i)))
+        _barrier()
+        if writer is None:
+            writer = CacheWriter(out_dir, settings, lock=False)
+        _build(writer, teacher, dataset, seq, top_k, temperature, chunk_size, micro_batch_size, tp_group, pp_group,
+               dp_rank, dp_size, writes, is_root, progress)
+    finally:
+        if writer is not None:
+            writer.close()
+    return load_manifest(writer.path)
+
+
+def content_id(dataset, n: int) -> str:
+    """'content:' + a 64-bit hash of the first n samples' token hashes (the data a cache describes)."""
+    h = hashlib.blake2b(digest_size=8)
+    for i in range(n):
+        h.update(token_hash(_tokens(dataset, i)).to_bytes(8, "little"))
+    return f"content:{h.hexdigest()}"
+
+
+def _build(writer, teacher, dataset, seq, top_k, temperature, chunk_size, micro_batch_size, tp_group, pp_group,
+           dp_rank, dp_size, writes, is_root, progress) -> None:
     finished = os.path.exists(os.path.join(writer.path, MANIFEST))  # and nothing pending: the writer checked
     mine = [j for j in writer.pending_shards() if j % dp_size == dp_rank]
     mine = _broadcast_list(_broadcast_list(mine, tp_group), pp_group)  # stage 0's list on every stage
@@ -155,4 +183,3 @@ def build_cache(teacher, dataset, out_dir, *, top_k: int = 100, encoding: str = 
     if is_root and not finished:
         writer.finalize()
     _barrier()
-    return load_manifest(writer.path)

@@ -53,11 +53,16 @@ class TopKDataset(torch.utils.data.Dataset):
 
     Row t of the top-K is the teacher's distribution of token t + 1 given tokens[:t + 1], aligned with labels[t].
     top_k < the cache's K keeps the first top_k entries (the most probable).
+    expected_teacher: refuse a cache from another teacher (see CacheReader).
+    precheck_bytes: when the cache rows this dataset reads total at most this many bytes, their crc32s are checked
+    here, so a corrupt shard is refused before the first training step (else at its first read).
     """
 
-    def __init__(self, token_dataset, reader, *, check_tokens: bool = True, top_k: int | None = None):
+    def __init__(self, token_dataset, reader, *, check_tokens: bool = True, top_k: int | None = None,
+                 expected_teacher=None, precheck_bytes: int = 4 << 30):
         self.data = token_dataset
         self.reader = reader if isinstance(reader, CacheReader) else CacheReader(reader)
+        self.reader.check_teacher(expected_teacher)
         self.check_tokens = check_tokens
         self.reader.check_compatible(top_k=top_k)
         self.top_k = top_k
@@ -65,6 +70,8 @@ class TopKDataset(torch.utils.data.Dataset):
             raise ValueError(f"the token dataset has {len(token_dataset)} samples, the cache only "
                              f"{len(self.reader)}; build the cache with --num-samples {len(token_dataset)} or "
                              "train on fewer samples")
+        if self.reader.verify_reads and len(token_dataset) * self.reader.sample_bytes <= precheck_bytes:
+            self.reader.check_samples(len(token_dataset))
 
     def __len__(self) -> int:
         return len(self.data)

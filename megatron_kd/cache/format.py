@@ -1,9 +1,11 @@
 """The cache directory layout and its settings (the part of the manifest that defines a cache).
 
+DIR/build.lock           held (flock) by the one builder of the directory; empty
 DIR/settings.json        what the build was asked for; written first, compared on every restart
 DIR/shards/NNNNNN.bin    samples [first, first + count): count x sample_bytes, no header
-DIR/shards/NNNNNN.json   the shard's sidecar: checksum, per-sample token hash + crc32, statistics;
-                         its presence (with a .bin of the right size) marks the shard as done
+DIR/shards/NNNNNN.json   the shard's sidecar: the settings (and their hash) it was built with, checksum,
+                         per-sample token hash + crc32, statistics; its presence with this build's settings
+                         hash (and a .bin of the right size) marks the shard as done
 DIR/samples.idx          per sample: uint64 token hash, uint32 crc32 of its bytes, uint32 0 (16 bytes)
 DIR/manifest.json        settings + shards + checksums + statistics; written last: its presence = finished
 """
@@ -13,19 +15,37 @@ import numpy as np
 
 from .encoding import ENCODINGS, get_encoding
 from .errors import CacheError
+from .hashing import config_hash
 
 FORMAT = "megatron-kd-topk-cache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: settings_hash in the manifest, its shards and sidecars
 SETTINGS = "settings.json"
 MANIFEST = "manifest.json"
 SAMPLE_INDEX = "samples.idx"
 SHARD_DIR = "shards"
+LOCK = "build.lock"
 SAMPLE_INDEX_DTYPE = np.dtype([("token_hash", "<u8"), ("crc32", "<u4"), ("reserved", "<u4")])
 DEFAULT_SHARD_BYTES = 256 << 20
 
-# Keys that must match for a restart to continue an existing build (everything in settings.json does).
-IDENTITY_KEYS = ("format", "format_version", "encoding", "top_k", "vocab_size", "temperature", "seq_length",
-                 "num_samples", "samples_per_shard", "sample_bytes", "teacher", "tokenizer", "dataset", "token_hash")
+# Every key of settings.json (make_settings), in the order messages list them; all must match for a restart to
+# continue a build, and a manifest must agree with settings.json on each.
+SETTINGS_KEYS = ("format", "format_version", "encoding", "top_k", "vocab_size", "temperature", "seq_length",
+                 "num_samples", "samples_per_shard", "sample_bytes", "bytes_per_token", "teacher", "tokenizer",
+                 "dataset", "token_hash", "alignment")
+
+def settings_of(meta: dict) -> dict:
+    """The settings part of a manifest, settings.json or sidecar "settings" entry."""
+    return {k: meta.get(k) for k in SETTINGS_KEYS}
+
+
+def settings_hash(meta: dict) -> str:
+    return config_hash(settings_of(meta))
+
+
+def field_diff(a: dict, b: dict, a_name: str, b_name: str) -> list[str]:
+    """'FIELD: A_NAME has x, B_NAME has y' for every settings field that differs."""
+    return [f"{k}: {a_name} has {a.get(k)!r}, {b_name} has {b.get(k)!r}" for k in SETTINGS_KEYS
+            if a.get(k) != b.get(k)]
 
 
 def shard_name(j: int) -> str:
@@ -40,6 +60,9 @@ def make_settings(*, encoding, top_k, vocab_size, temperature, seq_length, num_s
                   dataset="", samples_per_shard=None) -> dict:
     if encoding not in ENCODINGS:
         raise CacheError(f"unknown encoding {encoding!r}; use one of {', '.join(ENCODINGS)}")
+    if not (isinstance(temperature, (int, float)) and 1e-3 <= float(temperature) <= 1e3):
+        raise CacheError(f"temperature={temperature!r}: the capture temperature must be a finite number in "
+                         "[0.001, 1000] (1.0 = the teacher's own distribution)")
     if num_samples < 1:
         raise CacheError("the dataset has no samples; pass a non-empty dataset or --num-samples >= 1")
     enc = get_encoding(encoding, vocab_size, top_k, seq_length)
@@ -69,7 +92,7 @@ def shard_range(settings: dict, j: int) -> tuple[int, int]:
 
 def settings_diff(old: dict, new: dict) -> list[str]:
     return [f"{k}: cache has {old.get(k)!r}, this build asks for {new.get(k)!r}"
-            for k in IDENTITY_KEYS if old.get(k) != new.get(k)]
+            for k in SETTINGS_KEYS if old.get(k) != new.get(k)]
 
 
 def check_format(meta: dict, path) -> None:
@@ -77,5 +100,5 @@ def check_format(meta: dict, path) -> None:
         raise CacheError(f"{path} is not a megatron-kd top-K cache (format={meta.get('format')!r}); "
                          "point to the directory `megatron-kd cache build --out` wrote")
     if meta.get("format_version") != FORMAT_VERSION:
-        raise CacheError(f"{path} has cache format version {meta.get('format_version')}, this megatron-kd reads "
+        raise CacheError(f"{path} has format_version {meta.get('format_version')} (the cache format), this megatron-kd reads "
                          f"version {FORMAT_VERSION}; rebuild the cache with this version or use the matching release")

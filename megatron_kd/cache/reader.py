@@ -1,14 +1,16 @@
 """CacheReader: O(1) random access to sample i through numpy memory maps.
 
 Sample i lives in shard i // samples_per_shard at byte (i % samples_per_shard) * sample_bytes. Shards are
-mapped lazily, so opening a cache costs one JSON read and a stat per shard, and the reader pickles cheaply
-into DataLoader workers (maps are reopened there).
+mapped lazily, so opening a cache costs two JSON reads (manifest, settings), a stat per shard and a checksum of
+samples.idx (16 bytes per sample); every manifest field is cross-checked then (checks.manifest_problems). The
+reader pickles cheaply into DataLoader workers (maps are reopened there).
 """
 import math
 import os
 
 import numpy as np
 
+from .checks import manifest_problems, rebuild_hint, shard_fix
 from .encoding import get_encoding
 from .errors import CacheError
 from .format import MANIFEST, SAMPLE_INDEX, SAMPLE_INDEX_DTYPE, SETTINGS, check_format, num_shards, sidecar_name
@@ -16,8 +18,25 @@ from .fsio import read_json
 from .hashing import crc32, hex64, token_hash
 
 
-def _rebuild_hint(path) -> str:
-    return f"rerun the same `megatron-kd cache build --out {path} ...` command (it resumes and keeps finished shards)"
+
+def teacher_mismatch(cached: dict, expected) -> str | None:
+    """None if the cache's teacher identity matches expected: a name, 'name@weights_hash' or a dict of identity
+    fields (each given field must be equal); else a description naming both."""
+    if expected is None or expected == "" or expected == {}:
+        return None
+    if isinstance(expected, str):
+        name, _, weights = expected.partition("@")
+        expected = {"name": name, **({"weights_hash": weights} if weights else {})}
+    cached = cached if isinstance(cached, dict) else {"name": cached}
+    wrong = [k for k, v in expected.items() if v is not None and str(cached.get(k)) != str(v)]
+    if not wrong:
+        return None
+    return (f"teacher: the cache was built by {_who(cached)}, this run expects {_who(expected)} (differs in "
+            f"{', '.join(wrong)})")
+
+
+def _who(ident: dict) -> str:
+    return " ".join(f"{k}={ident[k]!r}" for k in ("name", "weights_hash", "config_hash") if k in ident) or repr(ident)
 
 
 def load_manifest(path) -> dict:
@@ -29,47 +48,45 @@ def load_manifest(path) -> dict:
             settings = read_json(os.path.join(path, SETTINGS))
             done = sum(os.path.exists(os.path.join(path, sidecar_name(j))) for j in range(num_shards(settings)))
             raise CacheError(f"{path} has no manifest.json: its build has not finished ({done} of "
-                             f"{num_shards(settings)} shards done); {_rebuild_hint(path)}")
+                             f"{num_shards(settings)} shards done); {rebuild_hint(path)}")
         raise CacheError(f"{path} has no manifest.json and is not a cache directory; build one with "
                          f"`megatron-kd cache build --out {path}`")
     try:
         manifest = read_json(p)
     except ValueError as e:
-        raise CacheError(f"{p} is not valid JSON ({e}); delete it and {_rebuild_hint(path)}") from None
+        raise CacheError(f"{p} is not valid JSON ({e}); delete it and {rebuild_hint(path)}") from None
+    if not isinstance(manifest, dict):
+        raise CacheError(f"{p} is not a JSON object; delete it and {rebuild_hint(path)}")
     check_format(manifest, p)
     return manifest
 
 
 class CacheReader:
-    def __init__(self, path, *, verify_reads: bool = True):
-        """verify_reads: check each sample's crc32 when read (about 1 ms per MB), so a corrupt shard fails loudly."""
+    def __init__(self, path, *, verify_reads: bool = True, expected_teacher=None):
+        """verify_reads: check each sample's crc32 when read (about 1 ms per MB), so a corrupt shard fails loudly.
+        expected_teacher: refuse a cache from another teacher (a name, 'name@weights_hash' or identity fields)."""
         self.path = os.fspath(path)
         self.verify_reads = verify_reads
         self.manifest = load_manifest(self.path)
         m = self.manifest
+        problems = manifest_problems(self.path, m, first_only=True)
+        if problems:
+            raise CacheError(problems[0])
+        self.check_teacher(expected_teacher)
         self.top_k, self.vocab_size, self.seq_length = m["top_k"], m["vocab_size"], m["seq_length"]
         self.temperature, self.encoding = m["temperature"], m["encoding"]
         self.samples_per_shard, self.sample_bytes = m["samples_per_shard"], m["sample_bytes"]
         self._enc = get_encoding(self.encoding, self.vocab_size, self.top_k, self.seq_length)
-        if self._enc.sample_bytes != self.sample_bytes:
-            raise CacheError(f"{self.path}: manifest says {self.sample_bytes} bytes per sample, the {self.encoding} "
-                             f"encoding needs {self._enc.sample_bytes}; the manifest was edited or is from another "
-                             "version: rebuild the cache")
-        for s in m["shards"]:
-            f = os.path.join(self.path, s["file"])
-            if not os.path.exists(f):
-                raise CacheError(f"{self.path}: shard {s['file']} is missing; delete {sidecar_name(s['shard'])} "
-                                 f"too (if present) and {_rebuild_hint(self.path)}")
-            if os.path.getsize(f) != s["bytes"]:
-                raise CacheError(f"{self.path}: shard {s['file']} has {os.path.getsize(f)} bytes, the manifest says "
-                                 f"{s['bytes']} (truncated or overwritten); delete it and {sidecar_name(s['shard'])}, "
-                                 f"then {_rebuild_hint(self.path)}")
-        idx = os.path.join(self.path, SAMPLE_INDEX)
-        if not os.path.exists(idx) or os.path.getsize(idx) != len(self) * SAMPLE_INDEX_DTYPE.itemsize:
-            raise CacheError(f"{self.path}: {SAMPLE_INDEX} is missing or has the wrong size; delete it and "
-                             f"manifest.json, then {_rebuild_hint(self.path)} (no shard is recomputed)")
         self._maps = {}
         self._index = None
+
+    def check_teacher(self, expected) -> None:
+        """Raise if the cache's teacher is not `expected` (a name, 'name@weights_hash' or identity fields; None:
+        no check), naming both."""
+        wrong = teacher_mismatch(self.manifest["teacher"], expected)
+        if wrong:
+            raise CacheError(f"cache {self.path} does not fit this run: {wrong}; use the cache built by this "
+                             "teacher, or rebuild it with this teacher into another directory")
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -105,11 +122,26 @@ class CacheReader:
         j, r = divmod(i, self.samples_per_shard)
         buf = self._shard(j)[r * self.sample_bytes:(r + 1) * self.sample_bytes]
         if self.verify_reads and crc32(buf) != int(self._sample_index()["crc32"][i]):
-            name = self.manifest["shards"][j]["file"]
-            raise CacheError(f"{self.path}: sample {i} in shard {name} fails its crc32 check (corrupt shard); "
-                             f"run `megatron-kd cache verify {self.path}`, delete {name} and "
-                             f"{sidecar_name(j)}, then {_rebuild_hint(self.path)}")
+            raise CacheError(self._corrupt(i, j))
         return buf
+
+    def _corrupt(self, i, j) -> str:
+        name = os.path.join(self.path, self.manifest["shards"][j]["file"])
+        return (f"{name}: sample {i} fails its crc32 check (the shard is corrupt; samples.idx was checked at open). "
+                f"Fix: {shard_fix(self.path, j)}; `megatron-kd cache verify {self.path}` lists every corrupt shard")
+
+    def check_samples(self, stop: int | None = None) -> None:
+        """crc32 of samples [0, stop) (all by default) against samples.idx: a corrupt shard the run will read is
+        found before training starts (reads every byte once: about 1 s per GB)."""
+        stop = len(self) if stop is None else min(int(stop), len(self))
+        want = self._sample_index()["crc32"]
+        for j in range(-(-stop // self.samples_per_shard)):
+            mm = self._shard(j)
+            first = j * self.samples_per_shard
+            for i in range(first, min(stop, first + self.samples_per_shard)):
+                r = i - first
+                if crc32(mm[r * self.sample_bytes:(r + 1) * self.sample_bytes]) != int(want[i]):
+                    raise CacheError(self._corrupt(i, j))
 
     def read(self, i: int, start: int = 0, stop: int | None = None) -> dict:
         """Positions [start, stop) of sample i: topk_ids int64 [n, K] (-1 = empty slot, its log-prob -inf),
@@ -119,8 +151,9 @@ class CacheReader:
             raise IndexError(f"positions [{start}, {stop}) outside [0, {self.seq_length})")
         ids, lp = self._enc.decode(self.raw(i), start, stop)
         if ids.size and ids.max() >= self.vocab_size:
-            raise CacheError(f"{self.path}: sample {i} decodes to ids >= vocab_size {self.vocab_size} (corrupt shard); "
-                             f"run `megatron-kd cache verify {self.path}` and rebuild the shard it names")
+            j = i // self.samples_per_shard
+            raise CacheError(f"{self.path}: sample {i} decodes to ids >= vocab_size {self.vocab_size} (corrupt shard "
+                             f"{self.manifest['shards'][j]['file']}); fix: {shard_fix(self.path, j)}")
         return {"topk_ids": ids, "topk_logprobs": lp}
 
     def __getitem__(self, i: int) -> dict:

@@ -1,60 +1,63 @@
 """verify_cache (checksums, completeness) and inspect_cache (sizes, covered mass, encoding error, read speed)."""
-import hashlib
 import os
 import time
 
 import numpy as np
 
 from . import stats as stats_mod
+from .checks import manifest_problems, shard_fix
 from .errors import CacheError
-from .format import MANIFEST, SAMPLE_INDEX, SAMPLE_INDEX_DTYPE, SETTINGS, num_shards, sidecar_name
+from .format import (MANIFEST, SAMPLE_INDEX, SAMPLE_INDEX_DTYPE, SETTINGS, field_diff, num_shards, settings_of,
+                     sidecar_name)
 from .fsio import read_json
 from .hashing import CHECKSUM, file_sha256
 
 
-def _fix(path, j, name) -> str:
-    return (f"delete {os.path.join(path, name)} and {os.path.join(path, sidecar_name(j))}, then rerun the same "
-            "`megatron-kd cache build` command: only that shard is recomputed")
+QUICK_CHECKS = ("every manifest field against settings.json and the settings hash its shards were built with, "
+                "the encoding's byte sizes, shard count, ranges and file sizes, samples.idx size and sha256")
+FULL_CHECKS = QUICK_CHECKS + ("; and every shard's sha256, every sidecar's settings, checksum, token hashes and "
+                              "crc32s against the manifest and samples.idx")
 
 
 def verify_cache(path, *, checksums: bool = True) -> list[str]:
-    """Problems found, each naming the file and the fix; [] when the cache is complete and intact."""
+    """Problems found, each naming the file or field and the fix; [] when the cache is complete and intact.
+    checksums=False (`verify --quick`) checks QUICK_CHECKS only: a flipped byte inside a shard passes it."""
     from .reader import load_manifest
     path = os.fspath(path)
     try:
         m = load_manifest(path)
     except CacheError as e:
         return [str(e)]
-    problems = []
-    if len(m["shards"]) != num_shards(m):
-        problems.append(f"{path}: the manifest lists {len(m['shards'])} shards, the settings need {num_shards(m)}; "
-                        f"delete {MANIFEST} and rerun the same build command")
-    covered = 0
-    for s in m["shards"]:
+    problems = manifest_problems(path, m)
+    if problems or not checksums:
+        return problems
+    index = np.fromfile(os.path.join(path, SAMPLE_INDEX), dtype=SAMPLE_INDEX_DTYPE)
+    for j, s in enumerate(m["shards"]):
         f = os.path.join(path, s["file"])
-        if s["first"] != covered:
-            problems.append(f"{path}: shard {s['file']} starts at sample {s['first']}, expected {covered}; "
-                            f"delete {MANIFEST} and rerun the same build command")
-        covered = s["first"] + s["count"]
-        if not os.path.exists(f):
-            problems.append(f"shard {s['file']}: missing; {_fix(path, s['shard'], s['file'])}")
-        elif os.path.getsize(f) != s["bytes"]:
-            problems.append(f"shard {s['file']}: {os.path.getsize(f)} bytes, expected {s['bytes']} (truncated); "
-                            + _fix(path, s["shard"], s["file"]))
-        elif checksums and file_sha256(f) != s[CHECKSUM]:
-            problems.append(f"shard {s['file']}: {CHECKSUM} mismatch (corrupt); {_fix(path, s['shard'], s['file'])}")
-    if covered != m["num_samples"]:
-        problems.append(f"{path}: shards cover {covered} samples, the manifest says {m['num_samples']}; "
-                        f"delete {MANIFEST} and rerun the same build command")
-    idx = os.path.join(path, SAMPLE_INDEX)
-    if not os.path.exists(idx) or os.path.getsize(idx) != m["num_samples"] * SAMPLE_INDEX_DTYPE.itemsize:
-        problems.append(f"{SAMPLE_INDEX}: missing or wrong size; delete it and {MANIFEST}, then rerun the same "
-                        "build command (no shard is recomputed)")
-    elif checksums:
-        with open(idx, "rb") as fh:
-            if hashlib.sha256(fh.read()).hexdigest() != m["sample_index"][CHECKSUM]:
-                problems.append(f"{SAMPLE_INDEX}: {CHECKSUM} mismatch (corrupt); delete it and {MANIFEST}, then "
-                                "rerun the same build command (no shard is recomputed)")
+        if file_sha256(f) != s[CHECKSUM]:
+            problems.append(f"{path}: shard {s['file']} fails its {CHECKSUM} check (corrupt); {shard_fix(path, j)}")
+        sp = os.path.join(path, sidecar_name(j))
+        try:
+            side = read_json(sp)
+            if not isinstance(side, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as e:
+            problems.append(f"{path}: sidecar {sidecar_name(j)} is missing or unreadable ({e}); the cache still "
+                            f"reads, but a resumed build would redo shard {j}; {shard_fix(path, j)}")
+            continue
+        d = field_diff(m, settings_of(side.get("settings") or {}), MANIFEST, sidecar_name(j))
+        if d:
+            problems.append(f"{path}: shard {j} was built with other settings: " + "; ".join(d) + "; a field was "
+                            f"edited: restore it, or rebuild the cache (`megatron-kd cache build --overwrite`)")
+        a, b = s["first"], s["first"] + s["count"]
+        for key, want in ((CHECKSUM, s[CHECKSUM]), ("settings_hash", s["settings_hash"])):
+            if side.get(key) != want:
+                problems.append(f"{path}: sidecar {sidecar_name(j)} field {key} = {side.get(key)!r}, the manifest says "
+                                f"{want!r}; {shard_fix(path, j)}")
+        hashes = [f"{int(h):016x}" for h in index["token_hash"][a:b]]
+        if side.get("token_hashes") != hashes or side.get("crc32") != [int(c) for c in index["crc32"][a:b]]:
+            problems.append(f"{path}: sidecar {sidecar_name(j)}'s token hashes or crc32s differ from {SAMPLE_INDEX} "
+                            f"(samples {a}..{b - 1}); {shard_fix(path, j)}")
     return problems
 
 

@@ -1,9 +1,13 @@
-"""CacheWriter: settings first, shards committed atomically one by one, manifest last.
+"""CacheWriter: lock, settings first, shards committed atomically one by one, manifest last.
 
-A shard is done when its sidecar exists and its .bin has the expected size. A restart recomputes every shard
-that is not done from its first sample (its temporary file is truncated), so a build killed at any moment and
-restarted with the same settings ends byte-identical to an uninterrupted one.
+One builder per directory: the writer holds an exclusive lock on DIR/build.lock for its lifetime (a second
+builder is refused at once). A shard is done when its sidecar records this build's settings hash and its .bin
+has the expected size; any other shard is recomputed from its first sample into a fresh temporary file (the
+temporary files a killed run left are deleted, never appended to), so a build killed at any moment and restarted
+with the same settings ends byte-identical to an uninterrupted one.
 """
+import fcntl
+import hashlib
 import os
 import shutil
 
@@ -12,38 +16,21 @@ import numpy as np
 from . import stats as stats_mod
 from .encoding import get_encoding
 from .errors import CacheError
-from .format import (MANIFEST, SAMPLE_INDEX, SAMPLE_INDEX_DTYPE, SETTINGS, SHARD_DIR, check_format, num_shards,
-                     shard_name, shard_range, settings_diff, sidecar_name)
-from .fsio import commit, read_json, write_bytes_atomic, write_json_atomic
+from .format import (LOCK, MANIFEST, SAMPLE_INDEX, SAMPLE_INDEX_DTYPE, SETTINGS, SHARD_DIR, check_format,
+                     num_shards, settings_diff, settings_hash, settings_of, shard_name, shard_range, sidecar_name)
+from .fsio import (commit, fault_point, open_temp, read_json, remove_temp_files, write_bytes_atomic,
+                   write_json_atomic)
 from .hashing import CHECKSUM, crc32, file_sha256, hex64, token_hash
-
-# Tests set MEGATRON_KD_CACHE_KILL_AT=<event>:<n> to SIGKILL the build at the n-th event (1-based):
-# "sample" (a sample written to a shard's temporary file), "shard_data" (a .bin committed, its sidecar not yet),
-# "shard" (a shard fully committed), "finalize" (samples.idx written, manifest not yet).
-_kill_counts: dict = {}
-
-
-def _fault_point(event: str) -> None:
-    spec = os.environ.get("MEGATRON_KD_CACHE_KILL_AT")
-    if not spec:
-        return
-    name, _, n = spec.partition(":")
-    if name == event:
-        _kill_counts[event] = _kill_counts.get(event, 0) + 1
-        if _kill_counts[event] == int(n or 1):
-            import signal
-            os.kill(os.getpid(), signal.SIGKILL)
 
 
 class ShardWriter:
-    """Streams one shard's samples into its temporary file; commit() makes it visible."""
+    """Streams one shard's samples into a fresh temporary file; commit() makes it visible."""
 
     def __init__(self, writer: "CacheWriter", j: int):
         self.w, self.j = writer, j
         self.first, self.stop = shard_range(writer.settings, j)
         self.path = os.path.join(writer.path, shard_name(j))
-        self.tmp = self.path + ".tmp"
-        self.f = open(self.tmp, "wb")  # truncates what a killed run left behind
+        self.f, self.tmp = open_temp(self.path)  # a new file: nothing a killed run left is reused
         self.hashes, self.crcs, self.stats = [], [], stats_mod.empty_stats()
 
     def add(self, topk_ids, topk_logprobs, tokens) -> None:
@@ -64,7 +51,7 @@ class ShardWriter:
             self.f.write(buf.tobytes())
             self.hashes.append(token_hash(tok[i]))
             self.crcs.append(crc32(buf))
-            _fault_point("sample")
+            fault_point("sample")
 
     def commit(self) -> None:
         count = self.stop - self.first
@@ -73,13 +60,14 @@ class ShardWriter:
         self.f.flush()
         os.fsync(self.f.fileno())
         self.f.close()
+        fault_point("shard:written")
         commit(self.tmp, self.path)
-        _fault_point("shard_data")
+        fault_point("shard:committed")
         side = {"shard": self.j, "first": self.first, "count": count, "file": shard_name(self.j),
                 "bytes": count * self.w.settings["sample_bytes"], CHECKSUM: file_sha256(self.path),
+                "settings_hash": self.w.settings_hash, "settings": self.w.settings,
                 "token_hashes": [hex64(h) for h in self.hashes], "crc32": self.crcs, "stats": self.stats}
-        write_json_atomic(os.path.join(self.w.path, sidecar_name(self.j)), side)
-        _fault_point("shard")
+        write_json_atomic(os.path.join(self.w.path, sidecar_name(self.j)), side, "sidecar")
 
     def abort(self) -> None:
         if not self.f.closed:
@@ -89,30 +77,69 @@ class ShardWriter:
 
 
 class CacheWriter:
-    def __init__(self, path, settings: dict, *, overwrite: bool = False):
+    """lock=True (the builder; global rank 0 of a distributed build): take DIR/build.lock, compare or write the
+    settings, delete leftovers. lock=False: another rank of a build whose rank 0 holds the lock."""
+
+    def __init__(self, path, settings: dict, *, overwrite: bool = False, lock: bool = True):
         self.path = os.fspath(path)
         self.settings = settings
+        self.settings_hash = settings_hash(settings)
         self.encoding = get_encoding(settings["encoding"], settings["vocab_size"], settings["top_k"],
                                      settings["seq_length"])
+        self._lock_fd = None
         os.makedirs(os.path.join(self.path, SHARD_DIR), exist_ok=True)
-        existing = self._existing_settings()
-        if existing is not None and settings_diff(existing, settings):
+        if not lock:
+            return
+        self._lock()
+        try:
+            self._prepare(overwrite)
+        except BaseException:
+            self.close()
+            raise
+
+    def _lock(self) -> None:
+        fd = os.open(os.path.join(self.path, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise CacheError(f"another cache build is writing to {self.path} (it holds {LOCK}); wait for it to "
+                             "finish, or build into another --out directory") from None
+        self._lock_fd = fd
+        fault_point("lock")
+
+    def close(self) -> None:
+        """Release the directory's lock (also on garbage collection and process exit)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def __del__(self):
+        self.close()
+
+    def _prepare(self, overwrite: bool) -> None:
+        for d in (self.path, os.path.join(self.path, SHARD_DIR)):
+            remove_temp_files(d)  # we hold the lock: whoever wrote them is gone
+        fault_point("temp_removed")
+        diffs = [(name, d) for name, meta in self._existing() if (d := settings_diff(meta, self.settings))]
+        if diffs:
             if not overwrite:
                 finished = os.path.exists(os.path.join(self.path, MANIFEST))
                 what = "a finished cache" if finished else "a partial build"
                 raise CacheError(
-                    f"{self.path} holds {what} built with different settings:\n  "
-                    + "\n  ".join(settings_diff(existing, settings))
+                    f"{self.path} holds {what} built with different settings:\n  " + "\n  ".join(diffs[0][1])
                     + "\nWrite to a new directory (--out), rerun with the original settings to "
                     + ("use it" if finished else "resume it") + ", or pass --overwrite (overwrite=True) to delete it.")
             self._remove_all()
-            existing = None
-        if existing is None:
-            write_json_atomic(os.path.join(self.path, SETTINGS), settings)
+        if not os.path.exists(os.path.join(self.path, SETTINGS)):
+            write_json_atomic(os.path.join(self.path, SETTINGS), self.settings, "settings")
         if self.pending_shards() and os.path.exists(os.path.join(self.path, MANIFEST)):
             os.remove(os.path.join(self.path, MANIFEST))  # shards were deleted for a rebuild: not finished now
+            fault_point("manifest:removed")
 
-    def _existing_settings(self):
+    def _existing(self) -> list:
+        """[(file name, its settings)] for manifest.json and settings.json where present."""
+        out = []
         for name in (MANIFEST, SETTINGS):
             p = os.path.join(self.path, name)
             if os.path.exists(p):
@@ -122,17 +149,25 @@ class CacheWriter:
                     fix = ("delete it and rerun the same build command (finished shards are kept)" if name == MANIFEST
                            else "restore it, or pass --overwrite (overwrite=True) to start this directory over")
                     raise CacheError(f"{p} is unreadable; {fix}") from None
+                if not isinstance(meta, dict):
+                    raise CacheError(f"{p} is not a JSON object; delete it or pass --overwrite (overwrite=True)")
                 check_format(meta, p)
-                return {k: meta.get(k) for k in self.settings}
-        return None
+                out.append((name, settings_of(meta)))
+        return out
 
     def _remove_all(self) -> None:
+        """--overwrite: the shards first (sidecars before data), then the index and manifest, settings last."""
+        shards = os.path.join(self.path, SHARD_DIR)
+        names = sorted(os.listdir(shards))
+        for n in [n for n in names if n.endswith(".json")] + [n for n in names if not n.endswith(".json")]:
+            p = os.path.join(shards, n)
+            shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+        fault_point("overwrite:shards_removed")
         for name in (MANIFEST, SAMPLE_INDEX, SETTINGS):
             p = os.path.join(self.path, name)
             if os.path.exists(p):
                 os.remove(p)
-        shutil.rmtree(os.path.join(self.path, SHARD_DIR), ignore_errors=True)
-        os.makedirs(os.path.join(self.path, SHARD_DIR), exist_ok=True)
+        fault_point("overwrite:removed")
 
     @property
     def num_shards(self) -> int:
@@ -141,11 +176,25 @@ class CacheWriter:
     def shard_range(self, j: int) -> tuple[int, int]:
         return shard_range(self.settings, j)
 
-    def shard_done(self, j: int) -> bool:
+    def sidecar(self, j: int):
+        """Shard j's sidecar if it is done with this build's settings, else None."""
         first, stop = self.shard_range(j)
         data, side = (os.path.join(self.path, f) for f in (shard_name(j), sidecar_name(j)))
-        return (os.path.exists(side) and os.path.exists(data)
-                and os.path.getsize(data) == (stop - first) * self.settings["sample_bytes"])
+        if not (os.path.exists(side) and os.path.exists(data)
+                and os.path.getsize(data) == (stop - first) * self.settings["sample_bytes"]):
+            return None
+        try:
+            meta = read_json(side)
+        except ValueError:
+            return None  # unreadable: recomputed
+        if not isinstance(meta, dict) or meta.get("settings_hash") != self.settings_hash:
+            return None  # built with other settings (another teacher, data, K, ...): never adopted
+        if (meta.get("first"), meta.get("count")) != (first, stop - first):
+            return None
+        return meta
+
+    def shard_done(self, j: int) -> bool:
+        return self.sidecar(j) is not None
 
     def pending_shards(self) -> list[int]:
         return [j for j in range(self.num_shards) if not self.shard_done(j)]
@@ -153,17 +202,24 @@ class CacheWriter:
     def begin_shard(self, j: int) -> ShardWriter:
         side = os.path.join(self.path, sidecar_name(j))
         if os.path.exists(side):
-            os.remove(side)  # a sidecar without its data: the shard is redone
+            os.remove(side)  # a stale sidecar or one without its data: the shard is redone
+            fault_point("sidecar:removed")
         return ShardWriter(self, j)
 
-    def write_shard(self, j: int, topk_ids, topk_logprobs, tokens) -> None:
-        sw = self.begin_shard(j)
-        try:
-            sw.add(topk_ids, topk_logprobs, tokens)
-            sw.commit()
-        except BaseException:
-            sw.abort()
-            raise
+    def check_tokens(self, token_hash_of) -> None:
+        """Resume: every done shard's recorded token hashes against token_hash_of(i) of the dataset now given."""
+        for j in range(self.num_shards):
+            side = self.sidecar(j)
+            if side is None:
+                continue
+            for r, want in enumerate(side["token_hashes"]):
+                i = side["first"] + r
+                got = hex64(token_hash_of(i))
+                if got != want:
+                    raise CacheError(
+                        f"{self.path}: sample {i} ({sidecar_name(j)}) was built from other tokens (hash {want}, the "
+                        f"dataset now gives {got}): this is not the dataset the cache was started with. Rerun with "
+                        "the original data, or build into another --out directory (or pass --overwrite)")
 
     def finalize(self) -> dict:
         """samples.idx, then manifest.json. Call once every shard is done."""
@@ -178,15 +234,14 @@ class CacheWriter:
             a, b = side["first"], side["first"] + side["count"]
             index["token_hash"][a:b] = [int(h, 16) for h in side["token_hashes"]]
             index["crc32"][a:b] = side["crc32"]
-            shards.append({k: side[k] for k in ("shard", "first", "count", "file", "bytes", CHECKSUM)})
+            shards.append({k: side[k] for k in ("shard", "first", "count", "file", "bytes", CHECKSUM,
+                                                "settings_hash")})
             total = stats_mod.merge(total, side["stats"])
         idx_bytes = index.tobytes()
-        write_bytes_atomic(os.path.join(self.path, SAMPLE_INDEX), idx_bytes)
-        _fault_point("finalize")
-        import hashlib
+        write_bytes_atomic(os.path.join(self.path, SAMPLE_INDEX), idx_bytes, "index")
         manifest = dict(self.settings)
         manifest.update(shards=shards, sample_index={"file": SAMPLE_INDEX, "dtype": str(SAMPLE_INDEX_DTYPE.descr),
                                                      CHECKSUM: hashlib.sha256(idx_bytes).hexdigest()},
-                        stats=total, checksum=CHECKSUM)
-        write_json_atomic(os.path.join(self.path, MANIFEST), manifest)
+                        stats=total, checksum=CHECKSUM, settings_hash=self.settings_hash)
+        write_json_atomic(os.path.join(self.path, MANIFEST), manifest, "manifest")
         return manifest

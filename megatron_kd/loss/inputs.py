@@ -1,8 +1,11 @@
 """Check the user's tensors and flatten them to N positions.
 
-Checks that need the values (id ranges) cost one small device sync; they are worth it, since an
-out-of-range id otherwise becomes a silent wrong gather or a device-side assert.
+Checks that need the values (id and label ranges, NaN / +inf / positive log-probs, non-finite or negative mask
+entries) are reduced on the device into one small tensor and read with one host sync per call; they are worth
+it, since an out-of-range id otherwise becomes a silent wrong gather or a device-side assert, and one NaN in a
+mask zeroes the whole batch's gradient.
 """
+import math
 from dataclasses import dataclass
 
 import torch
@@ -26,17 +29,37 @@ class Targets:
                        None if self.labels is None else self.labels[rows], self.weight[rows])
 
 
+# A log-prob above this (at a non-empty slot) is not rounding of log(p <= 1): a corrupt cache or raw logits.
+LOGPROB_TOLERANCE = 1e-3
+TEMPERATURE_RANGE = (1e-3, 1e3)  # beyond it logits / T overflow or the distribution is a one-hot / uniform
+
+
 def math_dtype_for(hidden: torch.Tensor) -> torch.dtype:
     return torch.float64 if hidden.dtype == torch.float64 else torch.float32
 
 
+def _check_devices(hidden, **tensors) -> None:
+    for name, t in tensors.items():
+        if t is not None and torch.is_tensor(t) and t.device != hidden.device:
+            raise ValueError(f"{name} is on {t.device}, hidden on {hidden.device}: move every input of the loss to "
+                             "one device")
+
+
 def check_and_flatten(hidden, weight, topk_ids, topk_logprobs, labels, loss_mask, opts, vocab_size,
                       seq_shards: int = 1) -> tuple[torch.Tensor, Targets, tuple]:
-    """Returns (hidden [N_local, H], targets over all N positions, leading shape of the targets)."""
+    """Returns (hidden [N_local, H], targets over all N positions, leading shape of the targets).
+    At most one host sync (the value checks, gathered into one tensor)."""
     if not torch.is_tensor(hidden) or hidden.dim() < 1:
         raise ValueError("hidden must be a tensor [..., H]")
     if not hidden.is_floating_point():
         raise ValueError(f"hidden must be floating point, got {hidden.dtype}")
+    t = getattr(opts, "temperature", 1.0)
+    lo_t, hi_t = TEMPERATURE_RANGE
+    if not (isinstance(t, (int, float)) and math.isfinite(t) and lo_t <= t <= hi_t):
+        raise ValueError(f"temperature={t} must be a finite number in [{lo_t:g}, {hi_t:g}] (1 = the teacher's own "
+                         "distribution)")
+    _check_devices(hidden, weight=weight, topk_ids=topk_ids, topk_logprobs=topk_logprobs, labels=labels,
+                   loss_mask=loss_mask)
     if not torch.is_tensor(weight) or weight.dim() != 2:
         raise ValueError(f"weight must be [V, H], got shape {tuple(getattr(weight, 'shape', ()))}")
     if weight.shape[1] != hidden.shape[-1]:
@@ -68,15 +91,6 @@ def check_and_flatten(hidden, weight, topk_ids, topk_logprobs, labels, loss_mask
     mdt = math_dtype_for(hidden)
     ids = topk_ids.reshape(n, k).long()
     raw = topk_logprobs.reshape(n, k).to(mdt)
-    if n and k:  # the three value checks share one host sync
-        nan = (torch.isnan(raw) & (ids >= 0)).any()
-        lo, hi, bad = torch.stack([ids.min(), ids.max(), nan.long()]).tolist()
-        if lo < -1 or hi >= vocab_size:
-            raise ValueError(f"topk_ids must be in [-1, {vocab_size - 1}] (-1 = empty slot), found [{lo}, {hi}]; "
-                             "was the cache built with another tokenizer or vocabulary?")
-        if bad:
-            raise ValueError("topk_logprobs has NaN at non-empty slots (ids >= 0): a corrupt cache or teacher "
-                             "output; rebuild the cache, or mark those slots empty with id -1")
     valid = (ids >= 0) & (raw > float("-inf"))  # a -inf log-prob carries no teacher mass: an empty slot
     logp = raw.masked_fill(~valid, 0.0)
 
@@ -85,9 +99,7 @@ def check_and_flatten(hidden, weight, topk_ids, topk_logprobs, labels, loss_mask
         if tuple(loss_mask.shape) != lead:
             raise ValueError(f"loss_mask must have shape {lead}, got {tuple(loss_mask.shape)}")
         w = loss_mask.reshape(n).to(mdt)
-        if n and bool((w < 0).any()):
-            raise ValueError("loss_mask must be non-negative")
-    lab = None
+    lab = counted = None
     if labels is not None:
         if tuple(labels.shape) != lead:
             raise ValueError(f"labels must have shape {lead}, got {tuple(labels.shape)}")
@@ -95,14 +107,50 @@ def check_and_flatten(hidden, weight, topk_ids, topk_logprobs, labels, loss_mask
             raise ValueError(f"labels must be integer, got {labels.dtype}")
         lab = labels.reshape(n).long()
         counted = lab != opts.ignore_index
-        if n and counted.any():
-            lo, hi = int(lab[counted].min()), int(lab[counted].max())
-            if lo < 0 or hi >= vocab_size:
-                raise ValueError(f"labels must be in [0, {vocab_size - 1}] or ignore_index={opts.ignore_index}, "
-                                 f"found [{lo}, {hi}]")
-        w = w * counted.to(mdt)
-        lab = lab.masked_fill(~counted, -1)
     elif opts.needs_ce:
         raise ValueError("ce_weight != 0 needs labels")
+
+    if n:  # every value check in one tensor, one host sync
+        flags = []
+        if k:
+            real = ids >= 0
+            flags += [ids.min(), ids.max(), (torch.isnan(raw) & real).any(),
+                      ((raw > LOGPROB_TOLERANCE) & real).any()]
+        if loss_mask is not None:
+            flags += [(~torch.isfinite(w)).any(), (w < 0).any()]
+        if lab is not None:
+            shown = lab.masked_fill(~counted, 0)
+            flags += [shown.min(), shown.max()]
+        if flags:
+            vals = torch.stack([f.long() for f in flags]).tolist()
+            if k:
+                lo, hi, nan, pos = vals[:4]
+                vals = vals[4:]
+                if lo < -1 or hi >= vocab_size:
+                    raise ValueError(f"topk_ids must be in [-1, {vocab_size - 1}] (-1 = empty slot), found [{lo}, {hi}]; "
+                                     "was the cache built with another tokenizer or vocabulary?")
+                if nan:
+                    raise ValueError("topk_logprobs has NaN at non-empty slots (ids >= 0): a corrupt cache or teacher "
+                                     "output; rebuild the cache, or mark those slots empty with id -1")
+                if pos:
+                    raise ValueError(f"topk_logprobs has values > {LOGPROB_TOLERANCE:g} (+inf or positive) at non-empty "
+                                     "slots: log-probabilities are <= 0; pass log_softmax(logits / T), not logits, or "
+                                     "rebuild a corrupt cache")
+            if loss_mask is not None:
+                nonfinite, negative = vals[:2]
+                vals = vals[2:]
+                if nonfinite:
+                    raise ValueError("loss_mask has NaN or inf entries: it must be finite and non-negative (0 = not "
+                                     "counted)")
+                if negative:
+                    raise ValueError("loss_mask must be non-negative")
+            if lab is not None:
+                lo, hi = vals
+                if lo < 0 or hi >= vocab_size:
+                    raise ValueError(f"labels must be in [0, {vocab_size - 1}] or ignore_index={opts.ignore_index}, "
+                                     f"found [{lo}, {hi}]")
+    if lab is not None:
+        w = w * counted.to(mdt)
+        lab = lab.masked_fill(~counted, -1)
     h = hidden.reshape(-1, hidden.shape[-1])
     return h, Targets(ids, logp, valid, lab, w), lead

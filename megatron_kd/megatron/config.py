@@ -106,6 +106,8 @@ class KDConfig(KDLoss):
     cache_encoding: str = "fp16"                 # when building: fp16 | compact
     top_k: int = 32
     check_tokens: bool = True                    # compare each sample's token hash with the cache's
+    teacher_id: Optional[str] = None             # offline: the cache's teacher ("name" or "name@weights_hash");
+                                                 # a cache from another teacher is refused (data-safety hook)
     log_ce: bool = True                          # report the student's CE in KD modes (one forward-only output-
                                                  # layer pass per micro-batch; large GPU runs may turn it off)
 

@@ -127,10 +127,12 @@ class Trainer:
     def _offline_data(self):
         from ..cache import CacheError, CacheReader
         r = self.r
-        if r.kd.build_cache and ckpt_missing_manifest(r.kd.cache):
-            build_teacher_cache(r, self.tok, self.train_ds, self.train_n)
         try:
-            reader = CacheReader(r.kd.cache)
+            # data-safety hook (issue 19): build (or check) every time, so a finished cache from another teacher,
+            # data or settings is refused naming both sides instead of being used; kd.teacher_id: declared teacher
+            if r.kd.build_cache:
+                build_teacher_cache(r, self.tok, self.train_ds, self.train_n)
+            reader = CacheReader(r.kd.cache, expected_teacher=r.kd.teacher_id)
         except CacheError as e:
             raise RecipeError(f"kd.cache={r.kd.cache}: {e}") from None
         self.notes += check_cache(reader, r.kd, r.data, self.train_ds, self.vocab, self.train_n)  # on every rank
@@ -301,10 +303,6 @@ def reduce_reports(reports: list) -> dict:
         dist.all_reduce(b)
         buf = b.cpu()
     return {n: float(buf[2 * i] / buf[2 * i + 1]) for i, n in enumerate(names) if buf[2 * i + 1] > 0}
-
-
-def ckpt_missing_manifest(cache_dir) -> bool:
-    return not os.path.isfile(os.path.join(cache_dir, "manifest.json"))
 
 
 def build_teacher_cache(r: Recipe, tok, train_ds, num_samples: int) -> dict:

@@ -45,10 +45,10 @@ def test_corrupt_shard(cache, capsys):
     assert len(problems) == 1
     assert "shards/000001.bin" in problems[0] and "corrupt" in problems[0] and "000001.json" in problems[0]
     assert cache_cli(["verify", str(out)]) == 1
-    assert "FAIL shard shards/000001.bin" in capsys.readouterr().err
+    assert "shard shards/000001.bin fails its sha256 check" in capsys.readouterr().err
     r = CacheReader(out)
     r[0], r[1], r[4]  # other shards read fine
-    with pytest.raises(CacheError, match=r"sample 2 in shard shards/000001.bin fails its crc32.*delete"):
+    with pytest.raises(CacheError, match=r"shards/000001.bin: sample 2 fails its crc32.*delete"):
         r[2]
     bad = snapshot(out)
     # The fix the message names: delete the shard and its sidecar, rerun the same build.
@@ -77,7 +77,7 @@ def test_missing_manifest(cache):
     out, good = cache
     os.remove(out / "manifest.json")
     with pytest.raises(CacheError, match=r"no manifest.json: its build has not finished \(5 of 5 shards done\); "
-                                         r"rerun the same"):
+                                         r"rerun the command that built"):
         CacheReader(out)
     assert cache_cli(["verify", str(out)]) == 1
     assert cache_cli(["inspect", str(out)]) == 0  # reports progress instead
@@ -99,7 +99,7 @@ def test_unreadable_manifest_and_not_a_cache(cache, tmp_path):
     m = json.loads((out / "settings.json").read_text())
     m["format_version"] = 99
     (out / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(CacheError, match="format version 99.*rebuild"):
+    with pytest.raises(CacheError, match="format_version 99.*rebuild"):
         CacheReader(out)
 
 

@@ -139,7 +139,11 @@ def build_hf_chunks(m: ModelConfig, p: ParallelConfig, seq_length: int, precisio
     backend = _backend(m)
     if backend == "sdpa":
         from .attention import SDPAttention
-    spec = te_layer_spec if backend == "te" else local_layer_spec(SDPAttention if backend == "sdpa" else None)
+    spec = te_layer_spec
+    if backend != "te":
+        from .gpt_oss import fix_local_moe_spec  # MoE experts with biases train at EP=1 (as layer_spec does)
+        local = local_layer_spec(SDPAttention if backend == "sdpa" else None)
+        spec = lambda config, vp_stage=None: fix_local_moe_spec(local(config, vp_stage))  # noqa: E731
     recompute = {k: getattr(m, k) for k in ("recompute_granularity", "recompute_method", "recompute_num_layers")}
     return open_hf(m.hf_path, "hf_path").build(
         p, load_weights=load_weights, precision=precision, seq_length=seq_length, layer_spec=spec,

@@ -9,7 +9,6 @@ import argparse
 import importlib
 import json
 import os
-import signal
 import sys
 
 
@@ -61,47 +60,9 @@ def _dataset(args):
     return _factory(args.dataset)(**_json_arg(args.dataset_args, "--dataset-args")), args.dataset_id
 
 
-class Interrupted(BaseException):
-    """SIGTERM/SIGINT during a build: unwinds like KeyboardInterrupt (temp files removed, lock released)."""
-
-    def __init__(self, signum):
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _on_signal(signum, frame):
-    raise Interrupted(signum)
-
-
-def _end_children() -> None:
-    """Terminate the child processes this build started (spawn/fork workers, multiprocessing's resource_tracker)."""
-    import multiprocessing
-    children = multiprocessing.active_children()
-    for c in children:
-        c.terminate()
-    for c in children:
-        c.join(5)
-    try:
-        from multiprocessing import resource_tracker
-        tracker = resource_tracker._resource_tracker
-        if getattr(tracker, "_pid", None) is not None:
-            os.kill(tracker._pid, signal.SIGTERM)
-    except (ImportError, AttributeError, OSError):
-        pass
-
-
 def cmd_build(args) -> int:
-    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        return _build(args)
-    except Interrupted as e:
-        _end_children()
-        print(f"interrupted by {signal.Signals(e.signum).name}: finished shards are kept; rerun the same command "
-              "to resume", file=sys.stderr)
-        return 128 + e.signum
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
+    from .interrupt import run_interruptible
+    return run_interruptible(lambda: _build(args), "finished shards are kept")
 
 
 def _build(args) -> int:

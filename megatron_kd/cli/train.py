@@ -72,11 +72,15 @@ def main(argv=None) -> int:
 
     saved = sys.argv
     sys.argv = ["megatron-kd train"] + schema_overrides(argv)
-    try:
+    from .interrupt import run_interruptible
+
+    def call() -> int:
         app()
+        return box["rc"]
+    try:
+        return run_interruptible(call, "the last saved checkpoint is kept")
     finally:
         sys.argv = saved
-    return box["rc"]
 
 
 def print_job(name: str, config_path, overrides: list) -> int:

@@ -3,6 +3,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# Without CUDA the Triton kernels run under Triton's CPU interpreter. The switch must precede the first import of
+# any module that defines a @triton.jit function (a test module collected earlier may import megatron_kd.loss,
+# and with it megatron_kd.kernels), so it is set here, before any test module is imported.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 
 # --- hf-ckpt (issue 16): tests marked `bridge` need real Megatron-Bridge 0.6.2 + megatron-core 0.19.2 ------------
 # (Python 3.12: .ci/run's second job). Elsewhere they are skipped; `--require-bridge` turns the skip into an error.

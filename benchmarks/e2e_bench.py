@@ -79,9 +79,13 @@ def run(nproc, args, log):
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "megatron_kd", "train", *args]
+    # a fresh process group each run: no rank / rendezvous inherited from the caller (a test process that ran
+    # `megatron-kd train` in-process still holds the port its MASTER_PORT names)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     t = time.time()
     with open(log, "w") as f:
-        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     return rc, time.time() - t
 
 

@@ -16,6 +16,6 @@ $pip torch==2.11.0 transformers==5.17.0 tokenizers safetensors
 $pip megatron-core==0.19.2 numpy packaging psutil
 grep -v '^#' "$here/requirements-nodeps.txt" | xargs $pip --no-deps
 $pip hydra-core==1.3.8 omegaconf==2.3.0 tqdm pyyaml einops rich pandas pyarrow fsspec xxhash requests aiohttp \
-    huggingface_hub scipy matplotlib pytest pytest-timeout
+    huggingface_hub scipy matplotlib tensorboard pytest pytest-timeout
 "$venv/bin/python" -c "import sys; sys.path.insert(0, '$here'); import shims; from megatron.bridge import AutoBridge; \
 import megatron.core as m; print('bridge test env ok: megatron-core', m.__version__)"

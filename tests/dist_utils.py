@@ -18,6 +18,7 @@ def _worker(rank, world, port, fn, args, errq):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         fn(rank, world, *args)
+        dist.barrier()  # every rank done before any tears gloo down (a rank destroyed early aborted its peer once)
     except BaseException:
         errq.put((rank, traceback.format_exc()))
         raise

@@ -14,7 +14,11 @@ class Interrupted(BaseException):
         self.signum = signum
 
 
+_received = []  # signals seen: a raise that lands in a finalizer ("Exception ignored in ...") is lost, this is not
+
+
 def _on_signal(signum, frame):
+    _received.append(signum)
     raise Interrupted(signum)
 
 
@@ -38,13 +42,19 @@ def end_children() -> None:
 def run_interruptible(fn, kept: str) -> int:
     """fn()'s return code; on SIGTERM/SIGINT: end the children, say what is kept (`kept`) and 128 + signal."""
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    del _received[:]
     try:
-        return fn()
-    except Interrupted as e:
+        try:
+            rc = fn()
+            if not _received:
+                return rc
+            signum = _received[0]  # the raise was swallowed (it hit a finalizer); the command ran on to its end
+        except Interrupted as e:
+            signum = e.signum
         end_children()
-        print(f"interrupted by {signal.Signals(e.signum).name}: {kept}; rerun the same command to resume",
+        print(f"interrupted by {signal.Signals(signum).name}: {kept}; rerun the same command to resume",
               file=sys.stderr)
-        return 128 + e.signum
+        return 128 + signum
     finally:
         for s, h in previous.items():
             signal.signal(s, h)

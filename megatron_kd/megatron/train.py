@@ -87,7 +87,20 @@ def run(r: Recipe, save: str) -> dict:
                           f"train.load={load} points elsewhere: resuming into it would mix two runs. Use another "
                           "train.save, or resume that run (train.load = train.save).")
     with distributed(r.parallel, r.train.seed, r.train.device) as cuda:
-        return Trainer(r, save, load, tok, cuda).fit()
+        try:
+            return Trainer(r, save, load, tok, cuda).fit()
+        finally:
+            release_memory()
+
+
+def release_memory() -> None:
+    """Free the finished run's model, gradients and optimizer state now. They sit in reference cycles
+    (DDP hooks, Megatron wrappers), which Python frees only when its collector next runs. Without this, a
+    second run() in the same process (a sweep, a benchmark arm) starts with the first one's GPU memory still
+    allocated (36 GiB more peak for the 3.2B student at 32K)."""
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 class Trainer:
@@ -325,7 +338,7 @@ def build_teacher_cache(r: Recipe, tok, train_ds, num_samples: int) -> dict:
                            progress=r.train.progress and is_rank0(), tp_group=ps.get_tensor_model_parallel_group(),
                            dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size())
     del teacher
-    gc.collect()
+    release_memory()
     return manifest
 
 

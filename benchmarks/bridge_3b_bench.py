@@ -113,7 +113,8 @@ def child(a):
             m = ModelConfig(num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4,
                             num_query_groups=2, kv_channels=32, tie_embeddings=False)
         m.attention_backend = "sdpa"
-        m.recompute_granularity, m.recompute_method, m.recompute_num_layers = "full", "uniform", 1
+        if torch.cuda.is_available():  # megatron-core's recompute needs the CUDA RNG tracker (CPU smoke: none)
+            m.recompute_granularity, m.recompute_method, m.recompute_num_layers = "full", "uniform", 1
         r = Recipe(model=m, parallel=ParallelConfig(use_distributed_optimizer=False),
                    data=DataConfig(kind="mock", vocab_size=a.vocab, seq_length=a.seq, split="9999,8,2", seed=1234),
                    kd=KDConfig(mode="offline", cache=f"{w}/cache", top_k=TOPK, log_ce=False),

@@ -12,7 +12,7 @@ def reference(q, k, v, sink, window, scale):
     rep = q.shape[1] // k.shape[1]
     k, v = (x.double().repeat_interleave(rep, 1) for x in (k, v))
     sc = q.double() @ k.transpose(-1, -2) * scale
-    i = torch.arange(q.shape[2])
+    i = torch.arange(q.shape[2], device=q.device)
     keep = i[:, None] >= i[None, :]
     if window is not None:
         keep &= (i[:, None] - i[None, :]) <= window

@@ -130,6 +130,10 @@ def build(a) -> dict:
     if vocab and int(teacher.vocab_size) < vocab:
         raise ValueError(f"the teacher's vocabulary ({teacher.vocab_size}) is smaller than the recipe tokenizer's "
                          f"({vocab}): teacher and student must share a tokenizer (tokenizer: in the YAML)")
+    if vocab and int(teacher.vocab_size) > vocab:
+        # an embedding padded past the tokenizer (Qwen: 152,064 rows for 151,665 tokens): the rows past the
+        # tokenizer's ids are no token, so they are neither a KD target nor part of the teacher's softmax
+        teacher.vocab_size = vocab
     tok_id = str(getattr(cfg.tokenizer, "tokenizer_model", None) or getattr(cfg.tokenizer, "tokenizer_type", ""))
     return build_cache(teacher, train, out, top_k=top_k, encoding=a.encoding, temperature=kd.temperature,
                        num_samples=len(train), micro_batch_size=a.micro_batch_size, chunk_size=kd.chunk_size,

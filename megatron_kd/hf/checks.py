@@ -126,21 +126,34 @@ def _vocab(path):
 
 
 def check_same_tokenizer(a, a_key: str, b, b_key: str) -> None:
-    """Two HF checkpoints, or an HF checkpoint and a tokenizers JSON file (data.tokenizer), tokenize alike: the
-    same vocabulary size (config.json) and, where both have a tokenizer.json, the same token -> id map."""
-    sizes = [hf_vocab_size(p, k) if os.path.isdir(p) else None for p, k in ((a, a_key), (b, b_key))]
+    """Two HF checkpoints, or an HF checkpoint and a tokenizers JSON file (data.tokenizer), tokenize alike: where
+    both have a tokenizer.json, the same token -> id map; otherwise the same vocabulary size. A checkpoint's
+    embedding may have more rows than its tokenizer has ids (Qwen pads 151,665 tokens to 151,936 or 152,064 rows,
+    differently per model size): the rows past the tokenizer are padding, never a KD target."""
     va, vb = _vocab(a), _vocab(b)
-    if va is not None and sizes[0] is None:
-        sizes[0] = len(va)
-    if vb is not None and sizes[1] is None:
-        sizes[1] = len(vb)
-    if None not in sizes and sizes[0] != sizes[1]:
+    for p, k, v in ((a, a_key, va), (b, b_key, vb)):
+        if v is not None and os.path.isdir(p) and hf_vocab_size(p, k) < len(v):
+            raise HFCheckpointError(f"{k}={p!r}: config.json has vocab_size={hf_vocab_size(p, k)} but its "
+                                    f"tokenizer.json has {len(v)} ids: the embedding has no row for the ids past "
+                                    f"{hf_vocab_size(p, k)}; fix the checkpoint's config.json or its tokenizer")
+    sizes = [len(v) if v is not None else (hf_vocab_size(p, k) if os.path.isdir(p) else None)
+             for p, k, v in ((a, a_key, va), (b, b_key, vb))]
+    if None not in sizes and sizes[0] != sizes[1] and (va is None or vb is None or len(va) != len(vb)):
         raise HFCheckpointError(f"{a_key}={a!r} has a vocabulary of {sizes[0]} ids and {b_key}={b!r} one of "
                                 f"{sizes[1]}: distillation needs one tokenizer; use a teacher and student of one "
                                 "tokenizer family, and tokenize the data with it (`megatron-kd data prepare "
-                                "--tokenizer TEACHER_DIR/tokenizer.json`)")
+                                "--tokenizer TEACHER_DIR/tokenizer.json`)"
+                                + ("" if va is not None and vb is not None else
+                                   " (a checkpoint without tokenizer.json is compared by config.json's vocab_size; "
+                                   "add its tokenizer.json if only the embedding padding differs)"))
     if va is not None and vb is not None and va != vb:
         diff = next(t for t in sorted(set(va) | set(vb)) if va.get(t) != vb.get(t))
         raise HFCheckpointError(f"{a_key}={a!r} and {b_key}={b!r} have different tokenizers (token {diff!r}: id "
                                 f"{va.get(diff)} vs {vb.get(diff)}): distillation compares the same ids; tokenize "
                                 "the data with the teacher's tokenizer.json and use a student of that tokenizer")
+
+
+def tokenizer_size(path) -> int | None:
+    """Ids of an HF checkpoint's tokenizer.json (None without one)."""
+    v = _vocab(path)
+    return None if v is None else len(v)

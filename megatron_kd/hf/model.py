@@ -109,7 +109,10 @@ class HFModel:
         if hasattr(prov, "autocast_dtype"):
             prov.autocast_dtype = dtype
         prov.seq_length = seq_length
-        prov.should_pad_vocab = True  # Megatron's padded vocabulary; the padding rows never leave Megatron
+        # Megatron's padded vocabulary under TP (the padding rows never leave Megatron). At TP=1 the checkpoint's
+        # own rows: Bridge 0.6.2 pads the HF embedding only when it splits it (ColumnParallelMapping, tp > 1), so a
+        # vocab_size that is not a multiple of make_vocab_size_divisible_by would not load at TP=1
+        prov.should_pad_vocab = p.tp > 1
         prov.make_vocab_size_divisible_by = make_vocab_size_divisible_by
         prov.hidden_dropout = prov.attention_dropout = 0.0
         prov.calculate_per_token_loss = True  # megatron-kd's losses are per-token sums

@@ -10,7 +10,8 @@ import hashlib
 import json
 import os
 
-from .checks import HFCheckpointError, check_hf_dir, check_layout, check_same_tokenizer, hf_vocab_size
+from .checks import (HFCheckpointError, check_hf_dir, check_layout, check_same_tokenizer, hf_vocab_size,
+                     tokenizer_size)
 
 _OPEN = {}
 
@@ -66,10 +67,12 @@ def resolve(r, *, teacher: bool | None = None) -> list:
         key = f"{name}.hf_path"
         if r.data.tokenizer:
             check_same_tokenizer(m.hf_path, key, r.data.tokenizer, "data.tokenizer")
-        elif r.data.vocab_size is not None and r.data.vocab_size != hf_vocab_size(m.hf_path, key):
-            raise HFCheckpointError(f"data.vocab_size={r.data.vocab_size} but {key}={m.hf_path!r} has "
-                                    f"{hf_vocab_size(m.hf_path, key)} ids; set data.vocab_size to it (or give "
-                                    "data.tokenizer, the checkpoint's tokenizer.json)")
+        elif r.data.vocab_size is not None:  # the tokenizer's ids (an embedding may be padded past them)
+            ids = tokenizer_size(m.hf_path) or hf_vocab_size(m.hf_path, key)
+            if r.data.vocab_size != ids:
+                raise HFCheckpointError(f"data.vocab_size={r.data.vocab_size} but {key}={m.hf_path!r} has "
+                                        f"{ids} ids; set data.vocab_size to it (or give data.tokenizer, the "
+                                        "checkpoint's tokenizer.json)")
     check_cache_tokenizer(r)
     return done
 

@@ -84,6 +84,24 @@ def test_cache_row_i_is_bridges_sample_i(cache):
         torch.testing.assert_close(s["topk_logprobs"], want_lp, atol=2e-3, rtol=0)  # fp16 encoding
 
 
+def test_a_teacher_padded_past_the_tokenizer_caches_the_tokenizers_ids(tmp_path):
+    """A teacher whose output layer has 16 rows more than the recipe's tokenizer has ids (Qwen-style padding): the
+    cache holds the tokenizer's vocabulary, its top-K and log-probs come from the softmax over those ids only."""
+    from megatron_kd.cache import CacheReader
+    from helpers import table_teacher
+    out = tmp_path / "padded"
+    build_cache_cmd(out, "--teacher-args", f'{{"vocab": {VOCAB + 16}}}')
+    reader, teacher = CacheReader(str(out)), table_teacher(VOCAB + 16)
+    assert reader.vocab_size == VOCAB
+    cfg, _ = kd_cfg(str(out))
+    (train, _, _), _ = bridge_build(cfg)
+    for i in range(3):
+        s = train[i]
+        want_lp, want_ids = torch.log_softmax(teacher.fn(s["tokens"])[..., :VOCAB].float(), -1).topk(K, -1)
+        assert torch.equal(s["topk_ids"], want_ids)
+        torch.testing.assert_close(s["topk_logprobs"], want_lp, atol=2e-3, rtol=0)  # fp16 encoding
+
+
 def test_a_cache_of_other_samples_is_refused(cache):
     cfg, _ = kd_cfg(cache, seed=99)  # other shuffle: other samples
     (train, _, _), _ = bridge_build(cfg)

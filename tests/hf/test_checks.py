@@ -11,7 +11,7 @@ from megatron_kd.hf import HFCheckpointError, check_hf_dir, check_layout, check_
 from megatron_kd.hf.recipe import check_cache_tokenizer
 
 
-def fake_hf(d, vocab=64, heads=8, kv=4, layers=4, experts=None, arch="LlamaForCausalLM", tok_shift=0):
+def fake_hf(d, vocab=64, heads=8, kv=4, layers=4, experts=None, arch="LlamaForCausalLM", tok_shift=0, tok_size=None):
     os.makedirs(d, exist_ok=True)
     cfg = {"architectures": [arch], "model_type": "llama", "vocab_size": vocab, "num_attention_heads": heads,
            "num_key_value_heads": kv, "num_hidden_layers": layers, "hidden_size": 64, "intermediate_size": 128}
@@ -19,7 +19,7 @@ def fake_hf(d, vocab=64, heads=8, kv=4, layers=4, experts=None, arch="LlamaForCa
         cfg["num_local_experts"] = experts
     json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
     open(os.path.join(d, "model.safetensors"), "wb").close()
-    write_tokenizer(os.path.join(d, "tokenizer.json"), vocab, tok_shift)
+    write_tokenizer(os.path.join(d, "tokenizer.json"), tok_size or vocab, tok_shift)
     return str(d)
 
 
@@ -71,6 +71,27 @@ def test_different_vocabularies_and_tokenizers(tmp_path):
     write_tokenizer(tmp_path / "data_tok.json", 64, shift=3)
     with pytest.raises(HFCheckpointError, match="data.tokenizer.*different tokenizers"):
         check_same_tokenizer(a, "teacher.hf_path", str(tmp_path / "data_tok.json"), "data.tokenizer")
+
+
+def test_embeddings_padded_past_one_tokenizer_are_one_vocabulary(tmp_path):
+    """Qwen-style: one 60-id tokenizer, embeddings of 64 and 72 rows (Qwen2.5: 151,665 tokens, 151,936 / 152,064
+    rows): accepted, with the data's tokenizer file too; an embedding with fewer rows than its tokenizer is refused,
+    and without tokenizer.json the config sizes must agree (the message says what to add)."""
+    t = fake_hf(tmp_path / "t", vocab=72, tok_size=60)
+    s = fake_hf(tmp_path / "s", vocab=64, tok_size=60)
+    check_same_tokenizer(t, "teacher.hf_path", s, "model.hf_path")
+    write_tokenizer(tmp_path / "data_tok.json", 60)
+    check_same_tokenizer(s, "model.hf_path", str(tmp_path / "data_tok.json"), "data.tokenizer")
+    with pytest.raises(HFCheckpointError, match="vocabulary of 60 ids .* one of 64"):
+        check_same_tokenizer(t, "teacher.hf_path", fake_hf(tmp_path / "s64", vocab=64), "model.hf_path")
+    short = fake_hf(tmp_path / "short", vocab=56, tok_size=60)
+    with pytest.raises(HFCheckpointError, match="vocab_size=56 but its tokenizer.json has 60 ids"):
+        check_same_tokenizer(t, "teacher.hf_path", short, "model.hf_path")
+    os.remove(os.path.join(s, "tokenizer.json"))
+    t2 = fake_hf(tmp_path / "t2", vocab=72)
+    os.remove(os.path.join(t2, "tokenizer.json"))
+    with pytest.raises(HFCheckpointError, match="vocabulary of 72 ids .* one of 64.*add its tokenizer.json"):
+        check_same_tokenizer(t2, "teacher.hf_path", s, "model.hf_path")
 
 
 def test_cache_of_another_tokenizer(tmp_path):

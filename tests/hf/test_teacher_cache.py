@@ -27,11 +27,12 @@ def teacher_overrides(hf_dir, cache, tp, vocab=256):
             "train.progress=false", "train.device=cpu"]
 
 
-def reference_topk(hf_dir, tokens):
-    """transformers' fp32 log-probs [b, s, V] of the tokens."""
+def reference_topk(hf_dir, tokens, vocab=None):
+    """transformers' fp32 log-probs [b, s, V] of the tokens, over the tokenizer's `vocab` ids (an embedding padded
+    past them: the padding rows are no token, so no KD target)."""
     import tiny
     logits = tiny.hf_logits(hf_dir, tokens).double()
-    return torch.log_softmax(logits, -1)
+    return torch.log_softmax(logits[..., :vocab], -1)
 
 
 def check_topk(ids, lp, ref_lp, k=K, gap=1e-4, tol=1e-5):
@@ -56,15 +57,15 @@ def _worker(rank, world, cases, tp):
     from megatron_kd.megatron.recipes import compose
     from megatron_kd.megatron.config import to_recipe
     from megatron_kd.megatron.train import build_cache_only
-    for hf_dir, cache, out in cases:
-        ov = teacher_overrides(hf_dir, cache, tp)
+    for hf_dir, cache, out, vocab in cases:
+        ov = teacher_overrides(hf_dir, cache, tp, vocab)
         build_cache_only(to_recipe(compose("tiny_cpu", ov, save=os.path.dirname(cache))))
         ds = recipe_dataset("tiny_cpu", ov)
         teacher = recipe_teacher("tiny_cpu", ov)
         tokens = torch.stack([split_sample(ds[i])["tokens"] for i in range(SAMPLES)])
         ids, lp = _teacher_topk(teacher, tokens, K, 1.0, None, teacher.tp_group)
         if rank == 0:
-            ref = reference_topk(hf_dir, tokens)
+            ref = reference_topk(hf_dir, tokens, vocab)
             err = check_topk(ids.reshape(-1, K), lp.reshape(-1, K), ref.reshape(-1, ref.shape[-1]))
             reader = CacheReader(cache)
             c_ids = np.stack([reader[i]["topk_ids"] for i in range(SAMPLES)])
@@ -78,7 +79,8 @@ def _worker(rank, world, cases, tp):
         ps.destroy_model_parallel()
 
 
-ARCHS = [("llama", False), ("llama", True), ("gptoss", False)]  # untied / tied GQA Llama; GPT-OSS
+# untied / tied GQA Llama; GPT-OSS; a Llama whose embedding has 272 rows for a 250-id tokenizer (Qwen-style padding)
+ARCHS = [("llama", False, None), ("llama", True, None), ("gptoss", False, None), ("llama", False, (272, 250))]
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -86,11 +88,12 @@ def test_cache_from_hf_teacher_equals_transformers(tmp_path, tp):
     """One gloo launch per TP size runs the three checkpoints (Bridge imports once per rank)."""
     import tiny
     cases = []
-    for arch, tied in ARCHS:
-        name = f"{arch}_{'tied' if tied else 'untied'}"
+    for arch, tied, padded in ARCHS:
+        name = f"{arch}_{'tied' if tied else 'untied'}" + ("_padded" if padded else "")
         hf_dir = str(tmp_path / f"hf_{name}")
-        tiny.make_hf(hf_dir, arch, tied=tied, seed=3)
-        cases.append((hf_dir, str(tmp_path / f"run_{name}" / "cache"), str(tmp_path / f"err_{name}.txt")))
+        rows, tok = padded or (256, 256)
+        tiny.make_hf(hf_dir, arch, tied=tied, seed=3, vocab_size=rows, tokenizer_size=tok)
+        cases.append((hf_dir, str(tmp_path / f"run_{name}" / "cache"), str(tmp_path / f"err_{name}.txt"), tok))
     run_ranks(tp, _worker, cases, tp)
     errs = {os.path.basename(c[0]): float(open(c[2]).read()) for c in cases}
     print(f"TP={tp} max |log-prob - transformers'|:", errs)

@@ -8,6 +8,7 @@ documented `megatron-kd` command, called in-process (one Bridge import).
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,11 +19,11 @@ pytestmark = [pytest.mark.bridge, pytest.mark.slow]
 V, SEQ = 256, 32
 
 
-def _docs(path, n=160, seed=0):
+def _docs(path, n=160, seed=0, vocab=V):
     g = torch.Generator().manual_seed(seed)
     with open(path, "w") as f:
         for _ in range(n):
-            ids = torch.randint(1, V - 1, (int(torch.randint(10, 40, (1,), generator=g)),), generator=g)
+            ids = torch.randint(1, vocab - 1, (int(torch.randint(10, 40, (1,), generator=g)),), generator=g)
             f.write(json.dumps({"text": " ".join(f"t{i}" for i in ids.tolist())}) + "\n")
 
 
@@ -32,7 +33,7 @@ def _cli(*argv):
     assert rc == 0, f"megatron-kd {' '.join(argv)} -> exit {rc}"
 
 
-def megatron_logits(checkpoint, student_hf, tokens):
+def megatron_logits(checkpoint, student_hf, tokens, vocab=V):
     """megatron-kd's evaluation logits of a train checkpoint: the student rebuilt from the checkpoint."""
     from megatron_kd.megatron import checkpoint as ckpt
     from megatron_kd.megatron.config import ParallelConfig, to_recipe
@@ -46,15 +47,19 @@ def megatron_logits(checkpoint, student_hf, tokens):
         m = chunks[0].eval()
         pos = torch.arange(tokens.shape[1]).expand_as(tokens)
         with torch.no_grad():
-            return m(input_ids=tokens, position_ids=pos, attention_mask=None)[..., :V].float()
+            return m(input_ids=tokens, position_ids=pos, attention_mask=None)[..., :vocab].float()
 
 
-def test_hf_teacher_and_student_to_exported_student(tmp_path):
+# (tokenizer ids, teacher embedding rows, student embedding rows): one size; and Qwen-style embeddings padded past
+# the tokenizer, differently in teacher and student (Qwen2.5: 152,064 rows at 7B, 151,936 at 1.5B, 151,665 tokens)
+@pytest.mark.parametrize("tok,t_rows,s_rows", [(V, V, V), (250, 272, 264)], ids=["same", "padded"])
+def test_hf_teacher_and_student_to_exported_student(tmp_path, tok, t_rows, s_rows):
     import tiny
     teacher, student = str(tmp_path / "teacher_hf"), str(tmp_path / "student_hf")
-    tiny.make_hf(teacher, "llama", layers=3, hidden=64, seed=1, vocab_size=V)
-    tiny.make_hf(student, "llama", layers=2, hidden=48, heads=4, kv_heads=2, seed=2, vocab_size=V, tied=True)
-    _docs(tmp_path / "docs.jsonl")
+    tiny.make_hf(teacher, "llama", layers=3, hidden=64, seed=1, vocab_size=t_rows, tokenizer_size=tok)
+    tiny.make_hf(student, "llama", layers=2, hidden=48, heads=4, kv_heads=2, seed=2, vocab_size=s_rows, tied=True,
+                 tokenizer_size=tok)
+    _docs(tmp_path / "docs.jsonl", vocab=tok)
     data, cache, run, out = (str(tmp_path / x) for x in ("data/corpus", "cache", "run", "student_kd_hf"))
     # docs/hf.md, step 1: the corpus in the teacher's tokenizer
     _cli("data", "prepare", "--input", str(tmp_path / "docs.jsonl"), "--output-prefix", data,
@@ -73,6 +78,10 @@ def test_hf_teacher_and_student_to_exported_student(tmp_path):
          f"train.save={run}", "train.progress=false", "train.tensorboard=false", "train.lr=1e-2")
     summary = json.load(open(os.path.join(run, "summary.json")))
     assert summary["iteration"] == 4 and summary["loss"] > 0
+    from megatron_kd.cache import CacheReader
+    reader = CacheReader(cache)
+    ids = np.stack([reader[i]["topk_ids"] for i in range(len(reader))])
+    assert reader.vocab_size == tok and 0 <= ids.min() and ids.max() < tok, "a padding row became a KD target"
     # step 4: export; step 5: transformers loads it
     _cli("export", "--checkpoint", run, "--out", out)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -82,10 +91,11 @@ def test_hf_teacher_and_student_to_exported_student(tmp_path):
     src, got = load_file(os.path.join(student, "model.safetensors")), load_file(os.path.join(out, "model.safetensors"))
     assert sorted(src) == sorted(got)
     assert any(not torch.equal(src[k], got[k]) for k in src), "training changed nothing: the export is the source"
-    tokens = torch.randint(0, V, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    assert hf.config.vocab_size == s_rows, "the export changed the embedding's rows"
+    tokens = torch.randint(0, tok, (2, SEQ), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        ref = hf(tokens).logits.float()
-    mine = megatron_logits(run, student, tokens)
+        ref = hf(tokens).logits.float()[..., :tok]
+    mine = megatron_logits(run, student, tokens, tok)
     err = (ref - mine).abs().max().item()
     print(f"exported student: max |transformers - megatron-kd| logits = {err:.3g}")
     assert err <= 1e-5

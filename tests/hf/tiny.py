@@ -20,8 +20,10 @@ def tokenizer_files(out_dir, vocab_size: int, seed_text: str | None = None):
 
 def make_hf(out_dir, arch: str = "llama", *, seed: int = 0, vocab_size: int = 256, layers: int = 2,
             hidden: int = 64, heads: int = 4, kv_heads: int = 2, ffn: int = 128, tied: bool = False,
-            experts: int = 4, dtype: str = "float32", tokenizer: bool = True):
-    """A random tiny HF model of `arch` (llama | gptoss | qwen2) saved in out_dir; returns the model (eval, fp32)."""
+            experts: int = 4, dtype: str = "float32", tokenizer: bool = True, tokenizer_size: int | None = None):
+    """A random tiny HF model of `arch` (llama | gptoss | qwen2) saved in out_dir; returns the model (eval, fp32).
+    tokenizer_size < vocab_size: an embedding padded beyond its tokenizer, as Qwen's (151,936 or 152,064 rows for
+    151,665 tokens)."""
     from transformers import AutoModelForCausalLM, GptOssConfig, LlamaConfig, Qwen2Config
     torch.manual_seed(seed)
     kw = dict(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
@@ -45,7 +47,7 @@ def make_hf(out_dir, arch: str = "llama", *, seed: int = 0, vocab_size: int = 25
         hf = hf.to(getattr(torch, dtype))
     hf.save_pretrained(out_dir)
     if tokenizer:
-        tokenizer_files(out_dir, vocab_size)
+        tokenizer_files(out_dir, tokenizer_size or vocab_size)
     return hf.float().eval()
 
 

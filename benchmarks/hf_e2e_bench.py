@@ -188,7 +188,7 @@ def main(argv=None) -> int:
         res[f"train_{name}"] = train_arm(o + [f"kd.cache={work}/cache_{name}", "kd.build_cache=false"], save)
         print(name, "train", res[f"train_{name}"], flush=True)
         if name == "hf":
-            from megatron_kd.cli.export import export
+            from megatron_kd.megatron.export import export
             out = os.path.join(work, "student_kd_hf")
             e = export(save, out)
             t0 = time.perf_counter()

@@ -159,4 +159,6 @@ def summary_line(s: dict) -> str:
     if s.get("tokens_per_s"):
         parts.append(f"{s['tokens_per_s']:.0f} tokens/s, {s['tflops_per_gpu']:.3g} TFLOP/s per device, "
                      f"peak {s['peak_mem_gib']:.2f} GiB")
+    if s.get("export_hf"):
+        parts.append(f"the student as a Hugging Face checkpoint in {s['export_hf']}")
     return "megatron-kd train: " + "; ".join(parts) + f"; outputs in {s['save']}"

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from . import checkpoint as ckpt
 from .config import KDConfig, Recipe, RecipeError, check_model, check_recipe, check_vocab, check_world
 from .data import (build_datasets, check_cache, dataset_id, load_tokenizer, loader, samples_needed, with_cache)
-from .dist import barrier, distributed, is_rank0, set_seed, use_cuda
+from .dist import ENV_KEYS, barrier, distributed, is_rank0, set_seed, use_cuda
 from .metrics import Sink, forward_flops_per_step, peak_memory_gib, train_flops_per_step
 from .model import apex_available, build_model_chunks, te_available, wrap_float16
 from .optim import build_optimizer, build_scheduler, set_model_hooks, wrap_ddp
@@ -72,7 +72,24 @@ def preflight(r: Recipe, world_size: int, cuda: bool):
     if r.kd.mode != "ce" and r.kd.top_k > tok.vocab_size:
         raise RecipeError(f"kd.top_k={r.kd.top_k} exceeds the vocabulary ({tok.vocab_size} ids)")
     check_world(r, world_size)
+    check_export(r)
     return tok
+
+
+def check_export(r: Recipe) -> None:
+    """train.export_hf: a student from model.hf_path, and a directory that holds nothing yet."""
+    out = r.train.export_hf
+    if not out:
+        return
+    if not r.model.hf_path:
+        raise RecipeError(f"train.export_hf={out}: the student did not start from a Hugging Face checkpoint "
+                          "(model.hf_path is null), so there is no config or tokenizer to export with; set "
+                          "model.hf_path, or run `megatron-kd export --hf-path DIR` after training")
+    if os.path.realpath(out) == os.path.realpath(r.model.hf_path):
+        raise RecipeError(f"train.export_hf={out} is the student's source checkpoint; export elsewhere")
+    if os.path.isdir(out) and os.listdir(out):
+        raise RecipeError(f"train.export_hf={out} exists and is not empty: the export never replaces a directory; "
+                          "choose another train.export_hf or remove it")
 
 
 def run(r: Recipe, save: str) -> dict:
@@ -88,9 +105,46 @@ def run(r: Recipe, save: str) -> dict:
                           "train.save, or resume that run (train.load = train.save).")
     with distributed(r.parallel, r.train.seed, r.train.device) as cuda:
         try:
-            return Trainer(r, save, load, tok, cuda).fit()
+            summary = Trainer(r, save, load, tok, cuda).fit()
         finally:
             release_memory()
+    if r.train.export_hf and summary["iteration"] >= r.train.iters and is_rank0():
+        summary["export_hf"] = export_at_end(save, r.train.export_hf)
+    return summary
+
+
+def export_at_end(save: str, out: str) -> str:
+    """train.export_hf: `megatron-kd export` of the finished run on rank 0, as one process (the other ranks are
+    done; the run's memory is freed). Written next to `out`, then renamed: a killed export leaves no half-written
+    `out`, and a rerun starts it over."""
+    import shutil
+    from .export import export
+    from .dist import free_port
+    tmp = os.path.join(os.path.dirname(os.path.abspath(out)), f".{os.path.basename(os.path.abspath(out))}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if dist.is_initialized() and dist.get_world_size() > 1:  # a caller's multi-rank group outlives run()
+        raise RecipeError("train.export_hf: the process group this run joined is still up (made outside "
+                          f"megatron-kd train); export with `megatron-kd export --checkpoint {save} --out {out}`")
+    print(f"megatron-kd train: exporting the student to {out} (train.export_hf)", flush=True)
+    env = {k: os.environ.get(k) for k in ENV_KEYS}
+    if not dist.is_initialized():  # rank 0 alone: a one-process group of its own (torchrun's names restored after)
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    try:
+        export(save, tmp)
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise RuntimeError(f"train.export_hf: the export failed ({e}); the run's checkpoint in {save} is complete: "
+                           f"`megatron-kd export --checkpoint {save} --out {out}` retries it") from e
+    finally:
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    if os.path.isdir(out) and not os.listdir(out):
+        os.rmdir(out)
+    os.rename(tmp, out)
+    return out
 
 
 def release_memory() -> None:

@@ -74,8 +74,10 @@ def test_hf_teacher_and_student_to_exported_student(tmp_path, tok, t_rows, s_row
          "--teacher", "megatron_kd.megatron.factories:recipe_teacher", "--teacher-args", args,
          "--dataset", "megatron_kd.megatron.factories:recipe_dataset", "--dataset-args", args)
     # step 3: offline KD of the HF student
+    auto = str(tmp_path / "student_kd_hf_at_end")  # train.export_hf: the same export at the end of train
     _cli("train", "--config-name", "tiny_cpu", *common, f"model.hf_path={student}", "kd.build_cache=false",
-         f"train.save={run}", "train.progress=false", "train.tensorboard=false", "train.lr=1e-2")
+         f"train.save={run}", "train.progress=false", "train.tensorboard=false", "train.lr=1e-2",
+         f"train.export_hf={auto}")
     summary = json.load(open(os.path.join(run, "summary.json")))
     assert summary["iteration"] == 4 and summary["loss"] > 0
     from megatron_kd.cache import CacheReader
@@ -91,6 +93,9 @@ def test_hf_teacher_and_student_to_exported_student(tmp_path, tok, t_rows, s_row
     src, got = load_file(os.path.join(student, "model.safetensors")), load_file(os.path.join(out, "model.safetensors"))
     assert sorted(src) == sorted(got)
     assert any(not torch.equal(src[k], got[k]) for k in src), "training changed nothing: the export is the source"
+    at_end = load_file(os.path.join(auto, "model.safetensors"))
+    assert sorted(at_end) == sorted(got) and all(torch.equal(at_end[k], got[k]) for k in got)
+    assert sorted(os.listdir(auto)) == sorted(os.listdir(out))
     assert hf.config.vocab_size == s_rows, "the export changed the embedding's rows"
     tokens = torch.randint(0, tok, (2, SEQ), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():

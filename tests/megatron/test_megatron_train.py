@@ -140,3 +140,24 @@ def test_a_finished_run_frees_its_model_before_returning(tmp_path, monkeypatch):
     finally:
         gc.enable()
     assert refs and not any(alive), f"model / optimizer still alive after run(): {alive}"
+
+
+def test_export_hf_is_checked_before_any_work(tmp_path):
+    """train.export_hf needs a student from model.hf_path and a directory holding nothing; both refused before a
+    model is built (no checkpoint written)."""
+    with pytest.raises(RecipeError, match="model.hf_path is null"):
+        train(tmp_path / "a", "kd=ce", "train.iters=1", f"train.export_hf={tmp_path / 'out'}")
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "config.json").write_text("{}")
+    from megatron_kd.megatron import train as T
+    r = to_recipe(compose("tiny_cpu", [*BASE, "kd=ce", f"train.export_hf={full}"]))
+    r.model.hf_path = str(tmp_path / "student_hf")  # the directory checks run in preflight, before this one
+    with pytest.raises(RecipeError, match="exists and is not empty"):
+        T.check_export(r)
+    r.train.export_hf = r.model.hf_path
+    with pytest.raises(RecipeError, match="is the student's source checkpoint"):
+        T.check_export(r)
+    r.train.export_hf = str(tmp_path / "new")
+    T.check_export(r)
+    assert not (tmp_path / "a").exists() or checkpoint.latest_iteration(str(tmp_path / "a")) is None

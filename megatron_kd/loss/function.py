@@ -8,7 +8,7 @@ They differ only in what forward keeps for backward:
 import torch
 
 from ..parallel.comm import all_reduce_sum
-from . import matmul
+from ..kernels import gemm
 from .core import ChunkStats, chunk_grad, chunk_loss, chunk_monitor, chunk_stats
 
 
@@ -44,7 +44,7 @@ class TopKKLFunction(torch.autograd.Function):
         for a in range(0, n, chunk):
             b = min(n, a + chunk)
             tc = t.slice(a, b)
-            z = matmul.logits(hidden[a:b], w, mdt)
+            z = gemm.mm(hidden[a:b], w.t(), mdt)
             st = chunk_stats(z, tc, opts, shard)
             per_pos.append(chunk_loss(st, tc, opts))
             if opts.monitor:
@@ -56,8 +56,8 @@ class TopKKLFunction(torch.autograd.Function):
                 stats.append(st)
             else:
                 dz = chunk_grad(z, st, tc, opts, shard, g[a:b])
-                grad_h[a:b] = matmul.grad_input(dz, w)
-                matmul.accumulate_grad_weight(grad_w[: shard.local_valid], dz, hidden[a:b])
+                grad_h[a:b] = gemm.mm(dz.to(w.dtype), w, dz.dtype)
+                gemm.addmm_(grad_w[: shard.local_valid], dz.to(hidden.dtype).t(), hidden[a:b])
             del z
         per_pos = torch.cat(per_pos) if per_pos else torch.zeros(0, dtype=mdt, device=hidden.device)
         out = reduce(per_pos, t, opts)
@@ -95,10 +95,10 @@ class TopKKLFunction(torch.autograd.Function):
         for i, a in enumerate(range(0, hidden.shape[0], ctx.chunk)):
             b = min(hidden.shape[0], a + ctx.chunk)
             # dense copies its saved logits so backward can run twice (retain_graph, gradcheck)
-            z = ctx.saved_z[i].clone() if ctx.mode == "dense" else matmul.logits(hidden[a:b], w, mdt)
+            z = ctx.saved_z[i].clone() if ctx.mode == "dense" else gemm.mm(hidden[a:b], w.t(), mdt)
             dz = chunk_grad(z, ctx.stats.select(a, b), t.slice(a, b), opts, shard, g[a:b])
-            grad_h[a:b] = matmul.grad_input(dz, w)
-            matmul.accumulate_grad_weight(grad_w[: shard.local_valid], dz, hidden[a:b])
+            grad_h[a:b] = gemm.mm(dz.to(w.dtype), w, dz.dtype)
+            gemm.addmm_(grad_w[: shard.local_valid], dz.to(hidden.dtype).t(), hidden[a:b])
             del z, dz
         if ctx.reduce_grad_input:
             all_reduce_sum(grad_h, shard.group)

@@ -21,6 +21,8 @@ activation terms name the tensors they count (tests/plan/test_plan.py checks the
 """
 from dataclasses import dataclass, field
 
+from ..loss.options import IMPLS
+from ..megatron.config import MODES
 from .shapes import Layout, ModelShape, padded_vocab, param_counts
 
 GIB = float(1 << 30)
@@ -29,8 +31,7 @@ H200_GIB = 139.8           # usable HBM of one H200 (torch.cuda.mem_get_info tot
 TOPK_CHUNK_ELEMENTS = 1 << 26   # teacher top-K on the fly: logits of one chunk
 
 RECOMPUTE = ("full", "selective", "none")
-LOSSES = ("fused", "chunked", "forward_chunked", "dense")
-MODES = ("offline", "online", "ce")
+LOSSES = tuple(i for i in IMPLS if i != "auto")  # the loss impls the planner models (kd.impl names)
 
 
 @dataclass(frozen=True)

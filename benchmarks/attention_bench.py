@@ -18,14 +18,13 @@
 import argparse
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import environment, save  # noqa: E402
+from common import environment, measure, save  # noqa: E402
 from megatron_kd.megatron.sink_attention import sink_attention  # noqa: E402
 
 TOL = 1e-2
@@ -88,27 +87,6 @@ def check(a, dev, dtype, impl):
     return rows
 
 
-def measure(fn, reps, cuda):
-    for _ in range(2):  # compile, autotune
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    out = dict(ms=sorted(times)[len(times) // 2], ms_all=times)
-    if cuda:
-        out["above_inputs_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
-    return out
-
-
 def timing(a, dev, dtype, impl):
     cuda = dev.type == "cuda"
     q, k, v, sink, do = inputs(a.seq, a, dev, dtype, seed=1)
@@ -133,7 +111,7 @@ def timing(a, dev, dtype, impl):
     rows = {}
     for name, fn in (("sdpa_causal_nosink", sdpa), ("full_sink", layer(None)), ("window_sink", layer(a.window - 1))):
         try:
-            rows[name] = measure(fn, a.reps, cuda)
+            rows[name] = measure(fn, reps=a.reps, warmup=2)  # warm-up: compile, autotune
         except Exception as e:  # a failing path is a result
             rows[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
         print(a.seq, name, rows[name], flush=True)
@@ -153,15 +131,17 @@ def gptoss(a):
     res = dict(env=environment(), args=vars(a), device=str(dev), dtype=str(dtype), tolerance=TOL)
     res["check"] = check(a, dev, dtype, impl)
     res["time"] = timing(a, dev, dtype, impl)
-    res["ok"] = all(r["ok"] for r in res["check"]) and all(v["ok"] for v in res["time"]["verdict"].values())
+    # the speed verdicts hold for the GPU path (compiled FlexAttention); the CPU math path checks correctness only
+    speed_ok = dev.type != "cuda" or all(v["ok"] for v in res["time"]["verdict"].values())
+    res["ok"] = all(r["ok"] for r in res["check"]) and speed_ok
     save(a.out, res)
-    print("ALL OK" if res["ok"] else "NOT OK", flush=True)
+    print(("ALL OK" if res["ok"] else "NOT OK") + ("" if dev.type == "cuda" else " (CPU: correctness only)"),
+          flush=True)
 
 
 def sdpa_backends(a):
     """Causal GQA attention fwd+bwd per torch SDPA backend (decides model.sdpa_backend; Llama-3.2-3B layout)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from common import measure as cuda_measure
     backends = {"default": None, "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                 "efficient": SDPBackend.EFFICIENT_ATTENTION}
     dev = torch.device("cuda")
@@ -194,7 +174,7 @@ def sdpa_backends(a):
                     if ref is None:
                         ref = (o.float(), grads)
                     row["max_rel_err_vs_first"] = max(rel(x, y) for x, y in zip([o] + grads, [ref[0]] + ref[1]))
-                    row.update(cuda_measure(run, reps=a.reps))
+                    row.update(measure(run, reps=a.reps, warmup=2))
                     row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12
                 except Exception as e:  # a backend that refuses this layout is a result
                     row["error"] = f"{type(e).__name__}: {e}"[:200]

@@ -25,12 +25,13 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from common import run_child  # noqa: E402
 YAML = os.path.join(ROOT, "recipes", "bridge", "llama32_3b_offline_kd.yaml")
 TOPK = 100
 
@@ -141,19 +142,9 @@ def _flops(a, m=None):
 
 
 def launch(a, name, torchrun, timeout):
-    cmd = [sys.executable] + (["-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port",
-                               str(29300 + len(name))] if torchrun else []) + \
-        [os.path.abspath(__file__), "--child", name, "--work", a.work, "--iters", str(a.iters), "--seq", str(a.seq),
-         "--vocab", str(a.vocab)] + (["--smoke"] if a.smoke else [])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]))
-    t0 = time.time()
-    with open(os.path.join(a.logs, f"{name}.log"), "w") as log:
-        try:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-    print(f"bridge_3b_bench: {name}: rc={rc} in {time.time() - t0:.1f}s", flush=True)
-    return {"rc": rc, "s": round(time.time() - t0, 1)}
+    argv = ["--work", a.work, "--iters", str(a.iters), "--seq", str(a.seq), "--vocab", str(a.vocab)] + \
+        (["--smoke"] if a.smoke else [])
+    return run_child(__file__, name, argv, a.logs, torchrun=torchrun, timeout=timeout, port=29300 + len(name))
 
 
 def main():

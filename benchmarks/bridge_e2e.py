@@ -24,12 +24,13 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from common import run_child  # noqa: E402
 YAML = os.path.join(ROOT, "recipes", "bridge", "tiny_offline_kd.yaml")
 SEQ, VOCAB, ITERS, GBS, MBS, TOPK, SAVE_AT, KILL_AT = 128, 1024, 24, 4, 2, 16, 12, 14
 STUDENT = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -146,18 +147,8 @@ def make_models(w):
 
 
 def launch(a, name, torchrun, timeout):
-    cmd = [sys.executable] + (["-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port",
-                               str(29400 + hash(name) % 500)] if torchrun else []) + \
-        [os.path.abspath(__file__), "--child", name, "--work", a.work, "--mkd-iters", str(a.mkd_iters)]
-    t0 = time.time()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]))
-    with open(os.path.join(a.logs, f"{name}.log"), "w") as log:
-        try:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-    print(f"bridge_e2e: {name}: rc={rc} in {time.time() - t0:.1f}s", flush=True)
-    return {"rc": rc, "s": round(time.time() - t0, 1)}
+    return run_child(__file__, name, ["--work", a.work, "--mkd-iters", str(a.mkd_iters)], a.logs, torchrun=torchrun,
+                     timeout=timeout, port=29400 + sum(map(ord, name)) % 500)
 
 
 def read_losses(path, key="kd loss"):

@@ -5,6 +5,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 
 import torch
@@ -109,3 +110,21 @@ def save(path, payload):
     with open(path, "w") as f:
         json.dump(payload, f, indent=1)
     print(f"wrote {path}")
+
+
+def run_child(script, name, argv, log_dir, *, torchrun: bool, timeout: float, port: int) -> dict:
+    """One step of a multi-process benchmark: `python script --child NAME argv` (as one torchrun process when
+    asked: Bridge's pretrain() and `megatron-kd train` own their process group), its output in log_dir/NAME.log.
+    Returns {"rc": exit code or "timeout", "s": seconds}."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    cmd = [sys.executable] + (["-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", str(port)]
+                              if torchrun else []) + [os.path.abspath(script), "--child", name, *argv]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")]))
+    t0 = time.time()
+    with open(os.path.join(log_dir, f"{name}.log"), "w") as log:
+        try:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    print(f"{os.path.splitext(os.path.basename(script))[0]}: {name}: rc={rc} in {time.time() - t0:.1f}s", flush=True)
+    return {"rc": rc, "s": round(time.time() - t0, 1)}

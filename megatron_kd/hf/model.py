@@ -115,6 +115,7 @@ class HFModel:
         prov.should_pad_vocab = p.tp > 1
         prov.make_vocab_size_divisible_by = make_vocab_size_divisible_by
         prov.hidden_dropout = prov.attention_dropout = 0.0
+        prov.attention_softmax_in_fp32 = True  # as megatron-kd's own builder (megatron-core's default; Bridge: False)
         prov.calculate_per_token_loss = True  # megatron-kd's losses are per-token sums
         prov.use_cpu_initialization = not cuda
         prov.deallocate_pipeline_outputs = p.pp > 1

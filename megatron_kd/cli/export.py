@@ -13,8 +13,6 @@ megatron-bridge 0.6.2).
 import argparse
 import sys
 
-from ..megatron.export import export
-
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 
 
@@ -33,6 +31,7 @@ def build_parser():
 def main(argv=None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     from ..megatron import quiet_megatron_warnings
+    from ..megatron.export import export  # not at import: `megatron-kd --help` loads no torch
     quiet_megatron_warnings()
     try:
         s = export(args.checkpoint, args.out, hf_path=args.hf_path, dtype=args.dtype, device=args.device,

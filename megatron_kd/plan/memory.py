@@ -21,8 +21,6 @@ activation terms name the tensors they count (tests/plan/test_plan.py checks the
 """
 from dataclasses import dataclass, field
 
-from ..loss.options import IMPLS
-from ..megatron.config import MODES
 from .shapes import Layout, ModelShape, padded_vocab, param_counts
 
 GIB = float(1 << 30)
@@ -31,7 +29,18 @@ H200_GIB = 139.8           # usable HBM of one H200 (torch.cuda.mem_get_info tot
 TOPK_CHUNK_ELEMENTS = 1 << 26   # teacher top-K on the fly: logits of one chunk
 
 RECOMPUTE = ("full", "selective", "none")
-LOSSES = tuple(i for i in IMPLS if i != "auto")  # the loss impls the planner models (kd.impl names)
+
+
+def loss_impls() -> tuple:
+    """The loss impls the planner models: kd.impl's names (loss.options.IMPLS) but auto. Imported when asked, so
+    `megatron-kd plan --help` loads no torch."""
+    from ..loss.options import IMPLS
+    return tuple(i for i in IMPLS if i != "auto")
+
+
+def kd_modes() -> tuple:
+    from ..megatron.config import MODES
+    return MODES
 
 
 @dataclass(frozen=True)
@@ -46,7 +55,7 @@ class Training:
     optimizer: str = "adam"            # adam (Megatron's) | lean_adam (bf16 grads, remainder + m, v unsharded)
     moment_bytes: tuple = (2, 4)       # lean_adam: bytes of exp_avg, exp_avg_sq
     adam_impl: str = "fused"           # fused | foreach (torch's CUDA default) | for_loop
-    loss: str = "fused"                # our impls (LOSSES)
+    loss: str = "fused"                # our impls (loss_impls())
     main_grad_fusion: bool = True      # fused loss accumulates the output weight grad into main_grad
     mode: str = "offline"              # offline (cache) | online (teacher in memory) | ce
     topk: int = 100
@@ -59,10 +68,10 @@ class Training:
     def check(self) -> None:
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute={self.recompute!r}; use one of {RECOMPUTE}")
-        if self.loss not in LOSSES:
-            raise ValueError(f"loss={self.loss!r}; use one of {LOSSES}")
-        if self.mode not in MODES:
-            raise ValueError(f"mode={self.mode!r}; use one of {MODES}")
+        if self.loss not in loss_impls():
+            raise ValueError(f"loss={self.loss!r}; use one of {loss_impls()}")
+        if self.mode not in kd_modes():
+            raise ValueError(f"mode={self.mode!r}; use one of {kd_modes()}")
         if self.mode == "online" and self.teacher is None:
             raise ValueError("mode='online' needs a teacher shape")
         if self.adam_impl not in ("fused", "foreach", "for_loop"):

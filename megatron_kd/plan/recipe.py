@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .memory import LOSSES, Training
+from .memory import Training, loss_impls
 from .shapes import Layout, ModelShape
 
 
@@ -209,10 +209,10 @@ def from_recipe(r) -> RecipePlan:
               distributed_optimizer=bool(p.use_distributed_optimizer), grad_fp32=True, optimizer=t.optimizer,
               moment_bytes=tuple(2 if x == "bf16" else 4 for x in (t.exp_avg_dtype, t.exp_avg_sq_dtype)),
               mode=kd.mode, topk=kd.top_k)
-    if kd.impl in LOSSES:
+    if kd.impl in loss_impls():
         tr["loss"] = kd.impl
     elif kd.impl != "auto":
-        raise ValueError(f"kd.impl={kd.impl!r}: use auto or one of {LOSSES}")
+        raise ValueError(f"kd.impl={kd.impl!r}: use auto or one of {loss_impls()}")
     if teacher is not None:
         tr["teacher"] = teacher
     if t.precision == "fp32":

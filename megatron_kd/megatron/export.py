@@ -9,6 +9,18 @@ import shutil
 import time
 
 
+def check_target(out: str, src: str, key: str, fix: str | None) -> bool:
+    """An export's target directory: never the student's source checkpoint (checked first: --overwrite must not
+    delete the source), and, when `fix` is given, holding nothing yet (else the error names `fix`). True when it
+    holds files. key: how the errors name it ("--out ", "train.export_hf=")."""
+    if os.path.realpath(out) == os.path.realpath(src):
+        raise ValueError(f"{key}{out} is the student's source checkpoint {src}; write the export elsewhere")
+    full = os.path.isdir(out) and bool(os.listdir(out))
+    if full and fix:
+        raise ValueError(f"{key}{out} exists and is not empty; {fix}")
+    return full
+
+
 def export(checkpoint: str, out: str, *, hf_path=None, dtype: str = "auto", device: str = "auto",
            overwrite: bool = False) -> dict:
     """The checkpoint's student -> `out` as an HF checkpoint; returns a summary. Errors are ValueError."""
@@ -28,13 +40,9 @@ def export(checkpoint: str, out: str, *, hf_path=None, dtype: str = "auto", devi
                          "(model.hf_path is null); pass --hf-path, a Hugging Face directory of the same "
                          "architecture whose config and tokenizer the export should carry")
     check_hf_dir(src, "--hf-path" if hf_path else "model.hf_path")
-    if os.path.isdir(out) and os.listdir(out):
-        if not overwrite:
-            raise ValueError(f"--out {out} exists and is not empty; pass --overwrite to replace it, or choose "
-                             "another directory")
+    if check_target(out, src, "--out ", None if overwrite else "pass --overwrite to replace it, or choose another "
+                    "directory"):
         shutil.rmtree(out)
-    if os.path.realpath(out) == os.path.realpath(src):
-        raise ValueError(f"--out {out} is the source checkpoint {src}; write the export elsewhere")
     r.model.hf_path = src
     from .dist import distributed
     from .model import build_hf_chunks

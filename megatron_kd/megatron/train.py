@@ -85,11 +85,12 @@ def check_export(r: Recipe) -> None:
         raise RecipeError(f"train.export_hf={out}: the student did not start from a Hugging Face checkpoint "
                           "(model.hf_path is null), so there is no config or tokenizer to export with; set "
                           "model.hf_path, or run `megatron-kd export --hf-path DIR` after training")
-    if os.path.realpath(out) == os.path.realpath(r.model.hf_path):
-        raise RecipeError(f"train.export_hf={out} is the student's source checkpoint; export elsewhere")
-    if os.path.isdir(out) and os.listdir(out):
-        raise RecipeError(f"train.export_hf={out} exists and is not empty: the export never replaces a directory; "
-                          "choose another train.export_hf or remove it")
+    from .export import check_target
+    try:
+        check_target(out, r.model.hf_path, "train.export_hf=", "the export never replaces a directory; choose "
+                     "another train.export_hf or remove it")
+    except ValueError as e:
+        raise RecipeError(str(e)) from None
 
 
 def run(r: Recipe, save: str) -> dict:

@@ -111,3 +111,6 @@ def test_hf_teacher_and_student_to_exported_student(tmp_path, tok, t_rows, s_row
     # an existing export is not silently replaced
     from megatron_kd.cli.main import main
     assert main(["export", "--checkpoint", run, "--out", out]) == 2
+    # --overwrite never reaches the source checkpoint: refused before anything is deleted
+    assert main(["export", "--checkpoint", run, "--out", student, "--overwrite"]) == 2
+    assert os.path.isfile(os.path.join(student, "model.safetensors"))

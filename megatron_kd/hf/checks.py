@@ -131,14 +131,15 @@ def check_same_tokenizer(a, a_key: str, b, b_key: str) -> None:
     embedding may have more rows than its tokenizer has ids (Qwen pads 151,665 tokens to 151,936 or 152,064 rows,
     differently per model size): the rows past the tokenizer are padding, never a KD target."""
     va, vb = _vocab(a), _vocab(b)
+    sizes = []
     for p, k, v in ((a, a_key, va), (b, b_key, vb)):
-        if v is not None and os.path.isdir(p) and hf_vocab_size(p, k) < len(v):
-            raise HFCheckpointError(f"{k}={p!r}: config.json has vocab_size={hf_vocab_size(p, k)} but its "
-                                    f"tokenizer.json has {len(v)} ids: the embedding has no row for the ids past "
-                                    f"{hf_vocab_size(p, k)}; fix the checkpoint's config.json or its tokenizer")
-    sizes = [len(v) if v is not None else (hf_vocab_size(p, k) if os.path.isdir(p) else None)
-             for p, k, v in ((a, a_key, va), (b, b_key, vb))]
-    if None not in sizes and sizes[0] != sizes[1] and (va is None or vb is None or len(va) != len(vb)):
+        rows = hf_vocab_size(p, k) if os.path.isdir(p) else None
+        if v is not None and rows is not None and rows < len(v):
+            raise HFCheckpointError(f"{k}={p!r}: config.json has vocab_size={rows} but its tokenizer.json has "
+                                    f"{len(v)} ids: the embedding has no row for the ids past {rows}; fix the "
+                                    "checkpoint's config.json or its tokenizer")
+        sizes.append(len(v) if v is not None else rows)  # the tokenizer's ids; config.json's rows without one
+    if None not in sizes and sizes[0] != sizes[1]:
         raise HFCheckpointError(f"{a_key}={a!r} has a vocabulary of {sizes[0]} ids and {b_key}={b!r} one of "
                                 f"{sizes[1]}: distillation needs one tokenizer; use a teacher and student of one "
                                 "tokenizer family, and tokenize the data with it (`megatron-kd data prepare "

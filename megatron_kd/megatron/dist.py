@@ -93,11 +93,16 @@ def distributed(p: ParallelConfig, seed: int, device: str = "auto"):
         if created and dist.is_initialized():
             dist.destroy_process_group()
         if created:  # a single-process group we made up: leave the environment as we found it
-            for k, v in env.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+            restore_env(env)
+
+
+def restore_env(saved: dict) -> None:
+    """Put environment variables back as `saved` ({name: value, None: unset}) holds them."""
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 def is_rank0() -> bool:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from . import checkpoint as ckpt
 from .config import KDConfig, Recipe, RecipeError, check_model, check_recipe, check_vocab, check_world
 from .data import (build_datasets, check_cache, dataset_id, load_tokenizer, loader, samples_needed, with_cache)
-from .dist import ENV_KEYS, barrier, distributed, is_rank0, set_seed, use_cuda
+from .dist import ENV_KEYS, barrier, distributed, free_port, is_rank0, restore_env, set_seed, use_cuda
 from .metrics import Sink, forward_flops_per_step, peak_memory_gib, train_flops_per_step
 from .model import apex_available, build_model_chunks, te_available, wrap_float16
 from .optim import build_optimizer, build_scheduler, set_model_hooks, wrap_ddp
@@ -85,6 +85,10 @@ def check_export(r: Recipe) -> None:
         raise RecipeError(f"train.export_hf={out}: the student did not start from a Hugging Face checkpoint "
                           "(model.hf_path is null), so there is no config or tokenizer to export with; set "
                           "model.hf_path, or run `megatron-kd export --hf-path DIR` after training")
+    if dist.is_initialized() and dist.get_world_size() > 1:  # a caller's multi-rank group would outlive run()
+        raise RecipeError(f"train.export_hf={out}: this run joins a process group made outside megatron-kd train, "
+                          "which stays up after it (the export runs as one process on rank 0); leave "
+                          "train.export_hf unset and run `megatron-kd export --checkpoint SAVE --out DIR` after")
     from .export import check_target
     try:
         check_target(out, r.model.hf_path, "train.export_hf=", "the export never replaces a directory; choose "
@@ -120,12 +124,8 @@ def export_at_end(save: str, out: str) -> str:
     `out`, and a rerun starts it over."""
     import shutil
     from .export import export
-    from .dist import free_port
     tmp = os.path.join(os.path.dirname(os.path.abspath(out)), f".{os.path.basename(os.path.abspath(out))}.partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    if dist.is_initialized() and dist.get_world_size() > 1:  # a caller's multi-rank group outlives run()
-        raise RecipeError("train.export_hf: the process group this run joined is still up (made outside "
-                          f"megatron-kd train); export with `megatron-kd export --checkpoint {save} --out {out}`")
     print(f"megatron-kd train: exporting the student to {out} (train.export_hf)", flush=True)
     env = {k: os.environ.get(k) for k in ENV_KEYS}
     if not dist.is_initialized():  # rank 0 alone: a one-process group of its own (torchrun's names restored after)
@@ -137,11 +137,7 @@ def export_at_end(save: str, out: str) -> str:
         raise RuntimeError(f"train.export_hf: the export failed ({e}); the run's checkpoint in {save} is complete: "
                            f"`megatron-kd export --checkpoint {save} --out {out}` retries it") from e
     finally:
-        for k, v in env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        restore_env(env)
     if os.path.isdir(out) and not os.listdir(out):
         os.rmdir(out)
     os.rename(tmp, out)

@@ -23,7 +23,6 @@ bridge row is skipped on CPU):
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -31,7 +30,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from common import run_child  # noqa: E402
+from common import fresh_workdir, run_child  # noqa: E402
 YAML = os.path.join(ROOT, "recipes", "bridge", "llama32_3b_offline_kd.yaml")
 TOPK = 100
 
@@ -162,10 +161,7 @@ def main():
         a.seq, a.vocab, a.iters, a.warmup = 128, 1024, 3, 1
     if a.child:
         sys.exit(child(a))
-    a.logs = os.path.join(os.path.dirname(os.path.abspath(a.out)), "bridge_3b_logs")
-    shutil.rmtree(a.work, ignore_errors=True)
-    os.makedirs(a.work)
-    os.makedirs(a.logs, exist_ok=True)
+    a.logs = fresh_workdir(a.work, a.out, "bridge_3b_logs")
     import torch
     cuda = torch.cuda.is_available()
     steps = {"cache": launch(a, "cache", False, 200)}

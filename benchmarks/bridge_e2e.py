@@ -22,7 +22,6 @@ The test shims for Transformer Engine / nvidia-resiliency-ext (tests/bridge/shim
 import argparse
 import json
 import os
-import shutil
 import signal
 import sys
 import time
@@ -30,7 +29,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from common import run_child  # noqa: E402
+from common import fresh_workdir, run_child  # noqa: E402
 YAML = os.path.join(ROOT, "recipes", "bridge", "tiny_offline_kd.yaml")
 SEQ, VOCAB, ITERS, GBS, MBS, TOPK, SAVE_AT, KILL_AT = 128, 1024, 24, 4, 2, 16, 12, 14
 STUDENT = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -175,10 +174,7 @@ def main():
     a = p.parse_args()
     if a.child:
         sys.exit(child(a))
-    a.logs = os.path.join(os.path.dirname(os.path.abspath(a.out)), "bridge_e2e_logs")
-    shutil.rmtree(a.work, ignore_errors=True)
-    os.makedirs(a.work)
-    os.makedirs(a.logs, exist_ok=True)
+    a.logs = fresh_workdir(a.work, a.out, "bridge_e2e_logs")
     t0 = time.time()
     make_models(a.work)
     steps = {"cache": launch(a, "cache", False, 240)}

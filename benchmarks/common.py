@@ -112,6 +112,16 @@ def save(path, payload):
     print(f"wrote {path}")
 
 
+def fresh_workdir(work: str, out: str, logs_name: str) -> str:
+    """A multi-process benchmark's scratch dir, emptied, and its logs dir next to `out`; returns the logs dir."""
+    import shutil
+    logs = os.path.join(os.path.dirname(os.path.abspath(out)), logs_name)
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    os.makedirs(logs, exist_ok=True)
+    return logs
+
+
 def run_child(script, name, argv, log_dir, *, torchrun: bool, timeout: float, port: int) -> dict:
     """One step of a multi-process benchmark: `python script --child NAME argv` (as one torchrun process when
     asked: Bridge's pretrain() and `megatron-kd train` own their process group), its output in log_dir/NAME.log.

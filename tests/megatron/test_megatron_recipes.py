@@ -89,24 +89,14 @@ def cache(tmp_path_factory):
     return d / "c"
 
 
-def test_cache_built_for_another_dataset(tmp_path, cache):
-    fails(tmp_path, r"kd\.cache=.* was built for another dataset.*data\.seed", f"kd.cache={cache}",
-          "kd.build_cache=false", "data.seed=99")
-
-
-def test_cache_with_a_smaller_k(tmp_path, cache):
-    fails(tmp_path, r"kd\.top_k: the run asks for K=16, the cache stores K=8", f"kd.cache={cache}",
-          "kd.build_cache=false", "kd.top_k=16")
-
-
-def test_cache_with_another_sequence_length(tmp_path, cache):
-    fails(tmp_path, r"data\.seq_length: the cache rows have 32 positions", f"kd.cache={cache}",
-          "kd.build_cache=false", "data.seq_length=16")
-
-
-def test_cache_too_short_for_the_run(tmp_path, cache):
-    fails(tmp_path, r"holds 8 samples, the run needs 16 \(train\.iters", f"kd.cache={cache}",
-          "kd.build_cache=false", "train.iters=4")
+@pytest.mark.parametrize("override,error", [
+    ("data.seed=99", r"kd\.cache=.* was built for another dataset.*data\.seed"),
+    ("kd.top_k=16", r"kd\.top_k: the run asks for K=16, the cache stores K=8"),
+    ("data.seq_length=16", r"data\.seq_length: the cache rows have 32 positions"),
+    ("train.iters=4", r"holds 8 samples, the run needs 16 \(train\.iters"),
+], ids=["another_dataset", "smaller_k", "another_sequence_length", "too_short_for_the_run"])
+def test_a_cache_that_does_not_fit_the_run(tmp_path, cache, override, error):
+    fails(tmp_path, error, f"kd.cache={cache}", "kd.build_cache=false", override)
 
 
 def test_a_good_cache_passes(tmp_path, cache):

@@ -135,7 +135,7 @@ def build(a) -> dict:
         # tokenizer's ids are no token, so they are neither a KD target nor part of the teacher's softmax
         teacher.vocab_size = vocab
     tok_id = str(getattr(cfg.tokenizer, "tokenizer_model", None) or getattr(cfg.tokenizer, "tokenizer_type", ""))
-    return build_cache(teacher, train, out, top_k=top_k, encoding=a.encoding, temperature=kd.temperature,
+    return build_cache(teacher, train, out, top_k=top_k, encoding=a.encoding, temperature=kd.capture_temperature,
                        num_samples=len(train), micro_batch_size=a.micro_batch_size, chunk_size=kd.chunk_size,
                        tokenizer_id=tok_id, dataset_id=str(getattr(train, "unique_description_hash", "")),
                        overwrite=a.overwrite, progress=not a.no_progress)

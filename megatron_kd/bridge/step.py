@@ -8,11 +8,13 @@ Bridge-specific here: its call convention (GlobalState first, timers), its NaN c
 without cache rows, and the CP split called the way megatron-core 0.16 and 0.19 both accept. Nothing here
 imports Bridge; megatron-core is imported only where a step runs.
 """
+from dataclasses import fields
 from functools import partial
 from types import SimpleNamespace
 
 import torch
 
+from ..loss.options import KDLoss
 from ..megatron.config import KDConfig
 from ..megatron.hook import forward_with_head
 from ..megatron.model import unwrap
@@ -28,9 +30,9 @@ _NO_PARTS = SimpleNamespace(kl=None, ce=None)  # a loss with no KL / CE split to
 def kd_settings(kd: OfflineKDConfig) -> KDConfig:
     """The `kd` section of megatron-kd's own recipes that this Bridge section stands for."""
     extra = {} if kd.top_k is None else {"top_k": int(kd.top_k)}
-    return KDConfig(mode="offline", cache=kd.cache_path, temperature=kd.temperature, tail=kd.tail,
-                    kl_weight=kd.kl_weight, ce_weight=kd.ce_weight, impl=kd.impl, chunk_size=kd.chunk_size,
-                    check_tokens=kd.check_tokens, log_ce=kd.log_ce, **extra)
+    loss = {f.name: getattr(kd, f.name) for f in fields(KDLoss)}  # every loss key, as megatron.step.loss_kwargs
+    return KDConfig(mode="offline", cache=kd.cache_path, check_tokens=kd.check_tokens, log_ce=kd.log_ce,
+                    **loss, **extra)
 
 
 def next_batch(data_iterator, device, keep_attention_mask: bool = False) -> dict:

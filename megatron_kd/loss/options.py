@@ -82,6 +82,12 @@ class KDLoss:
     jsd_beta: float = 0.5                        # jsd: the teacher's weight beta in (0, 1) (Liger's convention)
     cache_temperature: Optional[float] = None    # the T the cache was captured at, to re-temper it to temperature
 
+    @property
+    def capture_temperature(self) -> float:
+        """The temperature the teacher's cache is captured at: cache_temperature when set (the loss re-tempers it
+        to `temperature`), else `temperature`."""
+        return self.temperature if self.cache_temperature is None else self.cache_temperature
+
     def loss_options(self, **overrides) -> LossOptions:
         """The checked LossOptions of these keys (ValueError naming the key when one is wrong)."""
         kw = {f.name: getattr(self, f.name) for f in fields(KDLoss)}

@@ -176,7 +176,7 @@ def check_cache(reader, kd: KDConfig, d: DataConfig, train_ds, vocab_size: int, 
     from ..cache import CacheError
     notes = []
     try:
-        captured = kd.temperature if kd.cache_temperature is None else kd.cache_temperature  # re-tempering
+        captured = kd.capture_temperature  # re-tempering
         reader.check_compatible(vocab_size=vocab_size, top_k=kd.top_k, temperature=captured,
                                 seq_length=d.seq_length)
     except CacheError as e:

@@ -382,7 +382,7 @@ def build_teacher_cache(r: Recipe, tok, train_ds, num_samples: int) -> dict:
               "check, not a distillation); set teacher.load to a trained teacher's save dir", flush=True)
     teacher = cache_teacher(r, tok.vocab_size)
     manifest = build_cache(teacher, train_ds, r.kd.cache, top_k=r.kd.top_k, encoding=r.kd.cache_encoding,
-                           temperature=r.kd.temperature if r.kd.cache_temperature is None else r.kd.cache_temperature,
+                           temperature=r.kd.capture_temperature,
                            num_samples=num_samples,
                            micro_batch_size=r.train.micro_batch_size, chunk_size=r.kd.chunk_size,
                            tokenizer_id=getattr(tok, "sha", ""), dataset_id=dataset_id(train_ds),

@@ -1,5 +1,7 @@
-"""megatron_kd.bridge: glue logic tested without Megatron-Bridge (fake Bridge modules where a class must subclass
-Bridge's), and one test against the real Bridge, skipped where it is not importable."""
+"""megatron_kd.bridge glue: fake Bridge modules where a class must subclass Bridge's, and one test against the real
+Bridge classes. Marked `bridge`: the Python 3.12 job of .ci/run runs them with real megatron-core 0.19.2 and
+Megatron-Bridge 0.6.2 (until now they were collected by no job: the 3.11 suite has no Bridge and the 3.12 job
+selects `-m bridge`)."""
 import dataclasses
 import subprocess
 import sys
@@ -19,6 +21,7 @@ from megatron_kd.bridge.step import OfflineKDForwardStep, kd_loss_func, kd_setti
 
 ROOT = Path(__file__).resolve().parents[2]
 B, S, H, V, K = 2, 8, 16, 40, 5
+pytestmark = pytest.mark.bridge  # the Python 3.12 job runs them (real megatron-core 0.19.2 + Bridge)
 
 
 class TokenDataset(torch.utils.data.Dataset):
@@ -251,6 +254,13 @@ def test_settings_map_onto_the_recipe_kd_section():
     kd = kd_settings(OfflineKDConfig(cache_path="/c", top_k=64, ce_weight=0.5, temperature=2.0, log_ce=True))
     assert (kd.mode, kd.cache, kd.top_k, kd.ce_weight, kd.temperature, kd.log_ce) == \
         ("offline", "/c", 64, 0.5, 2.0, True)
+    # every loss key reaches the step (a Bridge YAML's divergence once trained forward KL silently)
+    from dataclasses import fields
+    from megatron_kd.loss.options import KDLoss
+    src = OfflineKDConfig(cache_path="/c", divergence="jsd", jsd_beta=0.25, cache_temperature=3.0, tail="bucket",
+                          kl_weight=0.7, impl="chunked", chunk_size=64)
+    kd = kd_settings(src)
+    assert {f.name: getattr(kd, f.name) for f in fields(KDLoss)} == {f.name: getattr(src, f.name) for f in fields(KDLoss)}
 
 
 def test_loss_func_masks_sums_and_reports():
@@ -275,7 +285,7 @@ def test_forward_step_trains_on_kd_loss(cache_path, log_ce):
     assert output.shape == (B, S)
     torch.testing.assert_close(loss, (ref * batch["loss_mask"]).sum())
     assert n.item() == B * S - 3
-    assert set(report) == ({"kd loss", "kd kl", "kd ce"} if log_ce else {"kd loss"})
+    assert set(report) == ({"kd loss", "kd kl", "kd ce", "kd kl_bucket"} if log_ce else {"kd loss"})
     loss.backward()
     assert model.output_layer.weight.grad is not None and model.output_layer.weight.grad.abs().sum() > 0
 
@@ -358,40 +368,29 @@ def test_packed_batches_are_refused(cache_path):
         next_batch(iter([batch]), "cpu")
 
 
-def test_context_parallel_split_follows_megatron(monkeypatch):
-    """Cache rows [b, s, K] are split like tokens [b, s]: chunks r and 2*cp-1-r of 2*cp."""
+def test_context_parallel_split_follows_megatron():
+    """Cache rows [b, s, K] are split like tokens [b, s]: chunks r and 2*cp-1-r of 2*cp (two gloo ranks, the CP
+    group their world: megatron-core 0.19 asks the real group for its rank)."""
     pytest.importorskip("megatron.core")
-    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)  # megatron reads the stub group then
-    cp = 2
+    from dist_utils import run_ranks
+    run_ranks(2, _cp_split_worker)
+
+
+def _cp_split_worker(rank, world):
+    import torch.distributed as dist
+    cp = world
     batch = {"tokens": torch.arange(B * S).view(B, S), "topk_ids": torch.arange(B * S * K).view(B, S, K)}
-    for rank in range(cp):
-        group = SimpleNamespace(size=lambda: cp, rank=lambda r=rank: r)
-        part = slice_for_context_parallel(dict(batch), group)
-        chunk = S // (2 * cp)
-        keep = list(range(rank * chunk, (rank + 1) * chunk)) + \
-            list(range((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk))
-        assert torch.equal(part["tokens"], batch["tokens"][:, keep])
-        assert torch.equal(part["topk_ids"], batch["topk_ids"][:, keep])
+    part = slice_for_context_parallel(dict(batch), dist.group.WORLD)
+    chunk = S // (2 * cp)
+    keep = list(range(rank * chunk, (rank + 1) * chunk)) + \
+        list(range((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk))
+    assert torch.equal(part["tokens"], batch["tokens"][:, keep])
+    assert torch.equal(part["topk_ids"], batch["topk_ids"][:, keep])
     assert slice_for_context_parallel(batch, None) is batch
 
 
 # --- against the real Megatron-Bridge ------------------------------------------------------------------------
 
-BRIDGE_REASON = ("Megatron-Bridge is not importable here (it needs Python 3.12, Transformer Engine and CUDA; "
-                 "run inside nvcr.io/nvidia/nemo:26.08)")
-
-
-def _bridge_importable() -> bool:
-    if not bridge_available():
-        return False
-    try:
-        import megatron.bridge.training.pretrain  # noqa: F401
-        return True
-    except Exception:
-        return False
-
-
-@pytest.mark.skipif(not _bridge_importable(), reason=BRIDGE_REASON)
 def test_with_real_bridge():
     from megatron.bridge.data.base import DatasetProvider
     from megatron.bridge.data.utils import get_dataset_provider

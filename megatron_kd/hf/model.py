@@ -51,6 +51,14 @@ def local_layer_spec(core_attention=None):
     return spec
 
 
+def activation_name(act: str, gated: bool) -> str:
+    """megatron-kd's ModelConfig.activation of a provider's activation_func name and gated_linear_unit: silu gated
+    is swiglu, quick_gelu gated is GPT-OSS's quick_geglu (a gated MLP: fc1 is 2 x ffn wide in the FLOP count)."""
+    if gated and act in ("silu", "quick_gelu"):
+        return {"silu": "swiglu", "quick_gelu": "quick_geglu"}[act]
+    return "gelu" if "gelu" in act else "squared_relu"
+
+
 def te_layer_spec(config, vp_stage=None):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     return get_gpt_layer_with_transformer_engine_spec(num_experts=config.num_moe_experts,
@@ -195,7 +203,7 @@ class HFModel:
             num_layers=prov.num_layers, hidden_size=prov.hidden_size, ffn_hidden_size=prov.ffn_hidden_size,
             num_attention_heads=prov.num_attention_heads, num_query_groups=prov.num_query_groups,
             kv_channels=prov.kv_channels, normalization=prov.normalization, layernorm_epsilon=prov.layernorm_epsilon,
-            activation="swiglu" if gated and act == "silu" else ("gelu" if "gelu" in act else "squared_relu"),
+            activation=activation_name(act, gated),
             add_bias_linear=prov.add_bias_linear, add_qkv_bias=prov.add_qkv_bias, qk_layernorm=prov.qk_layernorm,
             position_embedding_type="rope" if prov.position_embedding_type in ("rope", "yarn")
             else prov.position_embedding_type,

@@ -41,3 +41,13 @@ def test_hf_provider_equals_megatron_kd_config(tmp_path, precision):
             and not _same(getattr(ours, f.name), getattr(hf, f.name, None))}
     assert not diff, f"HF provider vs megatron-kd's TransformerConfig (ours, hf): {diff}"
     assert hf.recompute_granularity == "full" and hf.params_dtype == ours.params_dtype
+
+
+@pytest.mark.parametrize("arch,want", [("llama", "swiglu"), ("gptoss", "quick_geglu")])
+def test_architecture_names_the_gated_mlp(tmp_path, arch, want):
+    """The architecture written into the recipe (FLOP counts, resume checks) names the gated MLP: GPT-OSS's
+    quick_gelu GLU is quick_geglu (it was read as plain gelu, counting fc1 at half its width)."""
+    import tiny
+    from megatron_kd.hf.model import HFModel
+    tiny.make_hf(str(tmp_path / arch), arch, layers=2, hidden=64, heads=4, kv_heads=2)
+    assert HFModel(str(tmp_path / arch)).architecture()["activation"] == want

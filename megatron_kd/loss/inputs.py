@@ -5,7 +5,6 @@ entries) are reduced on the device into one small tensor and read with one host 
 it, since an out-of-range id otherwise becomes a silent wrong gather or a device-side assert, and one NaN in a
 mask zeroes the whole batch's gradient.
 """
-import math
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +30,6 @@ class Targets:
 
 # A log-prob above this (at a non-empty slot) is not rounding of log(p <= 1): a corrupt cache or raw logits.
 LOGPROB_TOLERANCE = 1e-3
-TEMPERATURE_RANGE = (1e-3, 1e3)  # beyond it logits / T overflow or the distribution is a one-hot / uniform
 
 
 def math_dtype_for(hidden: torch.Tensor) -> torch.dtype:
@@ -53,11 +51,6 @@ def check_and_flatten(hidden, weight, topk_ids, topk_logprobs, labels, loss_mask
         raise ValueError("hidden must be a tensor [..., H]")
     if not hidden.is_floating_point():
         raise ValueError(f"hidden must be floating point, got {hidden.dtype}")
-    t = getattr(opts, "temperature", 1.0)
-    lo_t, hi_t = TEMPERATURE_RANGE
-    if not (isinstance(t, (int, float)) and math.isfinite(t) and lo_t <= t <= hi_t):
-        raise ValueError(f"temperature={t} must be a finite number in [{lo_t:g}, {hi_t:g}] (1 = the teacher's own "
-                         "distribution)")
     _check_devices(hidden, weight=weight, topk_ids=topk_ids, topk_logprobs=topk_logprobs, labels=labels,
                    loss_mask=loss_mask)
     if not torch.is_tensor(weight) or weight.dim() != 2:

@@ -44,3 +44,15 @@ def call(inp, **over):
 def test_bad_input_raises_named_error(inp, over, match):
     with pytest.raises(ValueError, match=match):
         call(inp, **over)
+
+
+def test_temperature_range_is_checked_with_the_options():
+    """The range is the options' rule, so a recipe or Bridge `kd` section is refused when validated, before a
+    step (it used to pass there and fail at the first loss call)."""
+    from megatron_kd.loss.options import KDLoss, LossOptions
+    for bad in (1e4, 1e-4, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"temperature=.* must be a finite number in \[0.001, 1000\]"):
+            LossOptions(temperature=bad)
+        with pytest.raises(ValueError, match=r"cache_temperature=.* must be a finite number"):
+            KDLoss(cache_temperature=bad).loss_options()
+    LossOptions(temperature=1e3, cache_temperature=1e-3)

@@ -1,4 +1,4 @@
-"""GPT-OSS core attention (megatron_kd/megatron/sink_attention.py) on one GPU: exactness and 32K cost.
+"""GPT-OSS core attention (megatron_kd/models/sink_attention.py) on one GPU: exactness and 32K cost.
 
 1. check: at 1-4K tokens, our sink attention (compiled FlexAttention + sigmoid(lse - sink)) against an fp32
    eager reference written independently here (softmax over [scores, sink], the sink column carrying no value),
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import environment, measure, save  # noqa: E402
-from megatron_kd.megatron.sink_attention import sink_attention  # noqa: E402
+from megatron_kd.models.sink_attention import sink_attention  # noqa: E402
 
 TOL = 1e-2
 

@@ -8,9 +8,9 @@ on the same model, samples and cache, one H200, one call (issue 18, acceptance 3
            recipes/bridge/llama32_3b_offline_kd.yaml` (local layers + SDPA attention: no TE here; full recompute,
            bf16, Megatron DDP + Adam, micro/global batch 1); a callback times each step (cuda-synchronized) and
            reads torch.cuda.max_memory_allocated
-  mkd      megatron_kd.megatron.train.run with recipes/model/llama32_3b.yaml, the same recompute / optimizer /
+  mkd      megatron_kd.training.loop.run with recipes/model/llama32_3b.yaml, the same recompute / optimizer /
            batch, mock data = the recipe's samples (token hashes checked against the cache)
-Model TFLOP/s = megatron_kd.megatron.metrics.train_flops_per_step (6 x params x tokens + 6 L s^2 h, no
+Model TFLOP/s = megatron_kd.training.metrics.train_flops_per_step (6 x params x tokens + 6 L s^2 h, no
 recompute counted) / median step time after the first --warmup steps, the same formula for both.
 
 Device (H200; carry .whl-bridge), about 5 minutes:
@@ -105,9 +105,9 @@ def child(a):
     if a.child == "mkd":
         import torch
         from omegaconf import OmegaConf
-        from megatron_kd.megatron.config import (DataConfig, KDConfig, ModelConfig, ParallelConfig, Recipe,
+        from megatron_kd.recipe.schema import (DataConfig, KDConfig, ModelConfig, ParallelConfig, Recipe,
                                                  TrainConfig)
-        from megatron_kd.megatron.train import run
+        from megatron_kd.training.loop import run
         m = ModelConfig(**OmegaConf.to_container(OmegaConf.load(os.path.join(ROOT, "recipes/model/llama32_3b.yaml"))))
         if a.smoke:
             m = ModelConfig(num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4,
@@ -130,8 +130,8 @@ def child(a):
 
 def _flops(a, m=None):
     from omegaconf import OmegaConf
-    from megatron_kd.megatron.config import ModelConfig
-    from megatron_kd.megatron.metrics import train_flops_per_step
+    from megatron_kd.recipe.schema import ModelConfig
+    from megatron_kd.training.metrics import train_flops_per_step
     if m is None:
         m = ModelConfig(**OmegaConf.to_container(OmegaConf.load(os.path.join(ROOT, "recipes/model/llama32_3b.yaml"))))
         if a.smoke:

@@ -7,7 +7,7 @@ In one call, every step its own process (Bridge's pretrain() owns the process gr
                tiny_offline_kd.yaml): 24 iterations with offline KD, checkpoints at 12 and 24
   4 bridge_b   the same run into another checkpoint dir, SIGKILLed at the start of iteration 14 (after its
                checkpoint at 12); 5 bridge_c: the same command again: Bridge resumes from iteration 12
-  6 mkd        `megatron-kd train` (megatron_kd.megatron.train.run) on the same HF student weights, the same mock
+  6 mkd        `megatron-kd train` (megatron_kd.training.loop.run) on the same HF student weights, the same mock
                samples (its data section = the recipe's dataset) and the same cache: 2 iterations
 Checks (summary["checks"]): the first iteration's KD loss equals megatron-kd train's (1e-4 relative); the loss
 falls; resumed iterations 13..24 equal the uninterrupted run's; Bridge's run_config.yaml holds dataset.kd.
@@ -107,9 +107,9 @@ def child(a):
         return main(bridge_argv(w, ck, log), callbacks=[KillAt(KILL_AT)] if a.child == "bridge_b" else None)
     if a.child == "mkd":
         import torch
-        from megatron_kd.megatron.config import (DataConfig, KDConfig, ModelConfig, ParallelConfig, Recipe,
+        from megatron_kd.recipe.schema import (DataConfig, KDConfig, ModelConfig, ParallelConfig, Recipe,
                                                  TrainConfig)
-        from megatron_kd.megatron.train import run
+        from megatron_kd.training.loop import run
         s = STUDENT
         r = Recipe(
             model=ModelConfig(name="tiny-student", num_layers=s["num_hidden_layers"], hidden_size=s["hidden_size"],

@@ -61,7 +61,7 @@ def run_overrides(a, work):
 
 # --smoke on CPU with megatron-core 0.16.1: its MoE router names an undefined te_general_gemm (0.19 sets None);
 # plan/build.py's megatron_compat() fixes it (the training CLI does not call it yet).
-SMOKE_MAIN = ("import sys; from megatron_kd.megatron.cpu_patches import megatron_compat; megatron_compat(); "
+SMOKE_MAIN = ("import sys; from megatron_kd.runtime.cpu_patches import megatron_compat; megatron_compat(); "
               "from megatron_kd.cli.main import main; sys.exit(main(sys.argv[1:]))")
 
 
@@ -85,7 +85,7 @@ def plan(overrides, gpus):
 
 def sink_extra_gib(layers_saved, seq, heads=64, kv=8, d=64):
     """What the planner does not count yet: the sink attention's extra saved bytes per non-recomputed layer."""
-    from megatron_kd.megatron.sink_attention import attention_activation_bytes
+    from megatron_kd.models.sink_attention import attention_activation_bytes
     plain = sum(attention_activation_bytes(seq, heads, kv, d, sink=False, window=None).values())
     sink = sum(attention_activation_bytes(seq, heads, kv, d, sink=True, window=127).values())
     return layers_saved * (sink - plain) / 2**30

@@ -72,8 +72,8 @@ def make_hf_like(m, vocab: int, out: str, dtype) -> float:
 
 
 def recipe(overrides, save):
-    from megatron_kd.megatron.config import to_recipe
-    from megatron_kd.megatron.recipes import compose
+    from megatron_kd.recipe.schema import to_recipe
+    from megatron_kd.recipe.compose import compose
     return to_recipe(compose(RECIPE, overrides, save=save))
 
 
@@ -81,8 +81,8 @@ def cache_arm(ov, cache) -> dict:
     """Teacher load and cache build, timed apart (the build's tokens/s is the teacher's forward + top-K)."""
     from megatron.core import parallel_state as ps
     from megatron_kd.cache import build_cache
-    from megatron_kd.megatron.data import samples_needed
-    from megatron_kd.megatron.factories import recipe_dataset, recipe_teacher
+    from megatron_kd.data.datasets import samples_needed
+    from megatron_kd.teacher.factories import recipe_dataset, recipe_teacher
     r = recipe(ov, os.path.dirname(cache))
     n = samples_needed(r.train, r.data)[0]
     if torch.cuda.is_available():
@@ -115,10 +115,10 @@ def cache_arm(ov, cache) -> dict:
 def random_teacher(r):
     """recipe_teacher's teacher with random weights (no teacher.load): the random-init arm."""
     from megatron.core import parallel_state as ps
-    from megatron_kd.megatron.teacher import MegatronTeacher
-    from megatron_kd.megatron.dist import init_model_parallel, init_process_group, set_seed, use_cuda
-    from megatron_kd.megatron.model import build_gpt
-    from megatron_kd.megatron.teacher import freeze
+    from megatron_kd.teacher.megatron import MegatronTeacher
+    from megatron_kd.runtime.dist import init_model_parallel, init_process_group, set_seed, use_cuda
+    from megatron_kd.models.builder import build_gpt
+    from megatron_kd.teacher.megatron import freeze
     cuda = use_cuda(r.train.device)
     init_process_group(cuda)
     init_model_parallel(r.parallel, cuda)
@@ -129,7 +129,7 @@ def random_teacher(r):
 
 
 def train_arm(ov, save) -> dict:
-    from megatron_kd.megatron.train import run
+    from megatron_kd.training.loop import run
     r = recipe(ov, save)
     start = None
     if torch.cuda.is_available():
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", os.path.join(ROOT, "benchmarks", "results")),
                                                   "hf_e2e_bench.json"))
     a = ap.parse_args(argv)
-    from megatron_kd.megatron import quiet_megatron_warnings
+    from megatron_kd.runtime.quiet import quiet_megatron_warnings
     quiet_megatron_warnings()
     real = a.shapes == "real"
     vocab, seq = (128256, a.seq or 32768) if real else (256, a.seq or 64)
@@ -188,7 +188,7 @@ def main(argv=None) -> int:
         res[f"train_{name}"] = train_arm(o + [f"kd.cache={work}/cache_{name}", "kd.build_cache=false"], save)
         print(name, "train", res[f"train_{name}"], flush=True)
         if name == "hf":
-            from megatron_kd.megatron.export import export
+            from megatron_kd.export.to_hf import export
             out = os.path.join(work, "student_kd_hf")
             e = export(save, out)
             t0 = time.perf_counter()

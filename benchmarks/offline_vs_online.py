@@ -10,7 +10,7 @@ ways, each a `megatron-kd train` process (printed as it starts):
     online_full    online KD, teacher in memory, K = the whole vocabulary, tail none: the exact full KL
     ce             labels only (reference)
 
-Every `--eval-every` steps each run saves a checkpoint; afterwards megatron_kd.megatron.evaluate.compare scores
+Every `--eval-every` steps each run saves a checkpoint; afterwards megatron_kd.training.evaluate.compare scores
 every checkpoint on the same held-out samples: cross-entropy and full-vocabulary KL(teacher || student). Before
 training, the script proves that online_full's targets are the full distribution (the teacher's top-V holds
 probability mass 1 at every position) and that our loss with K = V, tail none equals a dense full-softmax KL.
@@ -114,13 +114,13 @@ class Bench(Demo):
 
     @property
     def vocab(self) -> int:
-        from megatron_kd.megatron.config import DataConfig
-        from megatron_kd.megatron.data import load_tokenizer
+        from megatron_kd.recipe.schema import DataConfig
+        from megatron_kd.data.datasets import load_tokenizer
         return load_tokenizer(DataConfig(kind="indexed", path=self.data_prefix, tokenizer=self.tokenizer)).vocab_size
 
     def recipe(self, mode: str):
-        from megatron_kd.megatron.config import to_recipe
-        from megatron_kd.megatron.recipes import compose
+        from megatron_kd.recipe.schema import to_recipe
+        from megatron_kd.recipe.compose import compose
         return to_recipe(compose("tiny_cpu", recipe_overrides(self.student_overrides(mode))))
 
 
@@ -132,12 +132,12 @@ def check_full_kl(bench: Bench, num_samples: int) -> dict:
     untrained student. Also records how much mass the teacher's top-100 and top-20 hold.
     """
     import torch
-    from megatron_kd.megatron.data import build_datasets, load_tokenizer, loader, samples_needed
-    from megatron_kd.megatron.dist import distributed
-    from megatron_kd.megatron.evaluate import _load, _per_position
-    from megatron_kd.megatron.hook import forward_with_head
-    from megatron_kd.megatron.model import build_gpt
-    from megatron_kd.megatron.teacher import OnlineTeacher
+    from megatron_kd.data.datasets import build_datasets, load_tokenizer, loader, samples_needed
+    from megatron_kd.runtime.dist import distributed
+    from megatron_kd.training.evaluate import _load, _per_position
+    from megatron_kd.models.hook import forward_with_head
+    from megatron_kd.models.builder import build_gpt
+    from megatron_kd.teacher.megatron import OnlineTeacher
 
     r = bench.recipe("online_full")
     vocab = load_tokenizer(r.data).vocab_size
@@ -190,8 +190,8 @@ def check_full_kl(bench: Bench, num_samples: int) -> dict:
 
 def evaluate_curves(bench: Bench) -> dict:
     """{mode: [{"iteration", "ce", "kl"}, ...]} from every saved checkpoint, all on the same held-out samples."""
-    from megatron_kd.megatron.checkpoint import iter_dir
-    from megatron_kd.megatron.evaluate import compare
+    from megatron_kd.checkpoint.store import iter_dir
+    from megatron_kd.training.evaluate import compare
     s = bench.s
     r = bench.recipe("online_full")  # data, layout, teacher architecture (the students share one architecture)
     curves = {m: [] for m in MODES}
@@ -263,7 +263,7 @@ def plot(res: dict, png: str) -> None:
 
 def _hidden_and_weight(model, batch):
     """The student's final hidden states [s, b, H] and output weight through the training hook (no logits)."""
-    from megatron_kd.megatron.hook import forward_with_head
+    from megatron_kd.models.hook import forward_with_head
     out = {}
 
     def head(hidden, weight):
@@ -281,10 +281,10 @@ def retemper_check(bench: Bench, student_dir: str, num_samples: int, ks=(20, 100
     import torch
     from megatron_kd import topk_kl_loss
     from megatron_kd.loss.temper import retemper_logprobs
-    from megatron_kd.megatron.checkpoint import iter_dir
-    from megatron_kd.megatron.data import build_datasets, load_tokenizer, loader, samples_needed
-    from megatron_kd.megatron.dist import distributed
-    from megatron_kd.megatron.evaluate import _load
+    from megatron_kd.checkpoint.store import iter_dir
+    from megatron_kd.data.datasets import build_datasets, load_tokenizer, loader, samples_needed
+    from megatron_kd.runtime.dist import distributed
+    from megatron_kd.training.evaluate import _load
     r = bench.recipe("online_full")
     vocab = load_tokenizer(r.data).vocab_size
     acc = {}
@@ -397,8 +397,8 @@ def train_students(bench: Bench, modes) -> dict | None:
 
 
 def run_sweep(bench: Bench, args, t0: float) -> int:
-    from megatron_kd.megatron.evaluate import compare
-    from megatron_kd.megatron.checkpoint import iter_dir
+    from megatron_kd.training.evaluate import compare
+    from megatron_kd.checkpoint.store import iter_dir
     s = bench.s
     ks = tuple(int(k) for k in args.sweep_k.split(","))
     divs = tuple(args.sweep_div.split(","))
@@ -462,8 +462,8 @@ def lean_adam_quality(a, s, out, bench, t0) -> int:
         commands[m] = "megatron-kd train " + " ".join(o)
         if bench.stage_train(f"student_lean_{m}", o):
             return 2
-    from megatron_kd.megatron.checkpoint import iter_dir
-    from megatron_kd.megatron.evaluate import compare
+    from megatron_kd.checkpoint.store import iter_dir
+    from megatron_kd.training.evaluate import compare
     r = bench.recipe("offline_k100")
     its = list(range(s.eval_interval, s.student_iters + 1, s.eval_interval))
     curves = {m: [] for m in LEAN_MODES}
@@ -526,7 +526,7 @@ def main(argv=None) -> int:
         args.results = os.path.join(HERE, "results", "divergence_sweep_cpu" + ("_small" if args.small else ""))
     args.results = args.results or os.path.join(HERE, "results", "lean_adam_quality_cpu" if args.lean_adam
                                                 else "offline_vs_online_cpu")
-    from megatron_kd.megatron import quiet_megatron_warnings
+    from megatron_kd.runtime.quiet import quiet_megatron_warnings
     quiet_megatron_warnings()
     s = BenchSettings(**(SMALL if args.small else {}))
     out = os.path.abspath(args.out)

@@ -64,12 +64,12 @@ def megatron_kd_teacher(save_dir: str, vocab_size: int, seq_length: int, tp: int
     ranks split the samples (data parallel)."""
     import dataclasses
     from megatron.core import parallel_state as ps
-    from ..megatron.teacher import MegatronTeacher
-    from ..megatron import checkpoint as ckpt
-    from ..megatron.config import ModelConfig, ParallelConfig
-    from ..megatron.dist import init_model_parallel, init_process_group, use_cuda
-    from ..megatron.model import build_gpt
-    from ..megatron.teacher import freeze
+    from ..teacher.megatron import MegatronTeacher
+    from ..checkpoint import store as ckpt
+    from ..recipe.schema import ModelConfig, ParallelConfig
+    from ..runtime.dist import init_model_parallel, init_process_group, use_cuda
+    from ..models.builder import build_gpt
+    from ..teacher.megatron import freeze
     saved = (ckpt.read_common(save_dir).get("recipe") or {}).get("model")
     if not saved:
         raise ValueError(f"--teacher mkd:{save_dir}: no recipe in its checkpoint (not a `megatron-kd train` save dir)")

@@ -23,7 +23,7 @@ def build_base_datasets(base, context, provider):
 
 def train_head(train, train_samples: int):
     """The first `train_samples` samples of Bridge's train split: sample i is Bridge's sample i."""
-    from ..megatron.data import Head
+    from ..data.datasets import Head
     n = int(train_samples)
     if len(train) < n:
         raise ValueError(f"the train split yields {len(train)} samples, the run needs {n} (train.train_iters x "

@@ -16,10 +16,10 @@ NO_TE_OFF = ("gradient_accumulation_fusion", "masked_softmax_fusion", "bias_acti
 
 def sdpa_layer_spec(config, vp_stage=None):
     """A GPTModelProvider layer-spec function: megatron-core's local spec for the provider's architecture (what
-    Bridge's local_layer_spec builds) with megatron-kd's SDPA core attention (megatron_kd.megatron.attention)."""
+    Bridge's local_layer_spec builds) with megatron-kd's SDPA core attention (megatron_kd.models.attention)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from ..megatron.attention import SDPAttention
+    from ..models.attention import SDPAttention
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
                                     qk_layernorm=config.qk_layernorm, normalization=config.normalization)
     spec.submodules.self_attention.submodules.core_attention = SDPAttention

@@ -1,8 +1,8 @@
 """A forward_step for `megatron.bridge.training.pretrain`: the student runs up to the hidden states entering its
-output layer and megatron-kd's KD head (megatron_kd.megatron.step.KDHead, the one `megatron-kd train` uses)
+output layer and megatron-kd's KD head (megatron_kd.training.step.KDHead, the one `megatron-kd train` uses)
 turns them into the masked loss sum with the output weight. No [s, b, V] logits on any rank. The hook is
 megatron-core's output_processor (0.19+, the NeMo 26.08 container) or, on older versions, megatron-kd's
-output-layer swap (megatron_kd.megatron.hook).
+output-layer swap (megatron_kd.models.hook).
 
 Bridge-specific here: its call convention (GlobalState first, timers), its NaN checks, validation batches
 without cache rows, and the CP split called the way megatron-core 0.16 and 0.19 both accept. Nothing here
@@ -15,10 +15,10 @@ from types import SimpleNamespace
 import torch
 
 from ..loss.options import KDLoss
-from ..megatron.config import KDConfig
-from ..megatron.hook import forward_with_head
-from ..megatron.model import unwrap
-from ..megatron.step import KDHead, loss_func, slice_for_context_parallel
+from ..recipe.schema import KDConfig
+from ..models.hook import forward_with_head
+from ..models.builder import unwrap
+from ..training.step import KDHead, loss_func, slice_for_context_parallel
 from .config import OfflineKDConfig
 
 KD_KEYS = ("topk_ids", "topk_logprobs")

@@ -99,7 +99,7 @@ def build_cache(teacher, dataset, out_dir, *, top_k: int = 100, encoding: str = 
     """Build (or finish) the cache in out_dir; returns the manifest. Call on every rank with the same arguments.
 
     teacher: a Teacher (megatron_kd.cache.teacher: CallableTeacher, HFTeacher;
-             megatron_kd.megatron.teacher: MegatronTeacher).
+             megatron_kd.teacher.megatron: MegatronTeacher).
     dataset: len() + [i] -> Megatron GPT dict (tokens, labels, ...) or seq_length + 1 token ids.
     teacher_id: overrides teacher.identity() (a dict, or a string used as the name).
     """

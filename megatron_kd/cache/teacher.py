@@ -1,5 +1,5 @@
 """What the builder needs from a teacher, and adapters for plain callables and HF models (the Megatron-Core
-GPTModel adapter, MegatronTeacher, lives in megatron_kd.megatron.teacher: cache/ never imports the Megatron glue).
+GPTModel adapter, MegatronTeacher, lives in megatron_kd.teacher.megatron: cache/ never imports the Megatron glue).
 
 A teacher is called with tokens [b, s] (int64) and returns a TeacherOutput holding either this rank's
 final hidden states plus output-layer rows (the builder then computes logits chunk by chunk) or this rank's

@@ -31,9 +31,9 @@ def build_parser():
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    from ..megatron import quiet_megatron_warnings
+    from ..runtime.quiet import quiet_megatron_warnings
     quiet_megatron_warnings()
-    from ..megatron.corpus import prepare, pydoc_documents, read_documents
+    from ..data.corpus import prepare, pydoc_documents, read_documents
     try:
         docs = pydoc_documents() if args.pydoc else read_documents(args.input, args.json_key)
         s = prepare(docs, args.output_prefix, tokenizer=args.tokenizer, vocab_size=args.vocab_size,

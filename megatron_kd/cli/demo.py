@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     # wants the cores (the cache stage runs in this process: 17 s idle, 184-273 s on a shared 2-core machine
     # before this). libgomp reads it once, when torch loads, which has not happened yet here.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from ..megatron import quiet_megatron_warnings
+    from ..runtime.quiet import quiet_megatron_warnings
     quiet_megatron_warnings()
     s = settings_from(args)
     out = os.path.abspath(args.out)
@@ -187,7 +187,7 @@ class Demo:
         if os.path.exists(self.data_prefix + ".json"):
             self.say(f"{self.data_prefix}.bin present")
             return
-        from ..megatron.corpus import prepare, pydoc_documents
+        from ..data.corpus import prepare, pydoc_documents
         t = time.time()
         self.say("tokenizing pydoc_data (CPython's documentation) with a byte-level BPE of "
                  f"{self.s.vocab_size} ids  [megatron-kd data prepare --pydoc --output-prefix {self.data_prefix} "
@@ -221,7 +221,7 @@ class Demo:
         return o
 
     def stage_train(self, stage: str, overrides: list) -> int:
-        from ..megatron.checkpoint import latest_iteration
+        from ..checkpoint.store import latest_iteration
         iters = int(next(o.split("=", 1)[1] for o in overrides if o.startswith("train.iters=")))
         d = os.path.join(self.out, stage)
         if latest_iteration(d) == iters and os.path.exists(os.path.join(d, "summary.json")):
@@ -250,9 +250,9 @@ class Demo:
         if os.path.exists(os.path.join(self.cache, "manifest.json")):
             self.say(f"{self.cache} present")
             return
-        from ..megatron.config import to_recipe
-        from ..megatron.recipes import compose
-        from ..megatron.train import build_cache_only
+        from ..recipe.schema import to_recipe
+        from ..recipe.compose import compose
+        from ..training.loop import build_cache_only
         t = time.time()
         self.say(f"teacher top-{self.s.top_k} over the students' {self.s.student_iters * self.s.global_batch_size}"
                  f" training samples -> {self.cache}")
@@ -263,9 +263,9 @@ class Demo:
         self.say(f"{m['num_samples']} samples, {m['bytes_per_token']:.1f} bytes/token ({self.times['cache']:.1f} s)")
 
     def stage_compare(self) -> dict:
-        from ..megatron.config import to_recipe
-        from ..megatron.evaluate import compare
-        from ..megatron.recipes import compose
+        from ..recipe.schema import to_recipe
+        from ..training.evaluate import compare
+        from ..recipe.compose import compose
         r = to_recipe(compose("tiny_cpu", recipe_overrides(self.student_overrides("online"))))
         students = {mode: (r.model, os.path.join(self.out, f"student_{mode}")) for mode in ("offline", "online", "ce")}
         self.say(f"held-out CE and KL(teacher || student) over {self.s.eval_samples} validation samples")

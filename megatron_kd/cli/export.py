@@ -30,8 +30,8 @@ def build_parser():
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    from ..megatron import quiet_megatron_warnings
-    from ..megatron.export import export  # not at import: `megatron-kd --help` loads no torch
+    from ..runtime.quiet import quiet_megatron_warnings
+    from ..export.to_hf import export  # not at import: `megatron-kd --help` loads no torch
     quiet_megatron_warnings()
     try:
         s = export(args.checkpoint, args.out, hf_path=args.hf_path, dtype=args.dtype, device=args.device,

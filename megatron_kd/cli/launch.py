@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_recipe(recipe: str) -> None:
     """A recipe is a name in recipes/ or a .yaml path; a missing one exits with the list of known names."""
-    from .recipe_names import missing_recipe
+    from ..recipe.names import missing_recipe
     problem = missing_recipe(recipe, RECIPES)
     if problem:
         raise SystemExit(f"megatron-kd launch: {problem}")
@@ -184,8 +184,8 @@ def recipe_warnings(a, world: int | None) -> list:
     world size its layout does not divide into."""
     try:
         from omegaconf import OmegaConf
-        from ..megatron.config import Recipe
-        from ..megatron.recipes import compose
+        from ..recipe.schema import Recipe
+        from ..recipe.compose import compose
         cfg = compose(a.recipe, a.overrides, save="/dev/null")
         missing = [f"{sec}.{k}" for sec in cfg if sec != "hydra" and OmegaConf.is_dict(cfg[sec])
                    for k in cfg[sec] if OmegaConf.is_missing(cfg[sec], k)]

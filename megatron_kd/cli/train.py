@@ -47,10 +47,10 @@ def main(argv=None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__.rstrip())
         return 0
-    from ..megatron import quiet_megatron_warnings
-    from ..megatron.recipes import recipes_dir, schema_overrides
+    from ..runtime.quiet import quiet_megatron_warnings
+    from ..recipe.compose import recipes_dir, schema_overrides
     quiet_megatron_warnings()
-    from .recipe_names import missing_recipe
+    from ..recipe.names import missing_recipe
     name = _flag_value(argv, ("--config-name", "-cn")) or "tiny_cpu"
     config_path = _flag_value(argv, ("--config-path", "-cp"))
     if config_path is None:
@@ -89,8 +89,8 @@ def print_job(name: str, config_path, overrides: list) -> int:
     from pathlib import Path
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
-    from ..megatron.config import Recipe, RecipeError, _schema_error
-    from ..megatron.recipes import compose
+    from ..recipe.schema import Recipe, RecipeError, _schema_error
+    from ..recipe.compose import compose
     target = str(Path(config_path) / f"{name}.yaml") if config_path else name
     try:
         cfg = compose(target, overrides)
@@ -121,7 +121,7 @@ def _keep_missing(src, dst) -> None:
 def run_config(cfg) -> int:
     """Train from a composed recipe; a recipe problem prints one line naming the key and returns 2."""
     from omegaconf import OmegaConf, open_dict
-    from ..megatron.config import RecipeError, to_recipe
+    from ..recipe.schema import RecipeError, to_recipe
     try:
         if cfg.train.get("save") is None:
             from hydra.core.hydra_config import HydraConfig
@@ -129,12 +129,12 @@ def run_config(cfg) -> int:
                 cfg.train.save = HydraConfig.get().runtime.output_dir
         OmegaConf.resolve(cfg)
         recipe = to_recipe(cfg)
-        from ..megatron.train import run
+        from ..training.loop import run
         summary = run(recipe, recipe.train.save)
     except RecipeError as e:
         print(f"megatron-kd train: error: {e}", file=sys.stderr)
         return USAGE_ERROR
-    from ..megatron.dist import is_rank0
+    from ..runtime.dist import is_rank0
     if is_rank0():
         print(summary_line(summary))
     return 0

@@ -75,7 +75,7 @@ class LossOptions:
 
 @dataclass
 class KDLoss:
-    """The loss keys of a KD run's `kd` section, one schema: megatron_kd.megatron.config.KDConfig (recipes) and
+    """The loss keys of a KD run's `kd` section, one schema: megatron_kd.recipe.schema.KDConfig (recipes) and
     megatron_kd.bridge.OfflineKDConfig (Bridge YAMLs) extend it; loss_options() is the topk_kl_loss call's."""
     kl_weight: float = 1.0                       # ce mode trains on CE alone (weight 1)
     ce_weight: float = 0.0                       # adds this x CE on the labels

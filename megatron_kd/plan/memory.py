@@ -39,7 +39,7 @@ def loss_impls() -> tuple:
 
 
 def kd_modes() -> tuple:
-    from ..megatron.config import MODES
+    from ..recipe.schema import MODES
     return MODES
 
 

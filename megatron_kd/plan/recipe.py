@@ -1,9 +1,9 @@
 """Read a `megatron-kd train` recipe (recipes/NAME.yaml, the schema of recipes/README.md) into what the plan needs.
 
-The recipe is composed exactly as training composes it (megatron_kd.megatron.recipes.compose: Hydra's compose API,
+The recipe is composed exactly as training composes it (megatron_kd.recipe.compose.compose: Hydra's compose API,
 `section.key=value` overrides as `++section.key=value`, train.save set so `${hydra:run.dir}` never resolves), its
 `???` placeholders (kd.cache, data.path: irrelevant to memory) become null, and it is merged into the schema
-dataclasses of megatron_kd.megatron.config (to_recipe: schema defaults for missing keys, unknown keys refused).
+dataclasses of megatron_kd.recipe.schema (to_recipe: schema defaults for missing keys, unknown keys refused).
 Every key is then read as megatron_kd/megatron/{model,optim}.py read it:
 
   model / teacher    a ModelShape: ffn_hidden_size null = 4 x hidden, num_query_groups null = one per head,
@@ -29,7 +29,7 @@ from .shapes import Layout, ModelShape
 
 
 def recipes_dir() -> Path:
-    from megatron_kd.megatron.recipes import recipes_dir as _dir
+    from megatron_kd.recipe.compose import recipes_dir as _dir
     return _dir()
 
 
@@ -62,10 +62,10 @@ def _missing_to_none(cfg) -> None:
 
 
 def load_recipe(name: str, overrides=()):
-    """The recipe as megatron_kd.megatron.config.Recipe dataclasses (composed as `megatron-kd train` does)."""
+    """The recipe as megatron_kd.recipe.schema.Recipe dataclasses (composed as `megatron-kd train` does)."""
     from omegaconf import OmegaConf, open_dict
-    from megatron_kd.megatron.config import to_recipe
-    from megatron_kd.megatron.recipes import compose
+    from megatron_kd.recipe.schema import to_recipe
+    from megatron_kd.recipe.compose import compose
     path = recipe_path(name)
     if path is None:
         raise FileNotFoundError(f"no recipe {name!r} (recipes/NAME or a .yaml path)")
@@ -80,7 +80,7 @@ def load_recipe(name: str, overrides=()):
 
 
 def vocab_size(r) -> int:
-    """The unpadded vocabulary: data.vocab_size, else the data.tokenizer file's (as megatron_kd.megatron.data)."""
+    """The unpadded vocabulary: data.vocab_size, else the data.tokenizer file's (as megatron_kd.data.datasets)."""
     d = r.data
     if d.vocab_size is not None:
         return int(d.vocab_size)
@@ -119,10 +119,10 @@ def shape_from_config(m, vocab: int, seq_length: int) -> ModelShape:
 
 def model_config(shape: ModelShape, layout: Layout = Layout(), recompute: str = "none",
                  recompute_layers: int | None = None, **fields):
-    """The recipe `model` section (megatron_kd.megatron.config.ModelConfig) of a ModelShape: the inverse of
+    """The recipe `model` section (megatron_kd.recipe.schema.ModelConfig) of a ModelShape: the inverse of
     shape_from_config, so the planner's checks build their GPTModels with training's builder
-    (megatron_kd.megatron.model.build_gpt). `fields` sets any other ModelConfig field."""
-    from megatron_kd.megatron.config import ModelConfig
+    (megatron_kd.models.builder.build_gpt). `fields` sets any other ModelConfig field."""
+    from megatron_kd.recipe.schema import ModelConfig
     s = shape
     mg = {}
     if s.is_moe and s.moe_shared_expert_intermediate_size:
@@ -145,7 +145,7 @@ def model_config(shape: ModelShape, layout: Layout = Layout(), recompute: str = 
 
 def parallel_config(layout: Layout):
     """The recipe `parallel` section of a Layout (data parallel is the world size's, not a recipe key)."""
-    from megatron_kd.megatron.config import ParallelConfig
+    from megatron_kd.recipe.schema import ParallelConfig
     return ParallelConfig(tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, etp=layout.etp,
                           sequence_parallel=layout.sp)
 
@@ -195,7 +195,7 @@ class RecipePlan:
 
 
 def from_recipe(r) -> RecipePlan:
-    """RecipePlan of a megatron_kd.megatron.config.Recipe."""
+    """RecipePlan of a megatron_kd.recipe.schema.Recipe."""
     m, p, t, kd, d = r.model, r.parallel, r.train, r.kd, r.data
     vocab = vocab_size(r)
     shape = shape_from_config(m, vocab, d.seq_length)

@@ -1,6 +1,6 @@
 """Model shapes and exact per-rank parameter counts of Megatron-Core GPT models (local or TE spec).
 
-A ModelShape (field names: Megatron TransformerConfig's, as in megatron_kd.megatron.config.ModelConfig) names
+A ModelShape (field names: Megatron TransformerConfig's, as in megatron_kd.recipe.schema.ModelConfig) names
 everything that decides the parameter count of a `megatron.core.models.gpt.GPTModel`:
 dense or MoE, GQA, SwiGLU, RMSNorm/LayerNorm, biases, tied embeddings. `param_counts(shape, layout)`
 returns what one rank of a (TP, PP, EP, ETP) layout holds, split into the groups Megatron's optimizer
@@ -39,7 +39,7 @@ class ModelShape:
 
     @property
     def gated_mlp(self) -> bool:
-        from ..megatron.config import GATED_ACTIVATIONS  # swiglu, quick_geglu (GPT-OSS): the one copy of the rule
+        from ..recipe.schema import GATED_ACTIVATIONS  # swiglu, quick_geglu (GPT-OSS): the one copy of the rule
         return self.activation in GATED_ACTIVATIONS
 
     def moe_layers(self) -> int:

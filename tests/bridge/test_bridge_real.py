@@ -147,7 +147,7 @@ def test_saved_run_config_keeps_kd_and_loads_back(cache, tmp_path):
 def cpu_megatron():
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from megatron_kd.megatron.cpu_patches import apply_cpu_patches, seed_model_parallel_rng
+    from megatron_kd.runtime.cpu_patches import apply_cpu_patches, seed_model_parallel_rng
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
@@ -227,7 +227,7 @@ def test_te_available_follows_megatron_core(monkeypatch):
     import importlib.util
     import megatron.core.extensions.transformer_engine as mcore_te
     from megatron_kd.bridge.recipes import have_te
-    from megatron_kd.megatron.model import te_available
+    from megatron_kd.models.builder import te_available
     assert importlib.util.find_spec("transformer_engine") is not None  # the stand-in module answers
     assert mcore_te.HAVE_TE is False
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -12,9 +12,9 @@ def test_a_megatron_kd_checkpoint_serves_as_the_teacher(tmp_path):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron_kd.bridge.cache import megatron_kd_teacher
-    from megatron_kd.megatron.config import DataConfig, KDConfig, ModelConfig, Recipe, TrainConfig
-    from megatron_kd.megatron.data import build_datasets, load_tokenizer, samples_needed
-    from megatron_kd.megatron.train import run
+    from megatron_kd.recipe.schema import DataConfig, KDConfig, ModelConfig, Recipe, TrainConfig
+    from megatron_kd.data.datasets import build_datasets, load_tokenizer, samples_needed
+    from megatron_kd.training.loop import run
     r = Recipe(model=ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                                  tie_embeddings=False, attention_backend="sdpa"),
                data=DataConfig(kind="mock", vocab_size=128, seq_length=16, seed=7),

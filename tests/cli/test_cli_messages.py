@@ -82,7 +82,7 @@ def test_train_wrong_type_is_one_line_naming_key_and_type(capsys, tmp_path):
 
 def test_cfg_job_prints_every_schema_key_and_keeps_required_ones(capsys):
     from omegaconf import OmegaConf
-    from megatron_kd.megatron.config import TrainConfig
+    from megatron_kd.recipe.schema import TrainConfig
     assert train_cli.main(["--config-name", "gpt_oss_20b_32k_8xh200", "--cfg", "job", "train.iters=7"]) == 0
     cfg = OmegaConf.create(capsys.readouterr().out)
     assert set(cfg.train) == {f.name for f in dataclasses.fields(TrainConfig)}

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_kd.megatron.config import Recipe
+from megatron_kd.recipe.schema import Recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = [f.name for f in dataclasses.fields(Recipe) if f.name != "teacher"]  # teacher shares model's table

@@ -281,8 +281,8 @@ LARGE_RECIPES = {  # name: (nodes, GPUs per node, overrides for the paths a user
 
 @pytest.mark.parametrize("name", sorted(LARGE_RECIPES))
 def test_large_recipe_checks_at_its_world_size(name):
-    config = pytest.importorskip("megatron_kd.megatron.config")
-    recipes = pytest.importorskip("megatron_kd.megatron.recipes")
+    config = pytest.importorskip("megatron_kd.recipe.schema")
+    recipes = pytest.importorskip("megatron_kd.recipe.compose")
     nodes, gpus, overrides = LARGE_RECIPES[name]
     cfg = recipes.compose(name, overrides, save="/tmp/unused")
     r = config.to_recipe(cfg)

@@ -113,9 +113,9 @@ def test_without_bridge_the_error_names_what_to_install(monkeypatch):
 
 
 def test_recipe_with_bad_hf_path_fails_before_work(tmp_path):
-    from megatron_kd.megatron.config import RecipeError, to_recipe
-    from megatron_kd.megatron.recipes import compose
-    from megatron_kd.megatron.train import preflight
+    from megatron_kd.recipe.schema import RecipeError, to_recipe
+    from megatron_kd.recipe.compose import compose
+    from megatron_kd.training.loop import preflight
     r = to_recipe(compose("tiny_cpu", [f"model.hf_path={tmp_path}", "train.device=cpu"], save=str(tmp_path / "r")))
     with pytest.raises(RecipeError, match=r"model.hf_path=.*no config.json"):
         preflight(r, 1, False)

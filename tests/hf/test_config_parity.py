@@ -24,10 +24,10 @@ def _same(a, b) -> bool:
 def test_hf_provider_equals_megatron_kd_config(tmp_path, precision):
     import tiny
     from megatron_kd.hf.recipe import resolve
-    from megatron_kd.megatron.config import to_recipe
-    from megatron_kd.megatron.dist import distributed
-    from megatron_kd.megatron.model import build_hf_chunks, transformer_config
-    from megatron_kd.megatron.recipes import compose
+    from megatron_kd.recipe.schema import to_recipe
+    from megatron_kd.runtime.dist import distributed
+    from megatron_kd.models.builder import build_hf_chunks, transformer_config
+    from megatron_kd.recipe.compose import compose
     tiny.make_hf(str(tmp_path / "s"), "llama", layers=2, hidden=64, heads=4, kv_heads=2, tied=True)
     r = to_recipe(compose("llama31_8b_to_3b_32k_1xh200", [
         "data=mock", "data.vocab_size=256", "data.seq_length=64", "train.device=cpu", f"model.hf_path={tmp_path}/s",

@@ -35,10 +35,10 @@ def _cli(*argv):
 
 def megatron_logits(checkpoint, student_hf, tokens, vocab=V):
     """megatron-kd's evaluation logits of a train checkpoint: the student rebuilt from the checkpoint."""
-    from megatron_kd.megatron import checkpoint as ckpt
-    from megatron_kd.megatron.config import ParallelConfig, to_recipe
-    from megatron_kd.megatron.dist import distributed
-    from megatron_kd.megatron.model import build_hf_chunks
+    from megatron_kd.checkpoint import store as ckpt
+    from megatron_kd.recipe.schema import ParallelConfig, to_recipe
+    from megatron_kd.runtime.dist import distributed
+    from megatron_kd.models.builder import build_hf_chunks
     r = to_recipe(ckpt.read_common(checkpoint)["recipe"])
     p = ParallelConfig()
     with distributed(p, 0, "cpu"):
@@ -71,8 +71,8 @@ def test_hf_teacher_and_student_to_exported_student(tmp_path, tok, t_rows, s_row
     # step 2: the teacher's top-K cache over the run's training samples
     args = json.dumps({"recipe": "tiny_cpu", "overrides": common})
     _cli("cache", "build", "--out", cache, "--top-k", "8", "--micro-batch-size", "2", "--no-progress",
-         "--teacher", "megatron_kd.megatron.factories:recipe_teacher", "--teacher-args", args,
-         "--dataset", "megatron_kd.megatron.factories:recipe_dataset", "--dataset-args", args)
+         "--teacher", "megatron_kd.teacher.factories:recipe_teacher", "--teacher-args", args,
+         "--dataset", "megatron_kd.teacher.factories:recipe_dataset", "--dataset-args", args)
     # step 3: offline KD of the HF student
     auto = str(tmp_path / "student_kd_hf_at_end")  # train.export_hf: the same export at the end of train
     _cli("train", "--config-name", "tiny_cpu", *common, f"model.hf_path={student}", "kd.build_cache=false",

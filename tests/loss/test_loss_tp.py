@@ -114,7 +114,7 @@ def test_tp_never_allocates_global_vocab_per_token():
 def _megatron_column_parallel(rank, world):
     from megatron.core import ModelParallelConfig, parallel_state
     from megatron.core.tensor_parallel import ColumnParallelLinear
-    from megatron_kd.megatron.cpu_patches import apply_cpu_patches, seed_model_parallel_rng
+    from megatron_kd.runtime.cpu_patches import apply_cpu_patches, seed_model_parallel_rng
     apply_cpu_patches()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     seed_model_parallel_rng(1234)

@@ -29,8 +29,8 @@ MOE_SHARED = ModelShape("t-moe-sh", 2, 64, 8, 2, 16, 96, 256, num_moe_experts=4,
 
 def _megatron(layout):
     """Megatron's groups for `layout` on CPU, as `megatron-kd train` sets them up."""
-    from megatron_kd.megatron.cpu_patches import megatron_compat
-    from megatron_kd.megatron.dist import init_model_parallel, set_seed
+    from megatron_kd.runtime.cpu_patches import megatron_compat
+    from megatron_kd.runtime.dist import init_model_parallel, set_seed
     megatron_compat()
     init_model_parallel(parallel_config(layout), cuda=False)
     set_seed(1234)
@@ -38,7 +38,7 @@ def _megatron(layout):
 
 def _build(shape, layout, seq_length=512):
     """The GPTModel `megatron-kd train` builds for this shape (training's builder, bf16 weights)."""
-    from megatron_kd.megatron.model import build_gpt
+    from megatron_kd.models.builder import build_gpt
     return build_gpt(model_config(shape, layout), parallel_config(layout), shape.vocab_size, seq_length, "bf16")
 
 
@@ -111,7 +111,7 @@ def test_padded_vocab_and_sharding():
 def _saved_bytes(rank, world, shape, T, moe, tol):
     """Per-layer bytes autograd saves (storages, parameters excluded) against layer_activations (CPU norms)."""
     import torch
-    from megatron_kd.megatron.hook import forward_with_head
+    from megatron_kd.models.hook import forward_with_head
     _megatron(Layout())
     m = _build(shape, Layout(), T)
     params = {p.untyped_storage()._cdata for p in m.parameters()}
@@ -264,7 +264,7 @@ RECIPES = {  # what each file says (recipe file over its group files); world = t
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_real_recipes_are_read_as_training_reads_them(name):
-    from megatron_kd.megatron.recipes import compose
+    from megatron_kd.recipe.compose import compose
     from megatron_kd.plan.recipe import from_recipe, load_recipe
     want = RECIPES[name]
     rp = from_recipe(load_recipe(name))

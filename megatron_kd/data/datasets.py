@@ -1,0 +1,217 @@
+"""Training data: Megatron's GPTDataset (indexed .bin/.idx, or its mock), the cache rows, the sample order.
+
+Sample order follows Megatron-LM's pretraining sampler: global batch g holds dataset samples
+[g * GBS, (g + 1) * GBS); within it, consecutive groups of micro_batch_size x DP samples form the micro-batches
+and data-parallel rank r takes the r-th micro_batch_size slice of each group. The cache is keyed by the same
+sample index, so every layout (TP, PP, CP, DP, micro-batch size) reads the rows of the tokens it trains on.
+"""
+import hashlib
+import logging
+import os
+
+import torch
+
+from ..recipe.schema import DataConfig, KDConfig, RecipeError, TrainConfig
+
+EOD_TOKEN = "<|endoftext|>"
+
+
+class FileTokenizer:
+    """A `tokenizers` JSON file, with the few attributes Megatron's GPTDataset reads (eod, pad, vocab_size)."""
+
+    def __init__(self, path: str, eod_id: int | None = None):
+        from tokenizers import Tokenizer
+        if not os.path.isfile(path):
+            raise RecipeError(f"data.tokenizer={path!r} does not exist; `megatron-kd data prepare` writes one "
+                              "(tokenizer.json next to the .bin/.idx)")
+        self.path = path
+        self.tok = Tokenizer.from_file(path)
+        self.vocab_size = self.tok.get_vocab_size()
+        eod = self.tok.token_to_id(EOD_TOKEN) if eod_id is None else eod_id
+        if eod is None:
+            raise RecipeError(f"the tokenizer {path} has no {EOD_TOKEN} token; set data.eod_id")
+        self.eod = int(eod)
+        with open(path, "rb") as f:
+            self.sha = hashlib.sha256(f.read()).hexdigest()[:16]
+        # GPTDataset's description (and so the dataset identity a cache records) includes this.
+        self.unique_identifiers = {"class": "tokenizers", "sha256": self.sha, "vocab_size": self.vocab_size}
+
+    @property
+    def pad(self) -> int:
+        return -1  # no pad token: Megatron masks nothing it should not
+
+    def encode(self, text: str) -> list:
+        return self.tok.encode(text).ids
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(list(ids))
+
+
+class MockTokenizer:
+    def __init__(self, vocab_size: int, eod_id: int | None = None):
+        self.vocab_size = int(vocab_size)
+        self.eod = self.vocab_size - 1 if eod_id is None else int(eod_id)
+        self.pad = -1
+        self.sha = "mock"
+        self.unique_identifiers = {"class": "mock", "vocab_size": self.vocab_size, "eod": self.eod}
+
+
+def load_tokenizer(d: DataConfig):
+    """The tokenizer of the data section and the unpadded vocabulary size the models and cache use."""
+    if d.tokenizer:
+        tok = FileTokenizer(d.tokenizer, d.eod_id)
+        if d.vocab_size is not None and d.vocab_size != tok.vocab_size:
+            raise RecipeError(f"data.vocab_size={d.vocab_size} but the tokenizer {d.tokenizer} has "
+                              f"{tok.vocab_size} ids; drop data.vocab_size or fix it")
+        return tok
+    return MockTokenizer(d.vocab_size, d.eod_id)
+
+
+def _blend(path):
+    from megatron.core.datasets.utils import get_blend_from_list
+    if isinstance(path, str):
+        path = [path]
+    paths = [str(x) for x in path]
+    for p in paths[1::2] if len(paths) > 1 and _is_number(paths[0]) else paths:
+        if not (os.path.isfile(p + ".bin") and os.path.isfile(p + ".idx")):
+            raise RecipeError(f"data.path: {p}.bin / {p}.idx not found; write them with `megatron-kd data prepare "
+                              f"--output-prefix {p} ...`")
+    return get_blend_from_list(paths)
+
+
+def _is_number(s) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False
+
+
+def build_datasets(d: DataConfig, tokenizer, train_samples: int, valid_samples: int):
+    """(train, valid) Megatron GPTDatasets (valid may be None when the split leaves it no documents)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    mock = d.kind == "mock"
+    if mock:  # MockGPTDataset keeps its index in memory and says so once per split
+        logging.getLogger("megatron.core.datasets").setLevel(logging.ERROR)
+    cache = d.index_cache
+    if cache is None and not mock:
+        first = d.path if isinstance(d.path, str) else [p for p in d.path if not _is_number(p)][0]
+        cache = os.path.join(os.path.dirname(os.path.abspath(str(first))), "index_cache")
+    cfg = GPTDatasetConfig(
+        random_seed=d.seed, sequence_length=d.seq_length, blend=None if mock else _blend(d.path),
+        split=d.split, tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False,
+        eod_mask_loss=d.eod_mask_loss, create_attention_mask=False, path_to_cache=cache)
+    cls = MockGPTDataset if mock else GPTDataset
+    train, valid, _ = BlendedMegatronDatasetBuilder(cls, [train_samples, valid_samples, 0], lambda: True,
+                                                    cfg).build()
+    if valid is not None and len(valid) >= valid_samples > 0:
+        valid = Head(valid, valid_samples)
+    return Head(train, train_samples), valid
+
+
+class Head(torch.utils.data.Dataset):
+    """The first n samples of a dataset (GPTDataset rounds up to whole epochs; a cache covers what is used)."""
+
+    def __init__(self, dataset, n: int):
+        if len(dataset) < n:
+            raise RecipeError(f"the dataset yields {len(dataset)} samples, the run needs {n}; add data (data.path) "
+                              "or lower train.iters / train.global_batch_size")
+        self.dataset, self.n = dataset, n
+        self.unique_description_hash = getattr(dataset, "unique_description_hash", "")
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if not 0 <= i < self.n:
+            raise IndexError(f"sample {i} outside the first {self.n}")
+        return self.dataset[i]
+
+
+def dataset_id(ds) -> str:
+    return str(getattr(ds, "unique_description_hash", ""))
+
+
+class MegatronSampler(torch.utils.data.Sampler):
+    """Micro-batches of this DP rank, from global sample `start` on, in Megatron-LM's pretraining order."""
+
+    def __init__(self, total: int, start: int, micro_batch_size: int, dp_rank: int, dp_size: int):
+        self.total, self.start, self.mbs, self.dp_rank, self.dp_size = total, start, micro_batch_size, dp_rank, dp_size
+
+    def __len__(self):
+        return max(0, (self.total - self.start) // (self.mbs * self.dp_size))
+
+    def __iter__(self):
+        group = self.mbs * self.dp_size
+        for a in range(self.start, self.total - group + 1, group):
+            first = a + self.dp_rank * self.mbs
+            yield list(range(first, first + self.mbs))
+
+
+def collate(samples: list) -> dict:
+    out = {}
+    for k in samples[0]:
+        v = [s[k] for s in samples]
+        if torch.is_tensor(v[0]):
+            out[k] = torch.stack(v)
+    return out
+
+
+def loader(dataset, total: int, start: int, micro_batch_size: int, dp_rank: int, dp_size: int, workers: int = 0):
+    """An iterator of micro-batch dicts ([b, s] and [b, s, K] tensors) for this DP rank."""
+    sampler = MegatronSampler(total, start, micro_batch_size, dp_rank, dp_size)
+    return iter(torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate,
+                                            num_workers=workers, persistent_workers=False))
+
+
+def samples_needed(t: TrainConfig, d: DataConfig):
+    """(train samples, valid samples): what the run consumes, so the dataset and the cache are sized to it."""
+    valid = d.eval_samples if d.eval_samples is not None else t.eval_iters * t.global_batch_size
+    return t.iters * t.global_batch_size, valid
+
+
+def check_cache(reader, kd: KDConfig, d: DataConfig, train_ds, vocab_size: int, needed: int) -> list:
+    """Everything about the cache that can be wrong, before any training step. Returns notes (warnings)."""
+    from ..cache import CacheError
+    notes = []
+    try:
+        captured = kd.capture_temperature  # re-tempering
+        reader.check_compatible(vocab_size=vocab_size, top_k=kd.top_k, temperature=captured,
+                                seq_length=d.seq_length)
+    except CacheError as e:
+        msg = str(e).replace("top_k: the run", "kd.top_k: the run").replace("temperature: the cache",
+                                                                          "kd.temperature: the cache")
+        msg = msg.replace("seq_length: the cache", "data.seq_length: the cache").replace(
+            "vocabulary: the teacher", "data.tokenizer / data.vocab_size: the teacher")
+        raise RecipeError(f"kd.cache={kd.cache}: {msg}") from None
+    if len(reader) < needed:
+        raise RecipeError(f"kd.cache={kd.cache} holds {len(reader)} samples, the run needs {needed} "
+                          "(train.iters x train.global_batch_size); lower train.iters or rebuild the cache with "
+                          f"--num-samples {needed}")
+    want = dataset_id(train_ds)
+    got = str(reader.manifest.get("dataset", ""))
+    # A few samples' token hashes decide: the dataset description also changes with the sample count.
+    probe = sorted({0, needed // 2, needed - 1})
+    for i in probe:
+        tokens = train_ds[i]["tokens"]
+        if reader.token_hash(i) != _token_hash(tokens):
+            raise RecipeError(
+                f"kd.cache={kd.cache} was built for another dataset: sample {i}'s tokens differ from the ones the "
+                f"teacher saw (cache dataset id {got or '?'}, this run's {want}). Use the data settings of the cache "
+                "build (data.path, data.tokenizer, data.seq_length, data.seed, data.split, train.iters x "
+                "train.global_batch_size) or rebuild the cache for this data.")
+    if got and got != want:
+        notes.append(f"kd.cache dataset id {got} differs from this run's {want} (other sample count?); the "
+                     f"token hashes of samples {probe} match, so training uses it")
+    return notes
+
+
+def _token_hash(tokens) -> str:
+    from ..cache.hashing import hex64, token_hash
+    return hex64(token_hash(tokens))
+
+
+def with_cache(train_ds, reader, kd: KDConfig):
+    from ..cache import TopKDataset
+    return TopKDataset(train_ds, reader, check_tokens=kd.check_tokens, top_k=kd.top_k)

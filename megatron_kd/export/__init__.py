@@ -1,0 +1,1 @@
+"""A trained student out as a Hugging Face checkpoint."""

@@ -1,0 +1,185 @@
+"""Build Megatron-Core GPTModels (student and teacher) from the recipe's `model` / `teacher` sections.
+
+Layer spec: Transformer Engine's when TE imports (GPU containers), else Megatron's local spec with its core
+attention swapped for torch SDPA (flash attention on GPU, so 32K sequences fit without TE).
+"""
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+from ..recipe.schema import ModelConfig, ParallelConfig, padded_vocab_size
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def te_available() -> bool:
+    if not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None:
+        return False
+    try:
+        import megatron.core.extensions.transformer_engine as mcore_te
+    except Exception:  # TE present but broken (CUDA/cuDNN mismatch): fall back to the local spec
+        return False
+    # [bridge hook, issue 18] megatron-core's own verdict: on an ImportError it puts a MagicMock in TE's place
+    # and sets HAVE_TE = False, while a stand-in module can still satisfy find_spec above.
+    return bool(getattr(mcore_te, "HAVE_TE", False))
+
+
+def apex_available() -> bool:
+    """NVIDIA apex's fused norms (not the unrelated PyPI package named apex)."""
+    if not torch.cuda.is_available() or importlib.util.find_spec("apex") is None:
+        return False
+    try:
+        return importlib.util.find_spec("apex.normalization") is not None
+    except Exception:
+        return False
+
+
+def _activation(name: str):
+    from . import gpt_oss  # gpt-oss: quick_geglu
+    if gpt_oss.activation(name):
+        return gpt_oss.activation(name)
+    if name == "swiglu":
+        return F.silu, True
+    if name == "gelu":
+        return F.gelu, False
+    from megatron.core.activations import squared_relu
+    return squared_relu, False
+
+
+def transformer_config(m: ModelConfig, p: ParallelConfig, precision: str = "fp32", *, cpu_init: bool | None = None):
+    """Megatron TransformerConfig for architecture `m` under layout `p`."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    act, gated = _activation(m.activation)
+    cuda = torch.cuda.is_available()
+    use_te = _backend(m) == "te"
+    dtype = DTYPES[precision]
+    kw = dict(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
+        num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups, kv_channels=m.kv_channels,
+        normalization=m.normalization, layernorm_epsilon=m.layernorm_epsilon, activation_func=act,
+        gated_linear_unit=gated, add_bias_linear=m.add_bias_linear, add_qkv_bias=m.add_qkv_bias,
+        qk_layernorm=m.qk_layernorm, init_method_std=m.init_method_std,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        num_moe_experts=m.num_moe_experts, moe_router_topk=m.moe_router_topk,
+        moe_ffn_hidden_size=m.moe_ffn_hidden_size, moe_grouped_gemm=m.moe_grouped_gemm,
+        recompute_granularity=m.recompute_granularity, recompute_method=m.recompute_method,
+        recompute_num_layers=m.recompute_num_layers,
+        tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
+        virtual_pipeline_model_parallel_size=p.vpp, context_parallel_size=p.cp,
+        expert_model_parallel_size=p.ep, expert_tensor_parallel_size=p.etp,
+        sequence_parallel=p.sequence_parallel and p.tp > 1,
+        bf16=precision == "bf16", fp16=precision == "fp16", params_dtype=dtype, pipeline_dtype=dtype,
+        # Our loss_func returns per-token sums; Megatron divides by the global token count in finalize_model_grads.
+        calculate_per_token_loss=True,
+        use_cpu_initialization=(not cuda) if cpu_init is None else cpu_init,
+        deallocate_pipeline_outputs=p.pp > 1,
+        gradient_accumulation_fusion=use_te and cuda,
+        apply_rope_fusion=use_te and cuda and m.position_embedding_type == "rope",
+        bias_activation_fusion=use_te and cuda and m.add_bias_linear,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+    )
+    from . import gpt_oss  # gpt-oss: sinks, window, clamped GLU, YaRN
+    kw.update(gpt_oss.config_kwargs(m))
+    kw.update(m.megatron or {})
+    config = TransformerConfig(**kw)
+    gpt_oss.apply_yarn(config, m)
+    return config
+
+
+def _backend(m: ModelConfig) -> str:
+    if m.attention_backend == "auto":
+        return "te" if te_available() else "sdpa"
+    if m.attention_backend == "te" and not te_available():
+        raise RuntimeError("model.attention_backend=te but Transformer Engine does not import here; use sdpa "
+                           "(or auto) or run in a container with TE")
+    return m.attention_backend
+
+
+def layer_spec(m: ModelConfig):
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                          get_gpt_layer_with_transformer_engine_spec)
+    backend = _backend(m)
+    if backend == "te":
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=m.num_moe_experts,
+                                                          moe_grouped_gemm=m.moe_grouped_gemm,
+                                                          qk_layernorm=m.qk_layernorm)
+    spec = get_gpt_layer_local_spec(num_experts=m.num_moe_experts, moe_grouped_gemm=m.moe_grouped_gemm,
+                                    qk_layernorm=m.qk_layernorm, normalization=m.normalization)
+    if backend == "sdpa":
+        from .attention import SDPAttention
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    if m.num_moe_experts and m.add_bias_linear:  # gpt-oss: expert biases train at EP=1 / expert TP=1
+        from .gpt_oss import fix_local_moe_spec
+        fix_local_moe_spec(spec)
+    return spec
+
+
+def build_gpt(m: ModelConfig, p: ParallelConfig, vocab_size: int, seq_length: int, precision: str = "fp32", *,
+              pre_process: bool = True, post_process: bool = True, vp_stage=None, config=None):
+    """One GPTModel chunk (on the current device). vocab_size is the tokenizer's; Megatron pads it."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    config = config or transformer_config(m, p, precision)
+    kw = {} if vp_stage is None else {"vp_stage": vp_stage}
+    model = GPTModel(
+        config, layer_spec(m), vocab_size=padded_vocab_size(vocab_size, m, p.tp), max_sequence_length=seq_length,
+        pre_process=pre_process, post_process=post_process, parallel_output=True,
+        share_embeddings_and_output_weights=m.tie_embeddings, position_embedding_type=m.position_embedding_type,
+        rotary_percent=m.rotary_percent, rotary_base=m.rotary_base, **kw)
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
+def build_hf_chunks(m: ModelConfig, p: ParallelConfig, seq_length: int, precision: str, load_weights: bool = True):
+    """hf-ckpt: m.hf_path's architecture and weights through Megatron-Bridge (megatron_kd/hf), our layer spec."""
+    from ..hf.model import local_layer_spec, te_layer_spec
+    from ..hf.recipe import open_hf
+    backend = _backend(m)
+    if backend == "sdpa":
+        from .attention import SDPAttention
+    spec = te_layer_spec
+    if backend != "te":
+        from .gpt_oss import fix_local_moe_spec  # MoE experts with biases train at EP=1 (as layer_spec does)
+        local = local_layer_spec(SDPAttention if backend == "sdpa" else None)
+        spec = lambda config, vp_stage=None: fix_local_moe_spec(local(config, vp_stage))  # noqa: E731
+    recompute = {k: getattr(m, k) for k in ("recompute_granularity", "recompute_method", "recompute_num_layers")}
+    return open_hf(m.hf_path, "hf_path").build(
+        p, load_weights=load_weights, precision=precision, seq_length=seq_length, layer_spec=spec,
+        fused=backend == "te" and torch.cuda.is_available(), make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
+        overrides=m.megatron, recompute=recompute)
+
+
+def build_model_chunks(m: ModelConfig, p: ParallelConfig, vocab_size: int, seq_length: int, precision: str):
+    """This rank's model chunks (one, or vpp under virtual pipeline), as Megatron-LM's get_model makes them."""
+    from megatron.core import parallel_state as ps
+    if m.hf_path:  # hf-ckpt
+        return build_hf_chunks(m, p, seq_length, precision)
+    config = transformer_config(m, p, precision)
+    chunks = []
+    for vp in range(p.vpp or 1):
+        vp_stage = vp if p.vpp else None
+        first = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        last = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        chunks.append(build_gpt(m, p, vocab_size, seq_length, precision, pre_process=first, post_process=last,
+                                vp_stage=vp_stage, config=config))
+    return chunks, config
+
+
+def wrap_float16(chunks, config):
+    """bf16/fp16 params with fp32 outputs at the last stage: Megatron's Float16Module."""
+    if not (config.bf16 or config.fp16):
+        return chunks
+    from megatron.core.transformer.module import Float16Module
+    return [Float16Module(config, c) for c in chunks]
+
+
+def unwrap(model):
+    """The GPTModel inside DDP / Float16Module wrappers (first chunk of a list)."""
+    if isinstance(model, (list, tuple)):
+        model = model[0]
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+

@@ -1,0 +1,1 @@
+"""Optimizers and LR schedules: Megatron DDP + optimizer setup, and lean_adam."""

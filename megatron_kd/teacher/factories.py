@@ -1,0 +1,48 @@
+"""Factories that let `megatron-kd cache build` build the cache a recipe trains on:
+
+    megatron-kd cache build --out CACHE --top-k 100 --micro-batch-size 4 \\
+        --teacher megatron_kd.teacher.factories:recipe_teacher --teacher-args '{"recipe": "RECIPE"}' \\
+        --dataset megatron_kd.teacher.factories:recipe_dataset --dataset-args '{"recipe": "RECIPE"}'
+
+Both take the recipe name (or a .yaml path) and Hydra overrides. The dataset is exactly the run's training
+samples (train.iters x train.global_batch_size of data's train split), so its sample indices are the run's.
+Under torchrun every rank runs the command; the teacher factory sets up Megatron's parallel groups.
+"""
+from ..recipe.schema import check_model, check_vocab, to_recipe
+from ..data.datasets import build_datasets, load_tokenizer, samples_needed
+from ..recipe.compose import compose
+
+
+def _recipe(recipe: str, overrides):
+    return to_recipe(compose(recipe, list(overrides or []), save="unused"))
+
+
+def recipe_dataset(recipe: str = "tiny_cpu", overrides=None):
+    r = _recipe(recipe, overrides)
+    tok = load_tokenizer(r.data)
+    train_n, valid_n = samples_needed(r.train, r.data)
+    train, _ = build_datasets(r.data, tok, train_n, valid_n)
+    return train
+
+
+def recipe_teacher(recipe: str = "tiny_cpu", overrides=None):
+    """The recipe's teacher (weights from teacher.load) as a cache-builder teacher, on this rank's TP shard."""
+    from ..runtime.dist import init_model_parallel, init_process_group, set_seed, use_cuda
+    from .megatron import cache_teacher
+    r = _recipe(recipe, overrides)
+    if r.teacher.hf_path:  # hf-ckpt: checked, architecture from config.json
+        from ..training.loop import resolve_hf
+        resolve_hf(r, teacher=True)
+    tok = load_tokenizer(r.data)
+    check_model(r.teacher, "teacher", r.parallel.tp)
+    check_vocab(tok.vocab_size, r.teacher, "teacher", r.parallel.tp)
+    if not (r.teacher.load or r.teacher.hf_path):
+        raise ValueError(f"recipe {recipe}: teacher.load is not set; point it at the teacher's checkpoint directory "
+                         "(or teacher.hf_path at a Hugging Face checkpoint)")
+    cuda = use_cuda(r.train.device)
+    init_process_group(cuda)
+    p = r.parallel
+    p.pp = p.cp = 1  # the builder runs the teacher unpipelined; its TP group is the recipe's
+    init_model_parallel(p, cuda)
+    set_seed(r.train.seed)
+    return cache_teacher(r, tok.vocab_size, parallel=p)

@@ -1,0 +1,1 @@
+"""The training loop alone: steps, forward/backward schedule, metrics, held-out evaluation."""

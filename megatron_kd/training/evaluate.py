@@ -1,0 +1,73 @@
+"""Held-out comparison of students against their teacher: cross-entropy and full-vocabulary KL(teacher || student).
+
+The teacher's full distribution is its top-K with K = the vocabulary (the same vocab-parallel top-K as the
+cache builder), so the KL goes through the same loss as training, with no tail to approximate.
+"""
+import torch
+
+from ..loss import topk_kl_loss
+from ..checkpoint import store as ckpt
+from ..recipe.schema import ModelConfig, Recipe
+from ..data.datasets import build_datasets, load_tokenizer, loader, samples_needed
+from ..runtime.dist import distributed
+from ..models.hook import forward_with_head, output_layout
+from ..models.builder import build_gpt, unwrap
+from ..teacher.megatron import OnlineTeacher, freeze
+
+
+@torch.no_grad()
+def compare(r: Recipe, teacher_load: str, students: dict, num_samples: int, micro_batch_size: int = 8) -> dict:
+    """students: {name: (ModelConfig, checkpoint dir)}. Returns {name: {"ce", "kl"}} plus "teacher": {"ce"}.
+
+    Uses the recipe's data (held-out split), parallel layout and teacher architecture; single data-parallel
+    pass over the first num_samples validation samples (every rank computes the same numbers).
+    """
+    tok = load_tokenizer(r.data)
+    vocab = tok.vocab_size
+    with distributed(r.parallel, r.train.seed, r.train.device):
+        _, valid = build_datasets(r.data, tok, samples_needed(r.train, r.data)[0], num_samples)
+        if valid is None or len(valid) < num_samples:
+            raise ValueError(f"the validation split has {0 if valid is None else len(valid)} samples, "
+                             f"{num_samples} asked; lower the number or change data.split")
+        t_model = _load(r.teacher, teacher_load, r, vocab)
+        teacher = OnlineTeacher(t_model, vocab, vocab)
+        models = {name: _load(m, path, r, vocab) for name, (m, path) in students.items()}
+        sums = {name: {"ce": 0.0, "kl": 0.0} for name in ["teacher", *models]}
+        count = 0
+        for batch in loader(valid, num_samples, 0, micro_batch_size, 0, 1):
+            ids, lp = teacher.topk(batch)
+            sums["teacher"]["ce"] += _ce(t_model, batch, vocab).sum().item()
+            for name, m in models.items():
+                sums[name]["ce"] += _ce(m, batch, vocab).sum().item()
+                sums[name]["kl"] += _per_position(m, batch, vocab, ids, lp).sum().item()
+            count += batch["tokens"].numel()
+    out = {name: {k: v / count for k, v in s.items()} for name, s in sums.items()}
+    del out["teacher"]["kl"]
+    return out
+
+
+def _load(m: ModelConfig, path: str, r: Recipe, vocab: int):
+    model = build_gpt(m, r.parallel, vocab, r.data.seq_length, "fp32")
+    ckpt.load_weights(path, [model])
+    freeze(model)
+    return model
+
+
+def _per_position(model, batch, vocab, ids=None, lp=None, ce=False):
+    group, sp = output_layout(unwrap(model))
+    labels = batch["labels"].transpose(0, 1)
+    s, b = labels.shape
+    if ids is None:
+        ids = torch.empty((b, s, 0), dtype=torch.int64)
+        lp = torch.empty((b, s, 0))
+
+    def head(hidden, weight):
+        return topk_kl_loss(hidden, weight, ids.transpose(0, 1), lp.transpose(0, 1),
+                            labels=labels if ce else None, kl_weight=0.0 if ce else 1.0, ce_weight=1.0 if ce else 0.0,
+                            reduction="none", tp_group=group, sequence_parallel=sp, valid_vocab_size=vocab)
+
+    return forward_with_head(model, head, batch["tokens"], batch["position_ids"], None)
+
+
+def _ce(model, batch, vocab):
+    return _per_position(model, batch, vocab, ce=True)

@@ -1,0 +1,408 @@
+"""The training loop behind `megatron-kd train`: checks, data, models, Megatron DDP/optimizer, steps, checkpoints.
+
+    run(recipe, save_dir)  ->  summary dict (on every rank; rank 0 also writes it to <save>/summary.json)
+
+Everything that can be wrong with a recipe is checked before a model is built (config.check_recipe, the
+vocabulary, the cache). Resuming follows Megatron-LM: the latest checkpoint in train.load (default: train.save)
+is loaded when there is one; a save directory that already holds another run's checkpoints is never reused.
+"""
+import dataclasses
+import gc
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint import store as ckpt
+from ..recipe.schema import KDConfig, Recipe, RecipeError, check_model, check_recipe, check_vocab, check_world
+from ..data.datasets import (build_datasets, check_cache, dataset_id, load_tokenizer, loader, samples_needed, with_cache)
+from ..runtime.dist import ENV_KEYS, barrier, distributed, free_port, is_rank0, restore_env, set_seed, use_cuda
+from .metrics import Sink, forward_flops_per_step, peak_memory_gib, train_flops_per_step
+from ..models.builder import apex_available, build_model_chunks, te_available, wrap_float16
+from ..optim.setup import build_optimizer, build_scheduler, set_model_hooks, wrap_ddp
+from .schedule import forward_backward
+from .step import KDStep
+from ..teacher.megatron import OnlineTeacher, build_teacher, cache_teacher
+
+ARCH_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+             "kv_channels", "normalization", "activation", "position_embedding_type", "tie_embeddings",
+             "num_moe_experts", "add_bias_linear", "add_qkv_bias", "qk_layernorm")
+
+
+def recipe_dict(r: Recipe) -> dict:
+    return dataclasses.asdict(r)
+
+
+def resolve_hf(r: Recipe, teacher: bool | None = None) -> None:
+    """hf-ckpt: model.hf_path / teacher.hf_path checked and their architecture filled in (megatron_kd/hf)."""
+    if r.model.hf_path or r.teacher.hf_path:
+        from ..hf import HFCheckpointError
+        from ..hf.recipe import resolve
+        try:
+            resolve(r, teacher=teacher)
+        except HFCheckpointError as e:
+            raise RecipeError(str(e)) from None
+
+
+def preflight(r: Recipe, world_size: int, cuda: bool):
+    """Checks that need neither a process group nor a model; returns the tokenizer."""
+    resolve_hf(r)
+    check_recipe(r, None, cuda)
+    tok = load_tokenizer(r.data)
+    check_vocab(tok.vocab_size, r.model, "model", r.parallel.tp)
+    if r.kd.mode == "online" or (r.kd.mode == "offline" and r.kd.build_cache):
+        check_vocab(tok.vocab_size, r.teacher, "teacher", r.parallel.tp)
+        if r.kd.mode == "online":
+            if r.parallel.pp > 1:
+                raise RecipeError("kd.mode=online runs with parallel.pp=1 (the teacher beside the student is not "
+                                  "pipelined); use offline mode (a cache) with pipeline parallel")
+            if not (r.teacher.load or r.teacher.hf_path):
+                raise RecipeError("kd.mode=online needs teacher.load: the teacher's checkpoint directory (a "
+                                  "`megatron-kd train` save dir), or teacher.hf_path: a Hugging Face checkpoint")
+    p = r.parallel
+    if cuda and p.cp > 1 and not te_available():
+        raise RecipeError(f"parallel.cp={p.cp} needs Transformer Engine attention, which does not import here; use "
+                          "parallel.cp=1 or a container with TE")
+    if cuda and p.sequence_parallel and p.tp > 1 and not (te_available() or apex_available()):
+        raise RecipeError("parallel.sequence_parallel=true needs Transformer Engine or apex norms (Megatron's torch "
+                          "norms refuse it); set it false or run where TE/apex import")
+    if r.kd.mode != "ce" and r.kd.top_k > tok.vocab_size:
+        raise RecipeError(f"kd.top_k={r.kd.top_k} exceeds the vocabulary ({tok.vocab_size} ids)")
+    check_world(r, world_size)
+    check_export(r)
+    return tok
+
+
+def check_export(r: Recipe) -> None:
+    """train.export_hf: a student from model.hf_path, and a directory that holds nothing yet."""
+    out = r.train.export_hf
+    if not out:
+        return
+    if not r.model.hf_path:
+        raise RecipeError(f"train.export_hf={out}: the student did not start from a Hugging Face checkpoint "
+                          "(model.hf_path is null), so there is no config or tokenizer to export with; set "
+                          "model.hf_path, or run `megatron-kd export --hf-path DIR` after training")
+    if dist.is_initialized() and dist.get_world_size() > 1:  # a caller's multi-rank group would outlive run()
+        raise RecipeError(f"train.export_hf={out}: this run joins a process group made outside megatron-kd train, "
+                          "which stays up after it (the export runs as one process on rank 0); leave "
+                          "train.export_hf unset and run `megatron-kd export --checkpoint SAVE --out DIR` after")
+    from ..export.to_hf import check_target
+    try:
+        check_target(out, r.model.hf_path, "train.export_hf=", "the export never replaces a directory; choose "
+                     "another train.export_hf or remove it")
+    except ValueError as e:
+        raise RecipeError(str(e)) from None
+
+
+def run(r: Recipe, save: str) -> dict:
+    """Train the student of recipe r, writing checkpoints and logs to `save`. Call on every rank."""
+    world = int(os.environ.get("WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
+    cuda = use_cuda(r.train.device)
+    tok = preflight(r, world, cuda)
+    load = r.train.load or save
+    latest_save = ckpt.latest_iteration(save)
+    if os.path.abspath(load) != os.path.abspath(save) and latest_save is not None:
+        raise RecipeError(f"train.save={save} already holds checkpoints of a run (iteration {latest_save}) and "
+                          f"train.load={load} points elsewhere: resuming into it would mix two runs. Use another "
+                          "train.save, or resume that run (train.load = train.save).")
+    with distributed(r.parallel, r.train.seed, r.train.device) as cuda:
+        try:
+            summary = Trainer(r, save, load, tok, cuda).fit()
+        finally:
+            release_memory()
+    if r.train.export_hf and summary["iteration"] >= r.train.iters and is_rank0():
+        summary["export_hf"] = export_at_end(save, r.train.export_hf)
+    return summary
+
+
+def export_at_end(save: str, out: str) -> str:
+    """train.export_hf: `megatron-kd export` of the finished run on rank 0, as one process (the other ranks are
+    done; the run's memory is freed). Written next to `out`, then renamed: a killed export leaves no half-written
+    `out`, and a rerun starts it over."""
+    import shutil
+    from ..export.to_hf import export
+    tmp = os.path.join(os.path.dirname(os.path.abspath(out)), f".{os.path.basename(os.path.abspath(out))}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    print(f"megatron-kd train: exporting the student to {out} (train.export_hf)", flush=True)
+    env = {k: os.environ.get(k) for k in ENV_KEYS}
+    if not dist.is_initialized():  # rank 0 alone: a one-process group of its own (torchrun's names restored after)
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    try:
+        export(save, tmp)
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise RuntimeError(f"train.export_hf: the export failed ({e}); the run's checkpoint in {save} is complete: "
+                           f"`megatron-kd export --checkpoint {save} --out {out}` retries it") from e
+    finally:
+        restore_env(env)
+    if os.path.isdir(out) and not os.listdir(out):
+        os.rmdir(out)
+    os.rename(tmp, out)
+    return out
+
+
+def release_memory() -> None:
+    """Free the finished run's model, gradients and optimizer state now. They sit in reference cycles
+    (DDP hooks, Megatron wrappers), which Python frees only when its collector next runs. Without this, a
+    second run() in the same process (a sweep, a benchmark arm) starts with the first one's GPU memory still
+    allocated (36 GiB more peak for the 3.2B student at 32K)."""
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+class Trainer:
+    def __init__(self, r: Recipe, save: str, load: str, tok, cuda: bool):
+        from megatron.core import parallel_state as ps
+        self.r, self.save, self.load, self.tok, self.cuda = r, save, load, tok, cuda
+        self.vocab = tok.vocab_size
+        self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        self.world = dist.get_world_size()
+        t = r.train
+        self.num_micro = t.global_batch_size // (t.micro_batch_size * self.dp)
+        self.train_n, self.valid_n = samples_needed(t, r.data)
+        self.notes = []
+
+        self.train_ds, self.valid_ds = build_datasets(r.data, tok, self.train_n, self.valid_n)
+        self.train_set = self.train_ds
+        if r.kd.mode == "offline":
+            self.train_set = self._offline_data()
+        set_seed(t.seed)  # the student's init must not depend on what ran before (e.g. a cache build)
+        self.chunks, self.config = build_model_chunks(r.model, r.parallel, self.vocab, r.data.seq_length,
+                                                      t.precision)
+        self.chunks = wrap_ddp(wrap_float16(self.chunks, self.config), self.config, r.parallel, cuda, t)
+        self.optimizer = build_optimizer(self.chunks, t, r.parallel, cuda)
+        self.scheduler = build_scheduler(self.optimizer, t)
+        set_model_hooks(self.config, self.chunks, self.optimizer)
+        self.teacher = self._online_teacher() if r.kd.mode == "online" else None
+        cp_group = ps.get_context_parallel_group()
+        self.step_fn = KDStep(r.kd, self.vocab, self.teacher, split_report=r.kd.log_ce, cp_group=cp_group)
+        eval_kd = r.kd if r.kd.mode == "online" else KDConfig(mode="ce", impl=r.kd.impl, chunk_size=r.kd.chunk_size)
+        self.eval_fn = KDStep(eval_kd, self.vocab, self.teacher, cp_group=cp_group)
+        self.flops = train_flops_per_step(r.model, self.vocab, r.data.seq_length, t.global_batch_size)
+        if self.teacher is not None:
+            self.flops += forward_flops_per_step(r.teacher, self.vocab, r.data.seq_length, t.global_batch_size)
+
+    # --- setup pieces ---------------------------------------------------------------------------------------
+
+    def _offline_data(self):
+        from ..cache import CacheError, CacheReader
+        r = self.r
+        try:
+            # data-safety hook (issue 19): build (or check) every time, so a finished cache from another teacher,
+            # data or settings is refused naming both sides instead of being used; kd.teacher_id: declared teacher
+            if r.kd.build_cache:
+                build_teacher_cache(r, self.tok, self.train_ds, self.train_n)
+            reader = CacheReader(r.kd.cache, expected_teacher=r.kd.teacher_id)
+        except CacheError as e:
+            raise RecipeError(f"kd.cache={r.kd.cache}: {e}") from None
+        self.notes += check_cache(reader, r.kd, r.data, self.train_ds, self.vocab, self.train_n)  # on every rank
+        from megatron.core import parallel_state as ps
+        if not ps.is_pipeline_last_stage(ignore_virtual=True):
+            return self.train_ds  # the loss, and so the cache rows, live on the last pipeline stage
+        return with_cache(self.train_ds, reader, r.kd)
+
+    def _online_teacher(self):
+        r = self.r
+        model = wrap_float16([build_teacher(r, self.vocab)], self.config)[0]
+        return OnlineTeacher(model, r.kd.top_k, self.vocab, r.kd.temperature, r.kd.chunk_size)
+
+    def _resume(self):
+        """(iteration, consumed samples) to start from."""
+        r = self.r
+        if ckpt.latest_iteration(self.load) is None:
+            if r.train.pretrained:
+                ckpt.load_weights(r.train.pretrained, self.chunks)
+                self.optimizer.reload_model_params()
+            return 0, 0
+        common = ckpt.read_common(self.load)
+        saved = (common.get("recipe") or {}).get("model", {})
+        diff = [k for k in ARCH_KEYS if k in saved and saved[k] != getattr(r.model, k)]
+        if diff:
+            raise RecipeError(f"train.load={self.load} holds a checkpoint of another model ("
+                              + ", ".join(f"model.{k}: {saved[k]} there, {getattr(r.model, k)} here" for k in diff)
+                              + "); use another train.save or the checkpoint's model settings")
+        common = ckpt.load_checkpoint(self.load, self.chunks, self.optimizer, self.scheduler)
+        return int(common["iteration"]), int(common["consumed_samples"])
+
+    # --- the loop -------------------------------------------------------------------------------------------
+
+    def fit(self) -> dict:
+        r, t = self.r, self.r.train
+        start, consumed = self._resume()
+        rank0 = is_rank0()
+        sink = Sink(self.save, t.iters, start, t.progress, t.tensorboard, rank0)
+        for n in self.notes:
+            sink.print(f"note: {n}")
+        if start >= t.iters:
+            sink.print(f"train.save={self.save}: already trained to iteration {start} of {t.iters}; nothing to do")
+            sink.close()
+            return self._summary(start, [], {}, sink=None)
+        if start:
+            sink.print(f"resuming from {self.load} at iteration {start} ({consumed} samples consumed)")
+            sink.log({"kind": "resume", "iteration": start})
+        data = self._iterators(self.train_set, self.train_n, consumed)
+        times, last_eval, losses = [], {}, {}
+        stop = t.stop_at or t.iters
+        for it in range(start + 1, stop + 1):
+            t0 = time.perf_counter()
+            for c in self.chunks:
+                c.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            reports = forward_backward(self.step_fn, data, self.chunks, self.num_micro, r.data.seq_length,
+                                       t.micro_batch_size)
+            ok, grad_norm, _ = self.optimizer.step()
+            if ok:
+                self.scheduler.step(increment=1)
+            consumed += t.global_batch_size
+            losses = reduce_reports(reports)
+            dt = time.perf_counter() - t0
+            times.append(dt)
+            tokens = t.global_batch_size * r.data.seq_length
+            rec = {"kind": "train", "iteration": it, "loss": losses.get("total"), "kl": losses.get("kl"),
+                   "ce": losses.get("ce"), "kl_bucket": losses.get("kl_bucket"), "lr": self.optimizer.param_groups[0]["lr"],
+                   "grad_norm": None if grad_norm is None else float(grad_norm), "step_s": dt,
+                   "tokens_per_s": tokens / dt, "tflops_per_gpu": self.flops / dt / self.world / 1e12,
+                   "peak_mem_gib": peak_memory_gib(self.cuda), "skipped": not ok}
+            sink.progress(1, {"loss": f"{rec['loss']:.4f}", "tok/s": f"{rec['tokens_per_s']:.0f}",
+                              "TFLOP/s": f"{rec['tflops_per_gpu']:.3g}", "mem": f"{rec['peak_mem_gib']:.2f}G"})
+            if it % t.log_interval == 0 or it == stop:
+                sink.log(rec)
+                if sink.bar is None:
+                    sink.print(_line(rec))
+            if t.eval_interval and it % t.eval_interval == 0 and it < t.iters:
+                last_eval = self.evaluate(it, sink)
+            if t.save_interval and it % t.save_interval == 0 and it < stop:
+                self._save(it, consumed)
+        self._save(stop, consumed)
+        if stop == t.iters:
+            last_eval = self.evaluate(stop, sink)
+        sink.close()
+        return self._summary(stop, times, last_eval, losses=losses, sink=sink)
+
+    def _iterators(self, dataset, total: int, start: int):
+        """One micro-batch iterator, or one per model chunk under virtual pipeline (each chunk's forward_step
+        draws every micro-batch once, as in Megatron-LM)."""
+        t = self.r.train
+        its = [loader(dataset, total, start, t.micro_batch_size, self.dp_rank, self.dp, self.r.data.num_workers)
+               for _ in self.chunks]
+        return its[0] if len(its) == 1 else its
+
+    def _save(self, it: int, consumed: int) -> None:
+        common = {"consumed_samples": consumed, "recipe": recipe_dict(self.r)}
+        ckpt.save_checkpoint(self.save, it, self.chunks, self.optimizer, self.scheduler, common)
+
+    @torch.no_grad()
+    def evaluate(self, it: int, sink) -> dict:
+        if self.valid_ds is None or len(self.valid_ds) == 0:
+            return {}
+        t = self.r.train
+        per_batch = t.global_batch_size
+        n = min(self.valid_n, len(self.valid_ds)) // per_batch * per_batch
+        if n == 0:
+            return {}
+        for c in self.chunks:
+            c.eval()
+        data = self._iterators(self.valid_ds, n, 0)
+        reports = []
+        for _ in range(n // per_batch):
+            reports += forward_backward(self.eval_fn, data, self.chunks, self.num_micro, self.r.data.seq_length,
+                                        t.micro_batch_size, forward_only=True)
+        for c in self.chunks:
+            c.train()
+        out = reduce_reports(reports)
+        if "ce" in out and out.get("total") == out["ce"]:
+            out.pop("total")  # CE-only evaluation: one number
+        rec = {"kind": "eval", "iteration": it, **out}
+        sink.log(rec)
+        sink.print(f"eval @ {it}: " + ", ".join(f"{k} {v:.4f}" for k, v in out.items()))
+        return out
+
+    def _summary(self, it, times, last_eval, losses=None, sink=None) -> dict:
+        steady = times[1:] or times
+        step_s = statistics.median(steady) if steady else None
+        t = self.r.train
+        tokens = t.global_batch_size * self.r.data.seq_length
+        s = {"iteration": it, "iters": t.iters, "mode": self.r.kd.mode, "loss": (losses or {}).get("total"),
+             "kl": (losses or {}).get("kl"), "ce": (losses or {}).get("ce"),
+             "eval": last_eval, "step_s": step_s, "tokens_per_s": tokens / step_s if step_s else None,
+             "tflops_per_gpu": self.flops / step_s / self.world / 1e12 if step_s else None,
+             "peak_mem_gib": peak_memory_gib(self.cuda), "world_size": self.world, "save": self.save,
+             "device": "cuda" if self.cuda else "cpu"}
+        if is_rank0() and sink is not None:
+            with open(os.path.join(self.save, "summary.json"), "w") as f:
+                json.dump(s, f, indent=2)
+        barrier()
+        return s
+
+
+def _line(rec: dict) -> str:
+    parts = [f"iter {rec['iteration']}", f"loss {rec['loss']:.4f}"]
+    for k in ("kl", "ce", "kl_bucket"):
+        if rec.get(k) is not None:
+            parts.append(f"{k} {rec[k]:.4f}")
+    parts += [f"lr {rec['lr']:.2e}", f"{rec['tokens_per_s']:.0f} tok/s", f"{rec['tflops_per_gpu']:.3g} TFLOP/s",
+              f"peak {rec['peak_mem_gib']:.2f} GiB"]
+    return " | ".join(parts)
+
+
+def reduce_reports(reports: list) -> dict:
+    """Token-weighted means over micro-batches and ranks. Each report is counted once per model replica:
+    only the last pipeline stage's TP rank 0 contributes, then one all-reduce over the world."""
+    from megatron.core import parallel_state as ps
+    names = ("total", "kl", "ce", "kl_bucket")
+    buf = torch.zeros(2 * len(names), dtype=torch.float64)
+    owner = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+    if owner:
+        for rep in reports:
+            for i, n in enumerate(names):
+                if n in rep:
+                    buf[2 * i:2 * i + 2] += rep[n].detach().double().cpu()
+    if dist.is_initialized():
+        dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        b = buf.to(dev)
+        dist.all_reduce(b)
+        buf = b.cpu()
+    return {n: float(buf[2 * i] / buf[2 * i + 1]) for i, n in enumerate(names) if buf[2 * i + 1] > 0}
+
+
+def build_teacher_cache(r: Recipe, tok, train_ds, num_samples: int) -> dict:
+    """kd.build_cache: run the recipe's teacher over the training samples and write kd.cache (resumable)."""
+    from megatron.core import parallel_state as ps
+    from ..cache import build_cache
+    check_model(r.teacher, "teacher", r.parallel.tp)
+    if r.parallel.pp > 1:
+        raise RecipeError("kd.build_cache runs the teacher with parallel.pp=1; build the cache separately "
+                          "(`megatron-kd cache build`) for a pipelined teacher")
+    if not r.teacher.hf_path and not r.teacher.load and is_rank0():
+        print("note: teacher.load is null: the cache comes from a randomly initialized teacher (a pipeline "
+              "check, not a distillation); set teacher.load to a trained teacher's save dir", flush=True)
+    teacher = cache_teacher(r, tok.vocab_size)
+    manifest = build_cache(teacher, train_ds, r.kd.cache, top_k=r.kd.top_k, encoding=r.kd.cache_encoding,
+                           temperature=r.kd.capture_temperature,
+                           num_samples=num_samples,
+                           micro_batch_size=r.train.micro_batch_size, chunk_size=r.kd.chunk_size,
+                           tokenizer_id=getattr(tok, "sha", ""), dataset_id=dataset_id(train_ds),
+                           progress=r.train.progress and is_rank0(), tp_group=ps.get_tensor_model_parallel_group(),
+                           dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size())
+    del teacher
+    release_memory()
+    return manifest
+
+
+
+def build_cache_only(r: Recipe) -> dict:
+    """The offline recipe's cache (kd.cache) from its teacher over the run's training samples; no training."""
+    world = int(os.environ.get("WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
+    cuda = use_cuda(r.train.device)
+    resolve_hf(r, teacher=True)
+    check_recipe(r, world, cuda)
+    tok = load_tokenizer(r.data)
+    check_vocab(tok.vocab_size, r.teacher, "teacher", r.parallel.tp)
+    with distributed(r.parallel, r.train.seed, r.train.device):
+        train_n, valid_n = samples_needed(r.train, r.data)
+        train_ds, _ = build_datasets(r.data, tok, train_n, valid_n)
+        return build_teacher_cache(r, tok, train_ds, train_n)

@@ -1,0 +1,115 @@
+"""Bad recipes fail before any work (no model built, nothing saved) with a message naming the key."""
+import shutil
+
+import pytest
+from omegaconf import OmegaConf
+
+from megatron_kd.cli import train as train_cli
+from megatron_kd.recipe.schema import RecipeError, to_recipe
+from megatron_kd.recipe.compose import compose, recipes_dir
+from megatron_kd.training.loop import build_cache_only, run
+
+FAST = ["data=mock", "data.vocab_size=250", "data.seq_length=32", "train.global_batch_size=4",
+        "train.micro_batch_size=2", "train.progress=false", "train.iters=2", "kd.top_k=8",
+        "model.num_layers=1", "model.hidden_size=32", "model.ffn_hidden_size=64", "model.make_vocab_size_divisible_by=8",
+        "teacher.num_layers=1", "teacher.hidden_size=32", "teacher.ffn_hidden_size=64",
+        "teacher.make_vocab_size_divisible_by=8"]
+
+
+def recipe(tmp_path, *overrides):
+    return to_recipe(compose("tiny_cpu", [*FAST, *overrides, f"train.save={tmp_path / 'run'}"]))
+
+
+def fails(tmp_path, match, *overrides):
+    with pytest.raises(RecipeError, match=match):
+        run(recipe(tmp_path, *overrides), str(tmp_path / "run"))
+    assert not (tmp_path / "run" / "latest_checkpointed_iteration.txt").exists()
+    assert not list((tmp_path / "run").glob("iter_*")) if (tmp_path / "run").exists() else True
+
+
+def test_unknown_key_in_a_recipe_file(tmp_path):
+    rdir = tmp_path / "recipes"
+    shutil.copytree(recipes_dir(), rdir)
+    (rdir / "typo.yaml").write_text("defaults:\n  - tiny_cpu\n  - _self_\nkd:\n  topk: 3\n")
+    cfg = compose(str(rdir / "typo.yaml"), ["train.save=x"])
+    with pytest.raises(RecipeError, match=r"unknown recipe key 'kd\.topk'.*kd takes: .*mode, cache, .*top_k"):
+        to_recipe(cfg)
+
+
+@pytest.mark.parametrize("typo", ["kd.topk=3", "+kd.topk=3"])
+def test_unknown_key_on_the_command_line(tmp_path, capsys, typo):
+    rc = train_cli.main([typo, f"train.save={tmp_path / 'run'}", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "unknown recipe key 'kd.topk'" in err and "top_k" in err
+    assert not (tmp_path / "run" / "latest_checkpointed_iteration.txt").exists()
+
+
+def test_a_schema_key_the_group_file_leaves_out_can_be_set(tmp_path):
+    cfg = compose("tiny_cpu", ["train.save=x", "model.megatron.apply_query_key_layer_scaling=true"])
+    assert to_recipe(cfg).model.megatron == {"apply_query_key_layer_scaling": True}
+
+
+def test_wrong_type_names_the_key(tmp_path):
+    cfg = compose("tiny_cpu", [*FAST, "train.save=x"])
+    OmegaConf.set_struct(cfg, False)
+    cfg.train.iters = "many"
+    with pytest.raises(RecipeError, match=r"train\.iters"):
+        to_recipe(cfg)
+
+
+def test_tp_not_dividing_heads(tmp_path):
+    fails(tmp_path, r"model\.num_attention_heads=4 must divide by parallel\.tp=3", "parallel.tp=3")
+
+
+def test_tp_not_dividing_query_groups(tmp_path):
+    fails(tmp_path, r"model\.num_query_groups=2 must divide by parallel\.tp=4",
+          "parallel.tp=4", "model.num_attention_heads=8")
+
+
+def test_tp_not_dividing_an_unpadded_vocabulary(tmp_path):
+    fails(tmp_path, r"does not divide by parallel\.tp=2, and model\.make_vocab_size_divisible_by=1",
+          "parallel.tp=2", "data.vocab_size=251", "model.make_vocab_size_divisible_by=1")
+
+
+def test_world_size_not_fitting_the_layout(tmp_path):
+    fails(tmp_path, r"1 processes do not divide into parallel\.tp x parallel\.pp x parallel\.cp = 2", "parallel.tp=2")
+
+
+def test_offline_without_cache(tmp_path):
+    fails(tmp_path, r"kd\.cache is required in offline mode", "kd=offline", "kd.cache=null")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """A top-8 cache (random tiny teacher) for the mock data with seed 1234."""
+    d = tmp_path_factory.mktemp("cache")
+    r = to_recipe(compose("tiny_cpu", [*FAST, f"kd.cache={d / 'c'}", f"train.save={d / 'run'}"]))
+    build_cache_only(r)
+    return d / "c"
+
+
+@pytest.mark.parametrize("override,error", [
+    ("data.seed=99", r"kd\.cache=.* was built for another dataset.*data\.seed"),
+    ("kd.top_k=16", r"kd\.top_k: the run asks for K=16, the cache stores K=8"),
+    ("data.seq_length=16", r"data\.seq_length: the cache rows have 32 positions"),
+    ("train.iters=4", r"holds 8 samples, the run needs 16 \(train\.iters"),
+], ids=["another_dataset", "smaller_k", "another_sequence_length", "too_short_for_the_run"])
+def test_a_cache_that_does_not_fit_the_run(tmp_path, cache, override, error):
+    fails(tmp_path, error, f"kd.cache={cache}", "kd.build_cache=false", override)
+
+
+def test_a_good_cache_passes(tmp_path, cache):
+    s = run(recipe(tmp_path, f"kd.cache={cache}", "kd.build_cache=false", "train.eval_interval=null"),
+            str(tmp_path / "run"))
+    assert s["iteration"] == 2
+
+
+def _recipe_names():
+    return sorted(p.stem for p in recipes_dir().glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", _recipe_names())
+def test_every_recipe_composes_and_passes_the_schema(name):
+    from megatron_kd.recipe.schema import Recipe
+    assert isinstance(to_recipe(compose(name, ["train.save=x"])), Recipe)

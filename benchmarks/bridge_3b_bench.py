@@ -43,7 +43,7 @@ def _shims():
 def synthetic_teacher(vocab: int, hidden: int = 64, seed: int = 0):
     """Random token embeddings [V, h] and output layer: hidden = emb[token]; the cache stores real top-K."""
     import torch
-    from megatron_kd.cache import CallableTeacher
+    from megatron_kd.teacher.protocol import CallableTeacher
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator(device="cpu").manual_seed(seed)
     emb = torch.randn(vocab, hidden, generator=g).to(dev)

@@ -22,7 +22,8 @@ CHILD = r"""
 import json, sys, time, tempfile, os
 import numpy as np, torch
 torch.set_num_threads(1)
-from megatron_kd.cache import CallableTeacher, build_cache
+from megatron_kd.teacher.protocol import CallableTeacher
+from megatron_kd.teacher.build import build_cache
 V, H, S, N, K = {V}, {H}, {S}, {N}, {K}
 g = torch.Generator().manual_seed(0)
 emb, out = torch.randn(V, H, generator=g), torch.randn(V, H, generator=g)

@@ -80,7 +80,7 @@ def recipe(overrides, save):
 def cache_arm(ov, cache) -> dict:
     """Teacher load and cache build, timed apart (the build's tokens/s is the teacher's forward + top-K)."""
     from megatron.core import parallel_state as ps
-    from megatron_kd.cache import build_cache
+    from megatron_kd.teacher.build import build_cache
     from megatron_kd.data.datasets import samples_needed
     from megatron_kd.teacher.factories import recipe_dataset, recipe_teacher
     r = recipe(ov, os.path.dirname(cache))

@@ -10,16 +10,13 @@ if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
 pytest.importorskip("triton")
 
-import torch.distributed as dist  # noqa: E402
 
-from megatron_kd import topk_kl_loss  # noqa: E402
-from megatron_kd.loss import FusedSettings, chunk_plan, fused  # noqa: E402
+from megatron_kd.loss import FusedSettings  # noqa: E402
 from megatron_kd.loss.fused import fused_topk_kl  # noqa: E402
-from megatron_kd.kernels.rows import row_sweep  # noqa: E402
 from megatron_kd.loss.inputs import check_and_flatten  # noqa: E402
 from megatron_kd.loss.options import LossOptions  # noqa: E402
 from megatron_kd.parallel.vocab import VocabShard  # noqa: E402
-from reference import make_inputs, reference_loss  # noqa: E402
+from reference import reference_loss  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
 TUNE = dict(sub_rows=8, super_rows=16, block=128)  # FusedSettings fields

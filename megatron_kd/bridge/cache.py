@@ -13,7 +13,7 @@ on it. A restart of the same command resumes an unfinished cache; under torchrun
 Teachers: `hf:DIR` (a local transformers checkpoint, megatron_kd.cache.HFTeacher, one GPU per rank),
 `mkd:SAVE_DIR` (a `megatron-kd train` checkpoint: its recipe's model section and weights, megatron_kd_teacher
 below; --teacher-args {"tp": 2, "precision": "bf16"}) or `module:function` returning a teacher
-(megatron_kd.cache.teacher: MegatronTeacher, CallableTeacher, ...), called with --teacher-args (JSON).
+(megatron_kd.teacher: MegatronTeacher, CallableTeacher, ...), called with --teacher-args (JSON).
 """
 import argparse
 import json
@@ -92,7 +92,7 @@ def make_teacher(spec: str, args: dict, vocab_size: int | None = None, seq_lengt
         return megatron_kd_teacher(spec[4:], vocab_size=vocab_size, seq_length=seq_length, **args)
     if spec.startswith("hf:"):
         import torch
-        from ..cache.teacher import HFTeacher
+        from ..teacher.protocol import HFTeacher
         kw = dict(args)
         if "device" not in kw and torch.cuda.is_available():
             kw["device"] = f"cuda:{torch.cuda.current_device()}"
@@ -116,7 +116,7 @@ def _init_distributed():
 
 
 def build(a) -> dict:
-    from ..cache import build_cache
+    from ..teacher.build import build_cache
     cfg, kd, notes = load_config(a)
     out = a.out or kd.cache_path
     if not out:

@@ -41,7 +41,7 @@ def _init_distributed() -> None:
 
 def _teacher(args):
     if args.teacher.startswith("hf:"):
-        from ..cache.teacher import HFTeacher
+        from ..teacher.protocol import HFTeacher
         return HFTeacher(args.teacher[3:], **_json_arg(args.teacher_args, "--teacher-args"))
     return _factory(args.teacher)(**_json_arg(args.teacher_args, "--teacher-args"))
 
@@ -66,7 +66,7 @@ def cmd_build(args) -> int:
 
 
 def _build(args) -> int:
-    from ..cache import build_cache
+    from ..teacher.build import build_cache
     _init_distributed()
     teacher = _teacher(args)
     dataset, dataset_id = _dataset(args)

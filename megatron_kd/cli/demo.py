@@ -252,7 +252,7 @@ class Demo:
             return
         from ..recipe.schema import to_recipe
         from ..recipe.compose import compose
-        from ..training.loop import build_cache_only
+        from ..teacher.build import build_cache_only
         t = time.time()
         self.say(f"teacher top-{self.s.top_k} over the students' {self.s.student_iters * self.s.global_batch_size}"
                  f" training samples -> {self.cache}")

@@ -8,17 +8,10 @@ import os
 import shutil
 import time
 
+import torch.distributed as dist
 
-def check_target(out: str, src: str, key: str, fix: str | None) -> bool:
-    """An export's target directory: never the student's source checkpoint (checked first: --overwrite must not
-    delete the source), and, when `fix` is given, holding nothing yet (else the error names `fix`). True when it
-    holds files. key: how the errors name it ("--out ", "train.export_hf=")."""
-    if os.path.realpath(out) == os.path.realpath(src):
-        raise ValueError(f"{key}{out} is the student's source checkpoint {src}; write the export elsewhere")
-    full = os.path.isdir(out) and bool(os.listdir(out))
-    if full and fix:
-        raise ValueError(f"{key}{out} exists and is not empty; {fix}")
-    return full
+from ..recipe.checks import check_target
+from ..runtime.dist import ENV_KEYS, free_port, restore_env
 
 
 def export(checkpoint: str, out: str, *, hf_path=None, dtype: str = "auto", device: str = "auto",
@@ -47,7 +40,7 @@ def export(checkpoint: str, out: str, *, hf_path=None, dtype: str = "auto", devi
     from ..runtime.dist import distributed
     from ..models.builder import build_hf_chunks
     from ..hf.model import DTYPES as TORCH_DTYPES
-    from ..hf.recipe import open_hf
+    from ..hf.model import open_hf
     single = ParallelConfig(tp=1, pp=1, ep=1, etp=1 if r.parallel.etp == 1 else None, use_distributed_optimizer=False)
     t0 = time.perf_counter()
     with distributed(single, r.train.seed, device):
@@ -60,3 +53,27 @@ def export(checkpoint: str, out: str, *, hf_path=None, dtype: str = "auto", devi
             raise ValueError(str(e)) from None
     return {"out": out, "iteration": iteration, "source": src, "seconds": time.perf_counter() - t0,
             "files": sorted(os.listdir(out))}
+
+
+def export_at_end(save: str, out: str) -> str:
+    """train.export_hf: `megatron-kd export` of the finished run on rank 0, as one process (the other ranks are
+    done; the run's memory is freed). Written next to `out`, then renamed: a killed export leaves no half-written
+    `out`, and a rerun starts it over."""
+    tmp = os.path.join(os.path.dirname(os.path.abspath(out)), f".{os.path.basename(os.path.abspath(out))}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    print(f"megatron-kd train: exporting the student to {out} (train.export_hf)", flush=True)
+    env = {k: os.environ.get(k) for k in ENV_KEYS}
+    if not dist.is_initialized():  # rank 0 alone: a one-process group of its own (torchrun's names restored after)
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    try:
+        export(save, tmp)
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise RuntimeError(f"train.export_hf: the export failed ({e}); the run's checkpoint in {save} is complete: "
+                           f"`megatron-kd export --checkpoint {save} --out {out}` retries it") from e
+    finally:
+        restore_env(env)
+    if os.path.isdir(out) and not os.listdir(out):
+        os.rmdir(out)
+    os.rename(tmp, out)
+    return out

@@ -210,3 +210,16 @@ class HFModel:
             rotary_base=int(prov.rotary_base), tie_embeddings=bool(prov.share_embeddings_and_output_weights),
             num_moe_experts=prov.num_moe_experts, moe_router_topk=prov.moe_router_topk,
             moe_ffn_hidden_size=prov.moe_ffn_hidden_size)
+
+
+_OPEN = {}
+
+
+def open_hf(path, key: str):
+    """One HFModel per directory and process (Bridge reads config and tokenizer once)."""
+    real = os.path.realpath(path)
+    if real not in _OPEN:
+        _OPEN[real] = HFModel(path, key)
+    hf = _OPEN[real]
+    hf.key = key
+    return hf

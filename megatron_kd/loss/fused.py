@@ -26,7 +26,7 @@ Weight gradient: fp32 accumulator, or straight into weight.main_grad when the we
 (Megatron's gradient-accumulation fusion: no extra memory); a bf16 main_grad (grad_reduce_in_fp32 off,
 train.optimizer=lean_adam) gets the fp32 accumulator added once in forward (no bf16 weight-grad copy).
 main_grad is written during forward assuming grad_output == grad_scale (the caller's promise, default 1.0;
-Megatron's loss scale under fp16: megatron/step.py passes optim.loss_scale); backward reads grad_output (one
+Megatron's loss scale under fp16: training/step.py passes optim.setup.loss_scale); backward reads grad_output (one
 host sync; 1.0 skips scaling grad_h, which is handed over, so backward runs once) and, if it differs from
 grad_scale, adds the difference by recomputing the whole loss. Then, like Megatron's linear
 layers, backward returns no weight gradient (or a dummy one and sets grad_added_to_main_grad, when the weight

@@ -3,36 +3,14 @@
 Layer spec: Transformer Engine's when TE imports (GPU containers), else Megatron's local spec with its core
 attention swapped for torch SDPA (flash attention on GPU, so 32K sequences fit without TE).
 """
-import importlib.util
-
 import torch
 import torch.nn.functional as F
 
-from ..recipe.schema import ModelConfig, ParallelConfig, padded_vocab_size
+from ..recipe.checks import padded_vocab_size
+from ..recipe.schema import ModelConfig, ParallelConfig
+from ..runtime.features import te_available
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def te_available() -> bool:
-    if not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None:
-        return False
-    try:
-        import megatron.core.extensions.transformer_engine as mcore_te
-    except Exception:  # TE present but broken (CUDA/cuDNN mismatch): fall back to the local spec
-        return False
-    # [bridge hook, issue 18] megatron-core's own verdict: on an ImportError it puts a MagicMock in TE's place
-    # and sets HAVE_TE = False, while a stand-in module can still satisfy find_spec above.
-    return bool(getattr(mcore_te, "HAVE_TE", False))
-
-
-def apex_available() -> bool:
-    """NVIDIA apex's fused norms (not the unrelated PyPI package named apex)."""
-    if not torch.cuda.is_available() or importlib.util.find_spec("apex") is None:
-        return False
-    try:
-        return importlib.util.find_spec("apex.normalization") is not None
-    except Exception:
-        return False
 
 
 def _activation(name: str):
@@ -135,7 +113,7 @@ def build_gpt(m: ModelConfig, p: ParallelConfig, vocab_size: int, seq_length: in
 def build_hf_chunks(m: ModelConfig, p: ParallelConfig, seq_length: int, precision: str, load_weights: bool = True):
     """hf-ckpt: m.hf_path's architecture and weights through Megatron-Bridge (megatron_kd/hf), our layer spec."""
     from ..hf.model import local_layer_spec, te_layer_spec
-    from ..hf.recipe import open_hf
+    from ..hf.model import open_hf
     backend = _backend(m)
     if backend == "sdpa":
         from .attention import SDPAttention
@@ -182,4 +160,3 @@ def unwrap(model):
     while hasattr(model, "module"):
         model = model.module
     return model
-

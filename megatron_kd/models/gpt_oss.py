@@ -12,36 +12,11 @@ same network:
   Bridge: factor 32, original 4096, beta fast 32 / slow 1);
 - router bias (add_bias_linear), softmax after top-k (megatron-core's default moe_router_pre_softmax=false),
   expert biases (add_bias_linear).
-model.py calls `config_kwargs` and `apply_yarn`; config.py's check_model calls `check`.
+models/builder.py calls `config_kwargs` and `apply_yarn`; recipe/checks.py checks these fields.
 """
-SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
-YARN_KEYS = ("rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
-             "mscale_all_dim", "correction_range_round_to_int")
 # Bridge's GPTOSSBridge.provider_bridge (0.6.2) hard-codes these whatever the HF config says.
 BRIDGE_YARN = dict(rotary_scaling_factor=32.0, original_max_position_embeddings=4096, beta_fast=32.0,
                    beta_slow=1.0, mscale=None, mscale_all_dim=None, correction_range_round_to_int=False)
-
-
-def check(m, section: str) -> None:
-    """Recipe checks of the GPT-OSS fields (ValueError naming the key and the fix)."""
-    if m.softmax_type not in SOFTMAX_TYPES:
-        raise ValueError(f"{section}.softmax_type={m.softmax_type!r}: use one of {SOFTMAX_TYPES} (learnable: "
-                         "GPT-OSS's per-head attention sinks)")
-    if m.window_size is not None:
-        w = list(m.window_size)
-        if len(w) != 2 or int(w[1]) != 0 or int(w[0]) < 0:
-            raise ValueError(f"{section}.window_size={w}: give [left, 0] (keys i - left .. i; Hugging Face's "
-                             "sliding_window W is [W - 1, 0]); causal layers see no future keys")
-    if m.window_attn_skip_freq is not None and int(m.window_attn_skip_freq) < 1:
-        raise ValueError(f"{section}.window_attn_skip_freq={m.window_attn_skip_freq} must be >= 1 (2: every "
-                         "second layer full attention, as GPT-OSS), or null (every layer windowed)")
-    bad = sorted(set(m.yarn or {}) - set(YARN_KEYS))
-    if bad:
-        raise ValueError(f"{section}.yarn has unknown key(s) {bad}; it takes {list(YARN_KEYS)}")
-    if m.position_embedding_type == "yarn" and not m.yarn:
-        raise ValueError(f"{section}.position_embedding_type=yarn needs {section}.yarn (GPT-OSS: "
-                         "{rotary_scaling_factor: 32, original_max_position_embeddings: 4096, beta_fast: 32, "
-                         "beta_slow: 1})")
 
 
 def activation(name: str):

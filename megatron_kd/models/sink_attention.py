@@ -6,7 +6,7 @@ Z / (Z + e^sink) = out * sigmoid(lse - sink), lse the row's log-sum-exp. On CUDA
 from FlexAttention (compiled; its block-sparse mask is built from block bounds, without any [s, s] tensor); on
 CPU from an explicit masked math path (tests); both feed the same sink formula. Window convention: megatron-core's
 window_size=(left, 0): query i sees keys i - left .. i (Hugging Face's sliding_window W is left = W - 1).
-Used by megatron/attention.py (the core-attention module) and benchmarks/attention_bench.py.
+Used by models/attention.py (the core-attention module) and benchmarks/attention_bench.py.
 """
 import math
 

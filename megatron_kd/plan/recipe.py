@@ -4,7 +4,7 @@ The recipe is composed exactly as training composes it (megatron_kd.recipe.compo
 `section.key=value` overrides as `++section.key=value`, train.save set so `${hydra:run.dir}` never resolves), its
 `???` placeholders (kd.cache, data.path: irrelevant to memory) become null, and it is merged into the schema
 dataclasses of megatron_kd.recipe.schema (to_recipe: schema defaults for missing keys, unknown keys refused).
-Every key is then read as megatron_kd/megatron/{model,optim}.py read it:
+Every key is then read as megatron_kd/models/builder.py and optim/setup.py read it:
 
   model / teacher    a ModelShape: ffn_hidden_size null = 4 x hidden, num_query_groups null = one per head,
                      kv_channels null = hidden / heads, activation swiglu = gated MLP, tie_embeddings (default true),
@@ -12,7 +12,7 @@ Every key is then read as megatron_kd/megatron/{model,optim}.py read it:
                      = data.seq_length rows; vocabulary = data.vocab_size (else the data.tokenizer file's)
   model.recompute_*  granularity null = no recompute; selective; full + method block = recompute_num_layers
                      layers per stage; full + uniform (or no method) = every layer
-  parallel           tp, pp, cp, ep, etp (null = tp), sequence_parallel (only with tp > 1, as in model.py),
+  parallel           tp, pp, cp, ep, etp (null = tp), sequence_parallel (only with tp > 1, as in models/builder.py),
                      use_distributed_optimizer; data parallel = world size / (tp x pp x cp), the world size
                      coming from `--gpus` (not a recipe key; default: the smallest world the layout runs on)
   train              micro_batch_size; global_batch_size / (micro_batch_size x dp) micro-batches per step
@@ -95,7 +95,7 @@ def vocab_size(r) -> int:
 
 
 def shape_from_config(m, vocab: int, seq_length: int) -> ModelShape:
-    """ModelShape of a ModelConfig/TeacherConfig, with model.py's defaults for its null keys."""
+    """ModelShape of a ModelConfig/TeacherConfig, with models/builder.py's defaults for its null keys."""
     mg = dict(m.megatron or {})
     heads = m.num_attention_heads
     ffn = m.ffn_hidden_size or 4 * m.hidden_size

@@ -1,8 +1,8 @@
-"""The recipe schema (what `recipes/` may contain) and the checks run before any work.
+"""The recipe schema: what `recipes/` may contain.
 
 A recipe is composed by Hydra from the groups model, teacher, parallel, data, kd, train (recipes/README.md).
 `to_recipe` merges it into the dataclasses below, so a misspelt or unknown key fails at once with its full
-name, then checks what depends on several sections (TP dividing heads, batch sizes, mode-specific keys).
+name; recipe/checks.py then checks what depends on several sections (TP dividing heads, batch sizes, modes).
 """
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
@@ -45,7 +45,7 @@ class ModelConfig:
     recompute_granularity: Optional[str] = None  # null | full | selective
     recompute_method: Optional[str] = None       # uniform | block (with full)
     recompute_num_layers: Optional[int] = None
-    # gpt-oss (issue 17; megatron/gpt_oss.py maps these onto TransformerConfig): GPT-OSS's attention sinks,
+    # gpt-oss (models/gpt_oss.py maps these onto TransformerConfig): GPT-OSS's attention sinks,
     # sliding window, clamped GLU and YaRN (recipes/model/gpt_oss_20b.yaml); the defaults turn them off
     softmax_type: str = "vanilla"                # vanilla | learnable (per-head sinks) | off-by-one
     window_size: Optional[list] = None           # [left, 0]: keys i - left .. i (HF sliding_window W: [W - 1, 0])
@@ -188,147 +188,3 @@ def to_recipe(cfg) -> Recipe:
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise _schema_error(e) from None
-
-
-def _need(cond: bool, msg: str) -> None:
-    if not cond:
-        raise RecipeError(msg)
-
-
-def check_model(m: ModelConfig, section: str, tp: int) -> None:
-    _need(m.num_layers >= 1, f"{section}.num_layers={m.num_layers} must be >= 1")
-    _need(m.num_attention_heads >= 1 and m.hidden_size >= 1, f"{section}: hidden_size and heads must be >= 1")
-    if m.kv_channels is None:
-        _need(m.hidden_size % m.num_attention_heads == 0,
-              f"{section}.hidden_size={m.hidden_size} must divide by {section}.num_attention_heads="
-              f"{m.num_attention_heads} (or set {section}.kv_channels)")
-    _need(m.num_attention_heads % tp == 0,
-          f"{section}.num_attention_heads={m.num_attention_heads} must divide by parallel.tp={tp}: each TP rank "
-          "holds whole heads; pick a TP size that divides the head count")
-    groups = m.num_query_groups or m.num_attention_heads
-    _need(m.num_attention_heads % groups == 0,
-          f"{section}.num_query_groups={groups} must divide {section}.num_attention_heads={m.num_attention_heads}")
-    _need(groups % tp == 0, f"{section}.num_query_groups={groups} must divide by parallel.tp={tp}")
-    _need(m.normalization in ("RMSNorm", "LayerNorm"), f"{section}.normalization={m.normalization!r}: "
-          "use RMSNorm or LayerNorm")
-    _need(m.activation in ("swiglu", "gelu", "squared_relu", "quick_geglu"), f"{section}.activation="
-          f"{m.activation!r}: use swiglu, gelu, squared_relu or quick_geglu (GPT-OSS)")
-    _need(m.position_embedding_type in ("rope", "yarn", "learned_absolute", "none"),
-          f"{section}.position_embedding_type={m.position_embedding_type!r}: use rope, yarn, learned_absolute or none")
-    from ..models import gpt_oss  # gpt-oss: sinks, window, clamp, YaRN fields
-    try:
-        gpt_oss.check(m, section)
-    except ValueError as e:
-        raise RecipeError(str(e)) from None
-    _need(m.attention_backend in ATTENTION_BACKENDS,
-          f"{section}.attention_backend={m.attention_backend!r}: use one of {ATTENTION_BACKENDS}")
-    _need(m.make_vocab_size_divisible_by >= 1, f"{section}.make_vocab_size_divisible_by must be >= 1")
-    if m.hf_path:  # hf-ckpt: the directory here; Bridge, architecture and layout in megatron_kd.hf.recipe.resolve
-        from ..hf import check_hf_dir
-        check_hf_dir(m.hf_path, f"{section}.hf_path")
-    if m.megatron:
-        from megatron.core.transformer.transformer_config import TransformerConfig
-        known = {f.name for f in fields(TransformerConfig)}
-        bad = sorted(set(m.megatron) - known)
-        _need(not bad, f"unknown recipe key(s) {', '.join(f'{section}.megatron.{k}' for k in bad)}: "
-              f"{section}.megatron passes fields to Megatron's TransformerConfig, which has no such field")
-
-
-def padded_vocab_size(vocab_size: int, m: ModelConfig, tp: int) -> int:
-    """Megatron's rule: round up to a multiple of make_vocab_size_divisible_by x TP."""
-    step = m.make_vocab_size_divisible_by * tp
-    return -(-vocab_size // step) * step
-
-
-def check_vocab(vocab_size: int, m: ModelConfig, section: str, tp: int) -> int:
-    if m.make_vocab_size_divisible_by == 1 and vocab_size % tp:
-        raise RecipeError(f"the vocabulary ({vocab_size} ids: data.tokenizer / data.vocab_size) does not divide by "
-                          f"parallel.tp={tp}, and {section}.make_vocab_size_divisible_by=1 asks for no padding; set "
-                          f"{section}.make_vocab_size_divisible_by (e.g. 128): Megatron pads the vocabulary and the "
-                          "padding rows stay out of the loss")
-    padded = padded_vocab_size(vocab_size, m, tp)
-    _need(padded % tp == 0, f"the padded vocabulary {padded} ({section}.make_vocab_size_divisible_by="
-          f"{m.make_vocab_size_divisible_by}) must divide by parallel.tp={tp}")
-    return padded
-
-
-def check_world(r: Recipe, world_size: int) -> int:
-    """The data-parallel size of the recipe's layout on world_size ranks."""
-    p, t = r.parallel, r.train
-    model_parallel = p.tp * p.pp * p.cp
-    _need(world_size % model_parallel == 0,
-          f"{world_size} processes do not divide into parallel.tp x parallel.pp x parallel.cp = {model_parallel}; "
-          f"launch a multiple of {model_parallel} processes (torchrun --nproc-per-node)")
-    dp = world_size // model_parallel
-    _need(t.global_batch_size % (t.micro_batch_size * dp) == 0,
-          f"train.global_batch_size={t.global_batch_size} must divide by train.micro_batch_size x data-parallel "
-          f"size = {t.micro_batch_size} x {dp}")
-    return dp
-
-
-def check_recipe(r: Recipe, world_size: int | None = 1, cuda: bool = False) -> None:
-    """Cross-section checks that need no data or model; raise RecipeError naming the key.
-    The world-size check comes last (world_size=None skips it)."""
-    p, t, kd, d = r.parallel, r.train, r.kd, r.data
-    for k in ("tp", "pp", "cp", "ep"):
-        _need(getattr(p, k) >= 1, f"parallel.{k}={getattr(p, k)} must be >= 1")
-    check_model(r.model, "model", p.tp)
-    _need(kd.mode in MODES, f"kd.mode={kd.mode!r}: use one of {MODES}")
-    if kd.mode != "ce":
-        _need(kd.top_k >= 1, f"kd.top_k={kd.top_k} must be >= 1")
-        _need(kd.temperature > 0, f"kd.temperature={kd.temperature} must be > 0")
-    if kd.mode == "online" or (kd.mode == "offline" and kd.build_cache):
-        check_model(r.teacher, "teacher", p.tp)
-    if kd.mode == "offline":
-        _need(bool(kd.cache), "kd.cache is required in offline mode: the teacher top-K cache directory "
-              "(build one with `megatron-kd cache build`, or set kd.build_cache=true)")
-    if kd.mode == "online":
-        _need(p.teacher_tp in (None, p.tp), f"parallel.teacher_tp={p.teacher_tp} must equal parallel.tp={p.tp}: "
-              "the online teacher shares the student's tensor-parallel group")
-    try:
-        kd.loss_options()
-    except ValueError as e:
-        raise RecipeError(f"kd: {e}") from None
-    _need(d.kind in ("mock", "indexed"), f"data.kind={d.kind!r}: use mock or indexed")
-    if d.kind == "indexed":
-        _need(bool(d.path), "data.path is required with data.kind=indexed: the .bin/.idx prefix "
-              "(`megatron-kd data prepare` writes one)")
-    else:
-        _need(d.vocab_size is not None or d.tokenizer is not None,
-              "data.vocab_size is required with data.kind=mock (or give data.tokenizer)")
-    _need(d.seq_length >= 2, f"data.seq_length={d.seq_length} must be >= 2")
-    _need(d.seq_length % (2 * p.cp) == 0 or p.cp == 1,
-          f"data.seq_length={d.seq_length} must divide by 2 x parallel.cp={2 * p.cp} (Megatron's load-balanced split)")
-    if p.sequence_parallel:
-        _need(d.seq_length % p.tp == 0, f"data.seq_length={d.seq_length} must divide by parallel.tp={p.tp} "
-              "with parallel.sequence_parallel")
-    _need(t.iters >= 1, f"train.iters={t.iters} must be >= 1")
-    _need(t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size} must be >= 1")
-    _need(t.precision in PRECISIONS, f"train.precision={t.precision!r}: use one of {PRECISIONS}")
-    _need(t.device in ("auto", "cuda", "cpu"), f"train.device={t.device!r}: use auto, cuda or cpu")
-    _need(t.optimizer in ("adam", "lean_adam"), f"train.optimizer={t.optimizer!r}: use adam or lean_adam")
-    if t.optimizer == "lean_adam":
-        _need(t.precision == "bf16", f"train.optimizer=lean_adam updates bf16 weights; set train.precision=bf16 "
-              f"(got {t.precision}) or use train.optimizer=adam")
-        for k in ("exp_avg_dtype", "exp_avg_sq_dtype"):
-            _need(getattr(t, k) in ("fp32", "bf16"), f"train.{k}={getattr(t, k)!r}: use fp32 or bf16")
-        _need(t.exp_avg_sq_dtype == "fp32" or t.adam_beta2 <= 0.95,
-              f"train.exp_avg_sq_dtype=bf16 with train.adam_beta2={t.adam_beta2}: bf16 rounds away the "
-              f"second moment's per-step change (1 - beta2 = {1 - t.adam_beta2:.3g} < 0.4%); use "
-              "train.exp_avg_sq_dtype=fp32 or adam_beta2 <= 0.95")
-        _need(p.ep == 1, f"train.optimizer=lean_adam with parallel.ep={p.ep}: its one gradient-norm group "
-              "would clip expert-parallel ranks differently; use train.optimizer=adam for expert parallelism")
-    if not cuda:
-        _need(p.pp == 1, f"parallel.pp={p.pp}: pipeline parallel needs GPUs (Megatron's schedules are CUDA-only); "
-              "use parallel.pp=1 on CPU")
-        _need(p.cp == 1, f"parallel.cp={p.cp}: context parallel attention needs Transformer Engine on GPUs; "
-              "use parallel.cp=1 on CPU")
-        _need(not p.sequence_parallel, "parallel.sequence_parallel=true needs GPUs (Megatron's norms refuse it "
-              "without TE/apex); set it false on CPU")
-        _need(t.precision == "fp32" or t.optimizer == "lean_adam", f"train.precision={t.precision} needs GPUs "
-              "(Megatron's mixed-precision optimizer is CUDA-only); use train.precision=fp32 on CPU, or "
-              "train.precision=bf16 with train.optimizer=lean_adam")
-    if t.stop_at is not None:
-        _need(1 <= t.stop_at <= t.iters, f"train.stop_at={t.stop_at} must be in [1, train.iters={t.iters}]")
-    if world_size is not None:
-        check_world(r, world_size)

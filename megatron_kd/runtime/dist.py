@@ -8,7 +8,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..recipe.schema import ParallelConfig
 from .cpu_patches import apply_cpu_patches, seed_model_parallel_rng
 
 
@@ -55,7 +54,8 @@ def share_cpu_cores() -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
 
 
-def init_model_parallel(p: ParallelConfig, cuda: bool) -> None:
+def init_model_parallel(p, cuda: bool) -> None:
+    """Megatron's parallel groups for p, the recipe's parallel section (tp, pp, cp, ep, etp, vpp)."""
     from megatron.core import parallel_state as ps
     if not cuda:
         apply_cpu_patches()
@@ -77,7 +77,7 @@ def set_seed(seed: int) -> None:
 
 
 @contextlib.contextmanager
-def distributed(p: ParallelConfig, seed: int, device: str = "auto"):
+def distributed(p, seed: int, device: str = "auto"):
     """Process group (if needed), Megatron groups and seeds for one job; torn down afterwards."""
     from megatron.core import parallel_state as ps
     cuda = use_cuda(device)

@@ -8,7 +8,8 @@ Both take the recipe name (or a .yaml path) and Hydra overrides. The dataset is 
 samples (train.iters x train.global_batch_size of data's train split), so its sample indices are the run's.
 Under torchrun every rank runs the command; the teacher factory sets up Megatron's parallel groups.
 """
-from ..recipe.schema import check_model, check_vocab, to_recipe
+from ..recipe.checks import check_model, check_vocab
+from ..recipe.schema import to_recipe
 from ..data.datasets import build_datasets, load_tokenizer, samples_needed
 from ..recipe.compose import compose
 
@@ -31,7 +32,7 @@ def recipe_teacher(recipe: str = "tiny_cpu", overrides=None):
     from .megatron import cache_teacher
     r = _recipe(recipe, overrides)
     if r.teacher.hf_path:  # hf-ckpt: checked, architecture from config.json
-        from ..training.loop import resolve_hf
+        from ..recipe.hf import resolve_hf
         resolve_hf(r, teacher=True)
     tok = load_tokenizer(r.data)
     check_model(r.teacher, "teacher", r.parallel.tp)

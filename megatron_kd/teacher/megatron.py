@@ -10,7 +10,7 @@ import torch
 
 from ..cache.hashing import config_hash
 from .pipeline import PipelineStage, global_layer_names
-from ..cache.teacher import TeacherOutput
+from .protocol import TeacherOutput
 from ..parallel.comm import all_reduce_sum, group_rank, group_size
 from ..parallel.sequence import gather_sequence
 from ..parallel.topk import topk_from_hidden

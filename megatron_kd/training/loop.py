@@ -2,12 +2,11 @@
 
     run(recipe, save_dir)  ->  summary dict (on every rank; rank 0 also writes it to <save>/summary.json)
 
-Everything that can be wrong with a recipe is checked before a model is built (config.check_recipe, the
+Everything that can be wrong with a recipe is checked before a model is built (recipe.checks, the
 vocabulary, the cache). Resuming follows Megatron-LM: the latest checkpoint in train.load (default: train.save)
 is loaded when there is one; a save directory that already holds another run's checkpoints is never reused.
 """
 import dataclasses
-import gc
 import json
 import os
 import statistics
@@ -17,15 +16,20 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import store as ckpt
-from ..recipe.schema import KDConfig, Recipe, RecipeError, check_model, check_recipe, check_vocab, check_world
-from ..data.datasets import (build_datasets, check_cache, dataset_id, load_tokenizer, loader, samples_needed, with_cache)
-from ..runtime.dist import ENV_KEYS, barrier, distributed, free_port, is_rank0, restore_env, set_seed, use_cuda
-from .metrics import Sink, forward_flops_per_step, peak_memory_gib, train_flops_per_step
-from ..models.builder import apex_available, build_model_chunks, te_available, wrap_float16
+from ..data.datasets import build_datasets, check_cache, load_tokenizer, loader, samples_needed, with_cache
+from ..export.to_hf import export_at_end
+from ..models.builder import build_model_chunks, wrap_float16
 from ..optim.setup import build_optimizer, build_scheduler, set_model_hooks, wrap_ddp
+from ..recipe.checks import check_recipe, check_run
+from ..recipe.hf import resolve_hf
+from ..recipe.schema import KDConfig, Recipe, RecipeError
+from ..runtime.dist import barrier, distributed, is_rank0, set_seed, use_cuda
+from ..runtime.features import release_memory
+from ..teacher.build import build_teacher_cache
+from ..teacher.megatron import OnlineTeacher, build_teacher
+from .metrics import Sink, forward_flops_per_step, peak_memory_gib, train_flops_per_step
 from .schedule import forward_backward
 from .step import KDStep
-from ..teacher.megatron import OnlineTeacher, build_teacher, cache_teacher
 
 ARCH_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
              "kv_channels", "normalization", "activation", "position_embedding_type", "tie_embeddings",
@@ -36,65 +40,13 @@ def recipe_dict(r: Recipe) -> dict:
     return dataclasses.asdict(r)
 
 
-def resolve_hf(r: Recipe, teacher: bool | None = None) -> None:
-    """hf-ckpt: model.hf_path / teacher.hf_path checked and their architecture filled in (megatron_kd/hf)."""
-    if r.model.hf_path or r.teacher.hf_path:
-        from ..hf import HFCheckpointError
-        from ..hf.recipe import resolve
-        try:
-            resolve(r, teacher=teacher)
-        except HFCheckpointError as e:
-            raise RecipeError(str(e)) from None
-
-
 def preflight(r: Recipe, world_size: int, cuda: bool):
     """Checks that need neither a process group nor a model; returns the tokenizer."""
     resolve_hf(r)
     check_recipe(r, None, cuda)
     tok = load_tokenizer(r.data)
-    check_vocab(tok.vocab_size, r.model, "model", r.parallel.tp)
-    if r.kd.mode == "online" or (r.kd.mode == "offline" and r.kd.build_cache):
-        check_vocab(tok.vocab_size, r.teacher, "teacher", r.parallel.tp)
-        if r.kd.mode == "online":
-            if r.parallel.pp > 1:
-                raise RecipeError("kd.mode=online runs with parallel.pp=1 (the teacher beside the student is not "
-                                  "pipelined); use offline mode (a cache) with pipeline parallel")
-            if not (r.teacher.load or r.teacher.hf_path):
-                raise RecipeError("kd.mode=online needs teacher.load: the teacher's checkpoint directory (a "
-                                  "`megatron-kd train` save dir), or teacher.hf_path: a Hugging Face checkpoint")
-    p = r.parallel
-    if cuda and p.cp > 1 and not te_available():
-        raise RecipeError(f"parallel.cp={p.cp} needs Transformer Engine attention, which does not import here; use "
-                          "parallel.cp=1 or a container with TE")
-    if cuda and p.sequence_parallel and p.tp > 1 and not (te_available() or apex_available()):
-        raise RecipeError("parallel.sequence_parallel=true needs Transformer Engine or apex norms (Megatron's torch "
-                          "norms refuse it); set it false or run where TE/apex import")
-    if r.kd.mode != "ce" and r.kd.top_k > tok.vocab_size:
-        raise RecipeError(f"kd.top_k={r.kd.top_k} exceeds the vocabulary ({tok.vocab_size} ids)")
-    check_world(r, world_size)
-    check_export(r)
+    check_run(r, world_size, cuda, tok.vocab_size)
     return tok
-
-
-def check_export(r: Recipe) -> None:
-    """train.export_hf: a student from model.hf_path, and a directory that holds nothing yet."""
-    out = r.train.export_hf
-    if not out:
-        return
-    if not r.model.hf_path:
-        raise RecipeError(f"train.export_hf={out}: the student did not start from a Hugging Face checkpoint "
-                          "(model.hf_path is null), so there is no config or tokenizer to export with; set "
-                          "model.hf_path, or run `megatron-kd export --hf-path DIR` after training")
-    if dist.is_initialized() and dist.get_world_size() > 1:  # a caller's multi-rank group would outlive run()
-        raise RecipeError(f"train.export_hf={out}: this run joins a process group made outside megatron-kd train, "
-                          "which stays up after it (the export runs as one process on rank 0); leave "
-                          "train.export_hf unset and run `megatron-kd export --checkpoint SAVE --out DIR` after")
-    from ..export.to_hf import check_target
-    try:
-        check_target(out, r.model.hf_path, "train.export_hf=", "the export never replaces a directory; choose "
-                     "another train.export_hf or remove it")
-    except ValueError as e:
-        raise RecipeError(str(e)) from None
 
 
 def run(r: Recipe, save: str) -> dict:
@@ -116,42 +68,6 @@ def run(r: Recipe, save: str) -> dict:
     if r.train.export_hf and summary["iteration"] >= r.train.iters and is_rank0():
         summary["export_hf"] = export_at_end(save, r.train.export_hf)
     return summary
-
-
-def export_at_end(save: str, out: str) -> str:
-    """train.export_hf: `megatron-kd export` of the finished run on rank 0, as one process (the other ranks are
-    done; the run's memory is freed). Written next to `out`, then renamed: a killed export leaves no half-written
-    `out`, and a rerun starts it over."""
-    import shutil
-    from ..export.to_hf import export
-    tmp = os.path.join(os.path.dirname(os.path.abspath(out)), f".{os.path.basename(os.path.abspath(out))}.partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    print(f"megatron-kd train: exporting the student to {out} (train.export_hf)", flush=True)
-    env = {k: os.environ.get(k) for k in ENV_KEYS}
-    if not dist.is_initialized():  # rank 0 alone: a one-process group of its own (torchrun's names restored after)
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    try:
-        export(save, tmp)
-    except Exception as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise RuntimeError(f"train.export_hf: the export failed ({e}); the run's checkpoint in {save} is complete: "
-                           f"`megatron-kd export --checkpoint {save} --out {out}` retries it") from e
-    finally:
-        restore_env(env)
-    if os.path.isdir(out) and not os.listdir(out):
-        os.rmdir(out)
-    os.rename(tmp, out)
-    return out
-
-
-def release_memory() -> None:
-    """Free the finished run's model, gradients and optimizer state now. They sit in reference cycles
-    (DDP hooks, Megatron wrappers), which Python frees only when its collector next runs. Without this, a
-    second run() in the same process (a sweep, a benchmark arm) starts with the first one's GPU memory still
-    allocated (36 GiB more peak for the 3.2B student at 32K)."""
-    gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
 
 
 class Trainer:
@@ -367,42 +283,3 @@ def reduce_reports(reports: list) -> dict:
         dist.all_reduce(b)
         buf = b.cpu()
     return {n: float(buf[2 * i] / buf[2 * i + 1]) for i, n in enumerate(names) if buf[2 * i + 1] > 0}
-
-
-def build_teacher_cache(r: Recipe, tok, train_ds, num_samples: int) -> dict:
-    """kd.build_cache: run the recipe's teacher over the training samples and write kd.cache (resumable)."""
-    from megatron.core import parallel_state as ps
-    from ..cache import build_cache
-    check_model(r.teacher, "teacher", r.parallel.tp)
-    if r.parallel.pp > 1:
-        raise RecipeError("kd.build_cache runs the teacher with parallel.pp=1; build the cache separately "
-                          "(`megatron-kd cache build`) for a pipelined teacher")
-    if not r.teacher.hf_path and not r.teacher.load and is_rank0():
-        print("note: teacher.load is null: the cache comes from a randomly initialized teacher (a pipeline "
-              "check, not a distillation); set teacher.load to a trained teacher's save dir", flush=True)
-    teacher = cache_teacher(r, tok.vocab_size)
-    manifest = build_cache(teacher, train_ds, r.kd.cache, top_k=r.kd.top_k, encoding=r.kd.cache_encoding,
-                           temperature=r.kd.capture_temperature,
-                           num_samples=num_samples,
-                           micro_batch_size=r.train.micro_batch_size, chunk_size=r.kd.chunk_size,
-                           tokenizer_id=getattr(tok, "sha", ""), dataset_id=dataset_id(train_ds),
-                           progress=r.train.progress and is_rank0(), tp_group=ps.get_tensor_model_parallel_group(),
-                           dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size())
-    del teacher
-    release_memory()
-    return manifest
-
-
-
-def build_cache_only(r: Recipe) -> dict:
-    """The offline recipe's cache (kd.cache) from its teacher over the run's training samples; no training."""
-    world = int(os.environ.get("WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
-    cuda = use_cuda(r.train.device)
-    resolve_hf(r, teacher=True)
-    check_recipe(r, world, cuda)
-    tok = load_tokenizer(r.data)
-    check_vocab(tok.vocab_size, r.teacher, "teacher", r.parallel.tp)
-    with distributed(r.parallel, r.train.seed, r.train.device):
-        train_n, valid_n = samples_needed(r.train, r.data)
-        train_ds, _ = build_datasets(r.data, tok, train_n, valid_n)
-        return build_teacher_cache(r, tok, train_ds, train_n)

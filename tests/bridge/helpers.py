@@ -18,7 +18,7 @@ def tiny_cfg(seq=SEQ, vocab=VOCAB, iters=ITERS, gbs=GBS, mbs=MBS, seed=1234):
 
 def table_teacher(vocab: int = VOCAB, seed: int = 0):
     """logits = table[token]: a teacher whose top-K depends on the token, so a shifted sample shows."""
-    from megatron_kd.cache import CallableTeacher
+    from megatron_kd.teacher.protocol import CallableTeacher
     table = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(seed))
     return CallableTeacher(lambda tokens: table[tokens], vocab, identity={"name": "table", "seed": seed})
 

@@ -227,7 +227,7 @@ def test_te_available_follows_megatron_core(monkeypatch):
     import importlib.util
     import megatron.core.extensions.transformer_engine as mcore_te
     from megatron_kd.bridge.recipes import have_te
-    from megatron_kd.models.builder import te_available
+    from megatron_kd.runtime.features import te_available
     assert importlib.util.find_spec("transformer_engine") is not None  # the stand-in module answers
     assert mcore_te.HAVE_TE is False
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from megatron_kd import topk_kl_loss
-from megatron_kd.cache import (CacheReader, CallableTeacher, TopKDataset, build_cache, collate_topk, inspect_cache)
+from megatron_kd.cache import CacheReader, TopKDataset, collate_topk, inspect_cache
+from megatron_kd.teacher.protocol import CallableTeacher
+from megatron_kd.teacher.build import build_cache
 from megatron_kd.cli.cache import main as cache_cli
 
 V, H, S, N, K = 40, 8, 10, 6, 4
@@ -126,7 +128,7 @@ def test_loss_on_cached_targets(tmp_path, encoding):
 
 def test_hf_teacher_directory(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from megatron_kd.cache import HFTeacher
+    from megatron_kd.teacher.protocol import HFTeacher
     cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=S)
     torch.manual_seed(0)

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_kd.cache import CacheError, CacheReader, TopKDataset, build_cache, verify_cache
+from megatron_kd.cache import CacheError, CacheReader, TopKDataset, verify_cache
+from megatron_kd.teacher.build import build_cache
 from megatron_kd.cli.cache import main as cache_cli
 from test_cache_resume import N, S, V, make_teacher, snapshot
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_kd.cache import CacheReader, CallableTeacher, fsio, verify_cache
+from megatron_kd.cache import CacheReader, fsio, verify_cache
+from megatron_kd.teacher.protocol import CallableTeacher
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 V, H, S, N = 300, 16, 24, 9

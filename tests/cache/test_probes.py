@@ -19,7 +19,8 @@ import torch
 
 from conftest import PROBES
 from megatron_kd import topk_kl_loss
-from megatron_kd.cache import CacheError, CacheReader, CacheWriter, TopKDataset, build_cache, fsio, verify_cache
+from megatron_kd.cache import CacheError, CacheReader, CacheWriter, TopKDataset, fsio, verify_cache
+from megatron_kd.teacher.build import build_cache
 from megatron_kd.cache.format import SETTINGS_KEYS
 from megatron_kd.cache.verify import QUICK_CHECKS
 from megatron_kd.cli.cache import main as cache_cli

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from megatron_kd.hf import HFCheckpointError, check_hf_dir, check_layout, check_same_tokenizer, require_bridge
-from megatron_kd.hf.recipe import check_cache_tokenizer
+from megatron_kd.recipe.hf import check_cache_tokenizer
 
 
 def fake_hf(d, vocab=64, heads=8, kv=4, layers=4, experts=None, arch="LlamaForCausalLM", tok_shift=0, tok_size=None):

@@ -23,7 +23,7 @@ def _same(a, b) -> bool:
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_hf_provider_equals_megatron_kd_config(tmp_path, precision):
     import tiny
-    from megatron_kd.hf.recipe import resolve
+    from megatron_kd.recipe.hf import resolve
     from megatron_kd.recipe.schema import to_recipe
     from megatron_kd.runtime.dist import distributed
     from megatron_kd.models.builder import build_hf_chunks, transformer_config

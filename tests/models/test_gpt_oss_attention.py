@@ -1,4 +1,4 @@
-"""GPT-OSS core attention (megatron/sink_attention.py, megatron/attention.py) and recipe fields (megatron/gpt_oss.py)
+"""GPT-OSS core attention (models/sink_attention.py, models/attention.py) and recipe fields (recipe/checks.py, models/gpt_oss.py)
 on CPU, against a float64 reference and against megatron-core's own DotProductAttention (sinks + window, unfused).
 Runs with megatron-core 0.16.1 (Python 3.11) and 0.19.2 (Python 3.12)."""
 import pytest
@@ -183,7 +183,8 @@ def _refusals(rank, world):
 
 
 def test_recipe_checks():
-    from megatron_kd.recipe.schema import ModelConfig, RecipeError, check_model
+    from megatron_kd.recipe.schema import ModelConfig, RecipeError
+    from megatron_kd.recipe.checks import check_model
     ok = dict(softmax_type="learnable", window_size=[127, 0], window_attn_skip_freq=2, activation="quick_geglu",
               position_embedding_type="yarn", yarn={"rotary_scaling_factor": 32.0})
     check_model(ModelConfig(**ok), "model", 1)

@@ -109,7 +109,8 @@ def build_via_provider(path, tp, overrides=None):
 def build_via_recipe(path, hf_cfg, tp):
     """Our recipe schema: ModelConfig from hf_model_fields -> build_gpt; weights through AutoBridge."""
     from megatron.bridge import AutoBridge
-    from megatron_kd.recipe.schema import ModelConfig, ParallelConfig, check_model
+    from megatron_kd.recipe.schema import ModelConfig, ParallelConfig
+    from megatron_kd.recipe.checks import check_model
     from megatron_kd.models.gpt_oss import hf_model_fields
     from megatron_kd.models.builder import build_gpt
     m = ModelConfig(**hf_model_fields(hf_cfg), make_vocab_size_divisible_by=128, attention_backend="sdpa",

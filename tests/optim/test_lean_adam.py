@@ -145,7 +145,8 @@ def test_bad_settings_name_the_fix():
 
 
 def test_recipe_refuses_lean_adam_without_bf16():
-    from megatron_kd.recipe.schema import RecipeError, check_recipe, to_recipe
+    from megatron_kd.recipe.schema import RecipeError, to_recipe
+    from megatron_kd.recipe.checks import check_recipe
     from megatron_kd.recipe.compose import compose
     r = to_recipe(compose("tiny_cpu", ["train.optimizer=lean_adam", "train.precision=fp32"]))
     with pytest.raises(RecipeError, match="set train.precision=bf16"):
@@ -219,7 +220,8 @@ def test_a_nonfinite_gradient_norm_skips_the_update(monkeypatch):
     (["train.exp_avg_sq_dtype=bf16", "train.adam_beta2=0.999"], "exp_avg_sq_dtype=fp32"),
 ])
 def test_recipe_refuses_unsafe_lean_adam_settings(overrides, match):
-    from megatron_kd.recipe.schema import RecipeError, check_recipe, to_recipe
+    from megatron_kd.recipe.schema import RecipeError, to_recipe
+    from megatron_kd.recipe.checks import check_recipe
     from megatron_kd.recipe.compose import compose
     r = to_recipe(compose("tiny_cpu", ["train.optimizer=lean_adam", "train.precision=bf16", *overrides]))
     with pytest.raises(RecipeError, match=match):

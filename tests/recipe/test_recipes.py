@@ -7,7 +7,8 @@ from omegaconf import OmegaConf
 from megatron_kd.cli import train as train_cli
 from megatron_kd.recipe.schema import RecipeError, to_recipe
 from megatron_kd.recipe.compose import compose, recipes_dir
-from megatron_kd.training.loop import build_cache_only, run
+from megatron_kd.teacher.build import build_cache_only
+from megatron_kd.training.loop import run
 
 FAST = ["data=mock", "data.vocab_size=250", "data.seq_length=32", "train.global_batch_size=4",
         "train.micro_batch_size=2", "train.progress=false", "train.iters=2", "kd.top_k=8",

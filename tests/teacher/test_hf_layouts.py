@@ -27,10 +27,10 @@ def _layout(**kw):
 def _worker(rank, world, cases):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from megatron_kd.cache.build import _teacher_topk
+    from megatron_kd.teacher.build import _teacher_topk
     from megatron_kd.teacher.megatron import MegatronTeacher
     from megatron_kd.hf.model import local_layer_spec
-    from megatron_kd.hf.recipe import open_hf
+    from megatron_kd.hf.model import open_hf
     from megatron_kd.runtime.cpu_patches import apply_cpu_patches, seed_model_parallel_rng
     from megatron_kd.runtime.dist import init_model_parallel
     apply_cpu_patches()

@@ -51,12 +51,12 @@ def check_topk(ids, lp, ref_lp, k=K, gap=1e-4, tol=1e-5):
 
 def _worker(rank, world, cases, tp):
     from megatron_kd.cache import CacheReader
-    from megatron_kd.cache.build import _teacher_topk
+    from megatron_kd.teacher.build import _teacher_topk
     from megatron_kd.cache.dataset import split_sample
     from megatron_kd.teacher.factories import recipe_dataset, recipe_teacher
     from megatron_kd.recipe.compose import compose
     from megatron_kd.recipe.schema import to_recipe
-    from megatron_kd.training.loop import build_cache_only
+    from megatron_kd.teacher.build import build_cache_only
     for hf_dir, cache, out, vocab in cases:
         ov = teacher_overrides(hf_dir, cache, tp, vocab)
         build_cache_only(to_recipe(compose("tiny_cpu", ov, save=os.path.dirname(cache))))

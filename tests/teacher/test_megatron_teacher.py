@@ -49,7 +49,8 @@ def _dense_reference(model, data):
 
 def _layouts(rank, world, out_root):
     from megatron.core import parallel_state
-    from megatron_kd.cache import CacheReader, build_cache
+    from megatron_kd.cache import CacheReader
+    from megatron_kd.teacher.build import build_cache
     from megatron_kd.teacher.megatron import MegatronTeacher
     data = tokens_dataset()
 
@@ -76,7 +77,7 @@ def _layouts(rank, world, out_root):
 
 def _single_process(rank, world, out_root):
     from megatron.core import parallel_state
-    from megatron_kd.cache import build_cache
+    from megatron_kd.teacher.build import build_cache
     from megatron_kd.teacher.megatron import MegatronTeacher
     model, _ = tiny_gpt(tp=1)
     build_cache(MegatronTeacher(model, V, name="tiny-gpt"), tokens_dataset(), os.path.join(out_root, "tp1"),

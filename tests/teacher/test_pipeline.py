@@ -55,7 +55,7 @@ def tokens_dataset():
 
 def _build(model, out_dir, **kw):
     from megatron.core import parallel_state
-    from megatron_kd.cache import build_cache
+    from megatron_kd.teacher.build import build_cache
     from megatron_kd.teacher.megatron import MegatronTeacher
     teacher = MegatronTeacher(model, V, name="tiny-gpt", tp_group=parallel_state.get_tensor_model_parallel_group())
     ident = teacher.identity()

@@ -2,17 +2,14 @@
 offline mode with a cache built from the teacher equals online mode with that teacher, step for step;
 resuming from a checkpoint reproduces the uninterrupted run; a save dir of another run is not reused.
 """
-import json
-
 import pytest
 import torch
 
 from megatron_kd.checkpoint import store as checkpoint
 from megatron_kd.recipe.schema import RecipeError, to_recipe
 from megatron_kd.recipe.compose import compose
-from megatron_kd.training.loop import run
 
-from train_harness import BASE, SMALL_ARCH, TEACHER_ARCH, losses, train  # noqa: F401
+from train_harness import BASE, TEACHER_ARCH, losses, train
 
 
 @pytest.fixture(scope="module")
@@ -128,14 +125,14 @@ def test_export_hf_is_checked_before_any_work(tmp_path):
     full = tmp_path / "full"
     full.mkdir()
     (full / "config.json").write_text("{}")
-    from megatron_kd.training import loop as T
+    from megatron_kd.recipe.checks import check_export
     r = to_recipe(compose("tiny_cpu", [*BASE, "kd=ce", f"train.export_hf={full}"]))
     r.model.hf_path = str(tmp_path / "student_hf")  # the directory checks run in preflight, before this one
     with pytest.raises(RecipeError, match="exists and is not empty"):
-        T.check_export(r)
+        check_export(r)
     r.train.export_hf = r.model.hf_path
     with pytest.raises(RecipeError, match="is the student's source checkpoint"):
-        T.check_export(r)
+        check_export(r)
     r.train.export_hf = str(tmp_path / "new")
-    T.check_export(r)
+    check_export(r)
     assert not (tmp_path / "a").exists() or checkpoint.latest_iteration(str(tmp_path / "a")) is None

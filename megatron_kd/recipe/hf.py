@@ -3,28 +3,25 @@
 `resolve(recipe)` runs before any work: it checks each HF directory (a checkpoint, Bridge installed, an
 architecture Bridge maps, a layout it splits into), that teacher, student, data.tokenizer and an existing
 kd.cache share one tokenizer, and writes the checkpoint's architecture into the recipe section (so FLOP
-counts, plans, checkpoints and resume checks see the real model). Duck-typed on megatron-kd's Recipe; imports
-nothing of megatron/ (megatron/ calls in here).
+counts, plans, checkpoints and resume checks see the real model).
 """
 import hashlib
 import json
 import os
 
-from .checks import (HFCheckpointError, check_hf_dir, check_layout, check_same_tokenizer, hf_vocab_size,
-                     tokenizer_size)
+from ..hf.checks import (HFCheckpointError, check_hf_dir, check_layout, check_same_tokenizer, hf_vocab_size,
+                         tokenizer_size)
+from ..hf.model import open_hf
+from .schema import Recipe, RecipeError
 
-_OPEN = {}
 
-
-def open_hf(path, key: str):
-    """One HFModel per directory and process (Bridge reads config and tokenizer once)."""
-    from .model import HFModel
-    real = os.path.realpath(path)
-    if real not in _OPEN:
-        _OPEN[real] = HFModel(path, key)
-    hf = _OPEN[real]
-    hf.key = key
-    return hf
+def resolve_hf(r: Recipe, teacher: bool | None = None) -> None:
+    """model.hf_path / teacher.hf_path checked and their architecture filled in (megatron_kd/hf)."""
+    if r.model.hf_path or r.teacher.hf_path:
+        try:
+            resolve(r, teacher=teacher)
+        except HFCheckpointError as e:
+            raise RecipeError(str(e)) from None
 
 
 def teacher_used(r) -> bool:

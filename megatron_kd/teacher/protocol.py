@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .hashing import config_hash
+from ..cache.hashing import config_hash
 
 
 @dataclass

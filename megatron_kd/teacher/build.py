@@ -1,4 +1,5 @@
-"""build_cache: run a teacher over a token dataset's samples and write its top-K, resumably.
+"""Cache builds. build_cache: run any teacher over a token dataset's samples and write its top-K, resumably.
+build_teacher_cache / build_cache_only: a recipe's teacher over the run's training samples (kd.build_cache, the demo).
 
 Layout: shards are fixed ranges of sample indices; data-parallel rank r computes shards r, r + dp, ...;
 within a TP group every rank runs the teacher and the vocab-parallel top-K, and TP rank 0 writes. A pipelined
@@ -18,13 +19,20 @@ import torch.distributed as dist
 
 from ..parallel.comm import group_rank, group_size
 from ..parallel.topk import topk_from_hidden, vocab_parallel_topk
-from .dataset import split_sample
-from .errors import CacheError
-from .format import MANIFEST, make_settings
-from .hashing import token_hash
+from ..cache.dataset import split_sample
+from ..cache.errors import CacheError
+from ..cache.format import MANIFEST, make_settings
+from ..cache.hashing import token_hash
+from ..cache.reader import load_manifest
+from ..cache.writer import CacheWriter
+from ..data.datasets import build_datasets, dataset_id, load_tokenizer, samples_needed
+from ..recipe.checks import check_model, check_recipe, check_vocab
+from ..recipe.hf import resolve_hf
+from ..recipe.schema import Recipe, RecipeError
+from ..runtime.dist import distributed, is_rank0, use_cuda
+from ..runtime.features import release_memory
+from .megatron import cache_teacher
 from .progress import Progress
-from .reader import load_manifest
-from .writer import CacheWriter
 
 
 def _dist_on() -> bool:
@@ -98,7 +106,7 @@ def build_cache(teacher, dataset, out_dir, *, top_k: int = 100, encoding: str = 
                 dp_size: int | None = None) -> dict:
     """Build (or finish) the cache in out_dir; returns the manifest. Call on every rank with the same arguments.
 
-    teacher: a Teacher (megatron_kd.cache.teacher: CallableTeacher, HFTeacher;
+    teacher: a Teacher (megatron_kd.teacher.protocol: CallableTeacher, HFTeacher;
              megatron_kd.teacher.megatron: MegatronTeacher).
     dataset: len() + [i] -> Megatron GPT dict (tokens, labels, ...) or seq_length + 1 token ids.
     teacher_id: overrides teacher.identity() (a dict, or a string used as the name).
@@ -183,3 +191,40 @@ def _build(writer, teacher, dataset, seq, top_k, temperature, chunk_size, micro_
     if is_root and not finished:
         writer.finalize()
     _barrier()
+
+
+def build_teacher_cache(r: Recipe, tok, train_ds, num_samples: int) -> dict:
+    """kd.build_cache: run the recipe's teacher over the training samples and write kd.cache (resumable)."""
+    from megatron.core import parallel_state as ps
+    check_model(r.teacher, "teacher", r.parallel.tp)
+    if r.parallel.pp > 1:
+        raise RecipeError("kd.build_cache runs the teacher with parallel.pp=1; build the cache separately "
+                          "(`megatron-kd cache build`) for a pipelined teacher")
+    if not r.teacher.hf_path and not r.teacher.load and is_rank0():
+        print("note: teacher.load is null: the cache comes from a randomly initialized teacher (a pipeline "
+              "check, not a distillation); set teacher.load to a trained teacher's save dir", flush=True)
+    teacher = cache_teacher(r, tok.vocab_size)
+    manifest = build_cache(teacher, train_ds, r.kd.cache, top_k=r.kd.top_k, encoding=r.kd.cache_encoding,
+                           temperature=r.kd.capture_temperature,
+                           num_samples=num_samples,
+                           micro_batch_size=r.train.micro_batch_size, chunk_size=r.kd.chunk_size,
+                           tokenizer_id=getattr(tok, "sha", ""), dataset_id=dataset_id(train_ds),
+                           progress=r.train.progress and is_rank0(), tp_group=ps.get_tensor_model_parallel_group(),
+                           dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size())
+    del teacher
+    release_memory()
+    return manifest
+
+
+def build_cache_only(r: Recipe) -> dict:
+    """The offline recipe's cache (kd.cache) from its teacher over the run's training samples; no training."""
+    world = int(os.environ.get("WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
+    cuda = use_cuda(r.train.device)
+    resolve_hf(r, teacher=True)
+    check_recipe(r, world, cuda)
+    tok = load_tokenizer(r.data)
+    check_vocab(tok.vocab_size, r.teacher, "teacher", r.parallel.tp)
+    with distributed(r.parallel, r.train.seed, r.train.device):
+        train_n, valid_n = samples_needed(r.train, r.data)
+        train_ds, _ = build_datasets(r.data, tok, train_n, valid_n)
+        return build_teacher_cache(r, tok, train_ds, train_n)

@@ -1,0 +1,240 @@
+"""Every check of a recipe that runs before any work; each raises RecipeError naming the key and the fix.
+
+check_recipe: the sections alone and across each other (no data, no model). check_run: what needs the tokenizer's
+size and the world size. check_model / check_vocab: one architecture section (student or teacher).
+"""
+import os
+from dataclasses import fields
+
+import torch.distributed as dist
+
+from ..runtime.features import apex_available, te_available
+from .schema import ATTENTION_BACKENDS, MODES, PRECISIONS, ModelConfig, Recipe, RecipeError
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise RecipeError(msg)
+
+
+def check_model(m: ModelConfig, section: str, tp: int) -> None:
+    _need(m.num_layers >= 1, f"{section}.num_layers={m.num_layers} must be >= 1")
+    _need(m.num_attention_heads >= 1 and m.hidden_size >= 1, f"{section}: hidden_size and heads must be >= 1")
+    if m.kv_channels is None:
+        _need(m.hidden_size % m.num_attention_heads == 0,
+              f"{section}.hidden_size={m.hidden_size} must divide by {section}.num_attention_heads="
+              f"{m.num_attention_heads} (or set {section}.kv_channels)")
+    _need(m.num_attention_heads % tp == 0,
+          f"{section}.num_attention_heads={m.num_attention_heads} must divide by parallel.tp={tp}: each TP rank "
+          "holds whole heads; pick a TP size that divides the head count")
+    groups = m.num_query_groups or m.num_attention_heads
+    _need(m.num_attention_heads % groups == 0,
+          f"{section}.num_query_groups={groups} must divide {section}.num_attention_heads={m.num_attention_heads}")
+    _need(groups % tp == 0, f"{section}.num_query_groups={groups} must divide by parallel.tp={tp}")
+    _need(m.normalization in ("RMSNorm", "LayerNorm"), f"{section}.normalization={m.normalization!r}: "
+          "use RMSNorm or LayerNorm")
+    _need(m.activation in ("swiglu", "gelu", "squared_relu", "quick_geglu"), f"{section}.activation="
+          f"{m.activation!r}: use swiglu, gelu, squared_relu or quick_geglu (GPT-OSS)")
+    _need(m.position_embedding_type in ("rope", "yarn", "learned_absolute", "none"),
+          f"{section}.position_embedding_type={m.position_embedding_type!r}: use rope, yarn, learned_absolute or none")
+    check_gpt_oss_fields(m, section)
+    _need(m.attention_backend in ATTENTION_BACKENDS,
+          f"{section}.attention_backend={m.attention_backend!r}: use one of {ATTENTION_BACKENDS}")
+    _need(m.make_vocab_size_divisible_by >= 1, f"{section}.make_vocab_size_divisible_by must be >= 1")
+    if m.hf_path:  # the directory here; Bridge, architecture and layout in recipe.hf.resolve
+        from ..hf import check_hf_dir
+        check_hf_dir(m.hf_path, f"{section}.hf_path")
+    if m.megatron:
+        from megatron.core.transformer.transformer_config import TransformerConfig
+        known = {f.name for f in fields(TransformerConfig)}
+        bad = sorted(set(m.megatron) - known)
+        _need(not bad, f"unknown recipe key(s) {', '.join(f'{section}.megatron.{k}' for k in bad)}: "
+              f"{section}.megatron passes fields to Megatron's TransformerConfig, which has no such field")
+
+
+def padded_vocab_size(vocab_size: int, m: ModelConfig, tp: int) -> int:
+    """Megatron's rule: round up to a multiple of make_vocab_size_divisible_by x TP."""
+    step = m.make_vocab_size_divisible_by * tp
+    return -(-vocab_size // step) * step
+
+
+def check_vocab(vocab_size: int, m: ModelConfig, section: str, tp: int) -> int:
+    if m.make_vocab_size_divisible_by == 1 and vocab_size % tp:
+        raise RecipeError(f"the vocabulary ({vocab_size} ids: data.tokenizer / data.vocab_size) does not divide by "
+                          f"parallel.tp={tp}, and {section}.make_vocab_size_divisible_by=1 asks for no padding; set "
+                          f"{section}.make_vocab_size_divisible_by (e.g. 128): Megatron pads the vocabulary and the "
+                          "padding rows stay out of the loss")
+    padded = padded_vocab_size(vocab_size, m, tp)
+    _need(padded % tp == 0, f"the padded vocabulary {padded} ({section}.make_vocab_size_divisible_by="
+          f"{m.make_vocab_size_divisible_by}) must divide by parallel.tp={tp}")
+    return padded
+
+
+def check_world(r: Recipe, world_size: int) -> int:
+    """The data-parallel size of the recipe's layout on world_size ranks."""
+    p, t = r.parallel, r.train
+    model_parallel = p.tp * p.pp * p.cp
+    _need(world_size % model_parallel == 0,
+          f"{world_size} processes do not divide into parallel.tp x parallel.pp x parallel.cp = {model_parallel}; "
+          f"launch a multiple of {model_parallel} processes (torchrun --nproc-per-node)")
+    dp = world_size // model_parallel
+    _need(t.global_batch_size % (t.micro_batch_size * dp) == 0,
+          f"train.global_batch_size={t.global_batch_size} must divide by train.micro_batch_size x data-parallel "
+          f"size = {t.micro_batch_size} x {dp}")
+    return dp
+
+
+def check_recipe(r: Recipe, world_size: int | None = 1, cuda: bool = False) -> None:
+    """Cross-section checks that need no data or model; raise RecipeError naming the key.
+    The world-size check comes last (world_size=None skips it)."""
+    p, t, kd, d = r.parallel, r.train, r.kd, r.data
+    for k in ("tp", "pp", "cp", "ep"):
+        _need(getattr(p, k) >= 1, f"parallel.{k}={getattr(p, k)} must be >= 1")
+    check_model(r.model, "model", p.tp)
+    _need(kd.mode in MODES, f"kd.mode={kd.mode!r}: use one of {MODES}")
+    if kd.mode != "ce":
+        _need(kd.top_k >= 1, f"kd.top_k={kd.top_k} must be >= 1")
+        _need(kd.temperature > 0, f"kd.temperature={kd.temperature} must be > 0")
+    if kd.mode == "online" or (kd.mode == "offline" and kd.build_cache):
+        check_model(r.teacher, "teacher", p.tp)
+    if kd.mode == "offline":
+        _need(bool(kd.cache), "kd.cache is required in offline mode: the teacher top-K cache directory "
+              "(build one with `megatron-kd cache build`, or set kd.build_cache=true)")
+    if kd.mode == "online":
+        _need(p.teacher_tp in (None, p.tp), f"parallel.teacher_tp={p.teacher_tp} must equal parallel.tp={p.tp}: "
+              "the online teacher shares the student's tensor-parallel group")
+    try:
+        kd.loss_options()
+    except ValueError as e:
+        raise RecipeError(f"kd: {e}") from None
+    _need(d.kind in ("mock", "indexed"), f"data.kind={d.kind!r}: use mock or indexed")
+    if d.kind == "indexed":
+        _need(bool(d.path), "data.path is required with data.kind=indexed: the .bin/.idx prefix "
+              "(`megatron-kd data prepare` writes one)")
+    else:
+        _need(d.vocab_size is not None or d.tokenizer is not None,
+              "data.vocab_size is required with data.kind=mock (or give data.tokenizer)")
+    _need(d.seq_length >= 2, f"data.seq_length={d.seq_length} must be >= 2")
+    _need(d.seq_length % (2 * p.cp) == 0 or p.cp == 1,
+          f"data.seq_length={d.seq_length} must divide by 2 x parallel.cp={2 * p.cp} (Megatron's load-balanced split)")
+    if p.sequence_parallel:
+        _need(d.seq_length % p.tp == 0, f"data.seq_length={d.seq_length} must divide by parallel.tp={p.tp} "
+              "with parallel.sequence_parallel")
+    _need(t.iters >= 1, f"train.iters={t.iters} must be >= 1")
+    _need(t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size} must be >= 1")
+    _need(t.precision in PRECISIONS, f"train.precision={t.precision!r}: use one of {PRECISIONS}")
+    _need(t.device in ("auto", "cuda", "cpu"), f"train.device={t.device!r}: use auto, cuda or cpu")
+    _need(t.optimizer in ("adam", "lean_adam"), f"train.optimizer={t.optimizer!r}: use adam or lean_adam")
+    if t.optimizer == "lean_adam":
+        _need(t.precision == "bf16", f"train.optimizer=lean_adam updates bf16 weights; set train.precision=bf16 "
+              f"(got {t.precision}) or use train.optimizer=adam")
+        for k in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+            _need(getattr(t, k) in ("fp32", "bf16"), f"train.{k}={getattr(t, k)!r}: use fp32 or bf16")
+        _need(t.exp_avg_sq_dtype == "fp32" or t.adam_beta2 <= 0.95,
+              f"train.exp_avg_sq_dtype=bf16 with train.adam_beta2={t.adam_beta2}: bf16 rounds away the "
+              f"second moment's per-step change (1 - beta2 = {1 - t.adam_beta2:.3g} < 0.4%); use "
+              "train.exp_avg_sq_dtype=fp32 or adam_beta2 <= 0.95")
+        _need(p.ep == 1, f"train.optimizer=lean_adam with parallel.ep={p.ep}: its one gradient-norm group "
+              "would clip expert-parallel ranks differently; use train.optimizer=adam for expert parallelism")
+    if not cuda:
+        _need(p.pp == 1, f"parallel.pp={p.pp}: pipeline parallel needs GPUs (Megatron's schedules are CUDA-only); "
+              "use parallel.pp=1 on CPU")
+        _need(p.cp == 1, f"parallel.cp={p.cp}: context parallel attention needs Transformer Engine on GPUs; "
+              "use parallel.cp=1 on CPU")
+        _need(not p.sequence_parallel, "parallel.sequence_parallel=true needs GPUs (Megatron's norms refuse it "
+              "without TE/apex); set it false on CPU")
+        _need(t.precision == "fp32" or t.optimizer == "lean_adam", f"train.precision={t.precision} needs GPUs "
+              "(Megatron's mixed-precision optimizer is CUDA-only); use train.precision=fp32 on CPU, or "
+              "train.precision=bf16 with train.optimizer=lean_adam")
+    if t.stop_at is not None:
+        _need(1 <= t.stop_at <= t.iters, f"train.stop_at={t.stop_at} must be in [1, train.iters={t.iters}]")
+    if world_size is not None:
+        check_world(r, world_size)
+
+
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+
+
+YARN_KEYS = ("rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim", "correction_range_round_to_int")
+
+
+def check_gpt_oss_fields(m, section: str) -> None:
+    """The GPT-OSS fields: sinks, window, YaRN (models/gpt_oss.py maps them onto megatron-core)."""
+    if m.softmax_type not in SOFTMAX_TYPES:
+        raise RecipeError(f"{section}.softmax_type={m.softmax_type!r}: use one of {SOFTMAX_TYPES} (learnable: "
+                         "GPT-OSS's per-head attention sinks)")
+    if m.window_size is not None:
+        w = list(m.window_size)
+        if len(w) != 2 or int(w[1]) != 0 or int(w[0]) < 0:
+            raise RecipeError(f"{section}.window_size={w}: give [left, 0] (keys i - left .. i; Hugging Face's "
+                             "sliding_window W is [W - 1, 0]); causal layers see no future keys")
+    if m.window_attn_skip_freq is not None and int(m.window_attn_skip_freq) < 1:
+        raise RecipeError(f"{section}.window_attn_skip_freq={m.window_attn_skip_freq} must be >= 1 (2: every "
+                         "second layer full attention, as GPT-OSS), or null (every layer windowed)")
+    bad = sorted(set(m.yarn or {}) - set(YARN_KEYS))
+    if bad:
+        raise RecipeError(f"{section}.yarn has unknown key(s) {bad}; it takes {list(YARN_KEYS)}")
+    if m.position_embedding_type == "yarn" and not m.yarn:
+        raise RecipeError(f"{section}.position_embedding_type=yarn needs {section}.yarn (GPT-OSS: "
+                         "{rotary_scaling_factor: 32, original_max_position_embeddings: 4096, beta_fast: 32, "
+                         "beta_slow: 1})")
+
+
+def check_run(r: Recipe, world_size: int, cuda: bool, vocab_size: int) -> None:
+    """What needs the tokenizer's size, this machine and the world size (after check_recipe; no process group
+    or model yet)."""
+    check_vocab(vocab_size, r.model, "model", r.parallel.tp)
+    if r.kd.mode == "online" or (r.kd.mode == "offline" and r.kd.build_cache):
+        check_vocab(vocab_size, r.teacher, "teacher", r.parallel.tp)
+        if r.kd.mode == "online":
+            if r.parallel.pp > 1:
+                raise RecipeError("kd.mode=online runs with parallel.pp=1 (the teacher beside the student is not "
+                                  "pipelined); use offline mode (a cache) with pipeline parallel")
+            if not (r.teacher.load or r.teacher.hf_path):
+                raise RecipeError("kd.mode=online needs teacher.load: the teacher's checkpoint directory (a "
+                                  "`megatron-kd train` save dir), or teacher.hf_path: a Hugging Face checkpoint")
+    p = r.parallel
+    if cuda and p.cp > 1 and not te_available():
+        raise RecipeError(f"parallel.cp={p.cp} needs Transformer Engine attention, which does not import here; use "
+                          "parallel.cp=1 or a container with TE")
+    if cuda and p.sequence_parallel and p.tp > 1 and not (te_available() or apex_available()):
+        raise RecipeError("parallel.sequence_parallel=true needs Transformer Engine or apex norms (Megatron's torch "
+                          "norms refuse it); set it false or run where TE/apex import")
+    if r.kd.mode != "ce" and r.kd.top_k > vocab_size:
+        raise RecipeError(f"kd.top_k={r.kd.top_k} exceeds the vocabulary ({vocab_size} ids)")
+    check_world(r, world_size)
+    check_export(r)
+
+
+def check_export(r: Recipe) -> None:
+    """train.export_hf: a student from model.hf_path, and a directory that holds nothing yet."""
+    out = r.train.export_hf
+    if not out:
+        return
+    if not r.model.hf_path:
+        raise RecipeError(f"train.export_hf={out}: the student did not start from a Hugging Face checkpoint "
+                          "(model.hf_path is null), so there is no config or tokenizer to export with; set "
+                          "model.hf_path, or run `megatron-kd export --hf-path DIR` after training")
+    if dist.is_initialized() and dist.get_world_size() > 1:  # a caller's multi-rank group would outlive run()
+        raise RecipeError(f"train.export_hf={out}: this run joins a process group made outside megatron-kd train, "
+                          "which stays up after it (the export runs as one process on rank 0); leave "
+                          "train.export_hf unset and run `megatron-kd export --checkpoint SAVE --out DIR` after")
+    pass
+    try:
+        check_target(out, r.model.hf_path, "train.export_hf=", "the export never replaces a directory; choose "
+                     "another train.export_hf or remove it")
+    except ValueError as e:
+        raise RecipeError(str(e)) from None
+
+
+def check_target(out: str, src: str, key: str, fix: str | None) -> bool:
+    """An export's target directory: never the student's source checkpoint (checked first: --overwrite must not
+    delete the source), and, when `fix` is given, holding nothing yet (else the error names `fix`). True when it
+    holds files. key: how the errors name it ("--out ", "train.export_hf=")."""
+    if os.path.realpath(out) == os.path.realpath(src):
+        raise ValueError(f"{key}{out} is the student's source checkpoint {src}; write the export elsewhere")
+    full = os.path.isdir(out) and bool(os.listdir(out))
+    if full and fix:
+        raise ValueError(f"{key}{out} exists and is not empty; {fix}")
+    return full

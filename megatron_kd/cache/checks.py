@@ -4,6 +4,7 @@ samples.idx (size and checksum). The reader raises the first problem at open; ve
 import hashlib
 import os
 
+from ..parallel.topk import temperature_problem
 from .encoding import get_encoding
 from .format import (MANIFEST, SAMPLE_INDEX, SAMPLE_INDEX_DTYPE, SETTINGS, SETTINGS_KEYS, field_diff, num_shards,
                      settings_hash, settings_of, shard_name, shard_range, sidecar_name)
@@ -46,8 +47,8 @@ def manifest_problems(path, m: dict, *, first_only: bool = False) -> list[str]:
             if bad(f"{MANIFEST} field {k} = {m[k]!r} is not a positive integer; " + _rebuild_manifest(path)):
                 return out
     t = m["temperature"]
-    if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 < t < float("inf"):
-        if bad(f"{MANIFEST} field temperature = {t!r} is not a positive finite number; " + _rebuild_manifest(path)):
+    if temperature_problem(t):
+        if bad(f"{MANIFEST} field temperature = {t!r} {temperature_problem(t)}; " + _rebuild_manifest(path)):
             return out
     if out:
         return out

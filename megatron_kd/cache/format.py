@@ -38,6 +38,11 @@ def settings_of(meta: dict) -> dict:
     return {k: meta.get(k) for k in SETTINGS_KEYS}
 
 
+def is_finished(path) -> bool:
+    """A finished cache: its manifest, written last by the build, is there (verify_cache checks the rest)."""
+    return bool(path) and os.path.isfile(os.path.join(path, MANIFEST))
+
+
 def settings_hash(meta: dict) -> str:
     return config_hash(settings_of(meta))
 

@@ -35,6 +35,12 @@ def file_sha256(path, block: int = 1 << 24) -> str:
     return h.hexdigest()
 
 
+def tokenizer_id(path) -> str:
+    """A tokenizer file's identity, as caches, dataset ids and .bin sidecars record it: its sha256's first 16
+    hex digits."""
+    return file_sha256(path)[:16]
+
+
 def config_hash(config: dict) -> str:
     text = json.dumps(config, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]

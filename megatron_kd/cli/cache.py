@@ -84,12 +84,13 @@ def _build(args) -> int:
 
 def cmd_verify(args) -> int:
     from ..cache import verify_cache
+    from ..cache.format import is_finished
     from ..cache.verify import FULL_CHECKS, QUICK_CHECKS
     problems = verify_cache(args.dir, checksums=not args.quick)
     for p in problems:
         print(f"FAIL {p}", file=sys.stderr)
-    inner = os.path.join(args.dir, "cache")  # first-hour (issue 21): a demo/run dir holding its cache in cache/
-    if problems and os.path.isfile(os.path.join(inner, "manifest.json")):
+    inner = os.path.join(args.dir, "cache")  # a demo or run directory holds its cache in cache/
+    if problems and is_finished(inner):
         print(f"hint: {args.dir} holds a cache in cache/: megatron-kd cache verify {inner}", file=sys.stderr)
     if not problems:
         if args.quick:

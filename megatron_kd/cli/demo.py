@@ -247,7 +247,8 @@ class Demo:
         return rc
 
     def stage_cache(self) -> None:
-        if os.path.exists(os.path.join(self.cache, "manifest.json")):
+        from ..cache.format import is_finished
+        if is_finished(self.cache):
             self.say(f"{self.cache} present")
             return
         from ..recipe.schema import to_recipe

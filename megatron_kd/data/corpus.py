@@ -3,11 +3,12 @@
 Nothing is downloaded: the text comes from files, or from the documentation CPython ships in `pydoc_data`
 (about 0.5 MB of English prose and code), and the tokenizer is a local file or a byte-level BPE trained here.
 """
-import hashlib
 import json
 import os
 
 import numpy as np
+
+from ..cache.hashing import tokenizer_id
 
 EOD = "<|endoftext|>"
 
@@ -66,8 +67,7 @@ def write_indexed(docs, tokenizer_path: str, prefix: str) -> dict:
         builder.add_document(torch.tensor(ids, dtype=torch.int64), [len(ids)])
         tokens += len(ids)
     builder.finalize(prefix + ".idx")
-    with open(tokenizer_path, "rb") as f:
-        sha = hashlib.sha256(f.read()).hexdigest()[:16]
+    sha = tokenizer_id(tokenizer_path)
     return {"documents": len(docs), "tokens": tokens, "vocab_size": vocab, "eod_id": eod,
             "tokenizer": os.path.abspath(tokenizer_path), "tokenizer_sha256": sha,
             "bin": os.path.abspath(prefix + ".bin"), "idx": os.path.abspath(prefix + ".idx")}

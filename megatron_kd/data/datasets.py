@@ -5,12 +5,12 @@ Sample order follows Megatron-LM's pretraining sampler: global batch g holds dat
 and data-parallel rank r takes the r-th micro_batch_size slice of each group. The cache is keyed by the same
 sample index, so every layout (TP, PP, CP, DP, micro-batch size) reads the rows of the tokens it trains on.
 """
-import hashlib
 import logging
 import os
 
 import torch
 
+from ..cache.hashing import tokenizer_id
 from ..recipe.schema import DataConfig, KDConfig, RecipeError, TrainConfig
 
 EOD_TOKEN = "<|endoftext|>"
@@ -31,8 +31,7 @@ class FileTokenizer:
         if eod is None:
             raise RecipeError(f"the tokenizer {path} has no {EOD_TOKEN} token; set data.eod_id")
         self.eod = int(eod)
-        with open(path, "rb") as f:
-            self.sha = hashlib.sha256(f.read()).hexdigest()[:16]
+        self.sha = tokenizer_id(path)
         # GPTDataset's description (and so the dataset identity a cache records) includes this.
         self.unique_identifiers = {"class": "tokenizers", "sha256": self.sha, "vocab_size": self.vocab_size}
 

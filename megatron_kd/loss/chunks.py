@@ -13,15 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ..parallel.vocab import rows_per_chunk
 from .options import LossOptions
 
 MIB = 1 << 20
 LOGITS = ("anchored", "fp32")
 PATHS = ("anchored", "fp32_logits", "two_pass")
 W_FRACTION = 0.9  # anchored buffer by default: this fraction of the bf16 weight's bytes (S = 0.9 H rows)
-# Elements of one chunk's fp32 logit block in the torch impls: 2**26 * 4 B = 256 MiB. Big enough for efficient
-# GEMMs, small enough that the chunked impls stay a few hundred MiB above their inputs.
-CHUNK_ELEMENTS = 1 << 26
 
 
 @dataclass(frozen=True)
@@ -113,6 +111,7 @@ def chunk_plan(vocab: int, hidden: int, *, tp: int = 1, dtype: torch.dtype = tor
 
 
 def default_chunk_size(vocab_local: int) -> int:
-    """Tokens per chunk of the torch impls (chunked, forward_chunked): CHUNK_ELEMENTS fp32 logits, a power of two."""
-    c = max(1, CHUNK_ELEMENTS // max(1, vocab_local))
+    """Tokens per chunk of the torch impls (chunked, forward_chunked): LOGITS_PER_CHUNK fp32 logits, a power of
+    two."""
+    c = rows_per_chunk(vocab_local)
     return max(16, 1 << (c.bit_length() - 1))

@@ -1,13 +1,13 @@
 """Loss options, checked once; KDLoss, the loss settings of a KD run (one schema for the recipe's `kd` section,
 Bridge's `kd` section and the loss call)."""
-import math
 from dataclasses import dataclass, fields
 from typing import Optional
+
+from ..parallel.topk import temperature_problem
 
 TAILS = ("none", "renormalize", "bucket")
 REDUCTIONS = ("mean", "sum", "none")
 IMPLS = ("auto", "dense", "chunked", "forward_chunked", "fused")
-TEMPERATURE_RANGE = (1e-3, 1e3)  # beyond it logits / T overflow or the distribution is a one-hot / uniform
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")  # docs/loss.md defines each on a sparse teacher, per tail
 
 
@@ -37,14 +37,13 @@ class LossOptions:
             raise ValueError(f"reduction={self.reduction!r} is unknown; use one of {REDUCTIONS}")
         if self.impl not in IMPLS:
             raise ValueError(f"impl={self.impl!r} is unknown; use one of {IMPLS}")
-        lo_t, hi_t = TEMPERATURE_RANGE
         for key in ("temperature", "cache_temperature"):
             t = getattr(self, key)
             if key == "cache_temperature" and t is None:  # None: the cache was captured at the training temperature
                 continue
-            if not (isinstance(t, (int, float)) and math.isfinite(t) and lo_t <= t <= hi_t):
-                raise ValueError(f"{key}={t} must be a finite number in [{lo_t:g}, {hi_t:g}] (1 = the teacher's own "
-                                 "distribution)")
+            problem = temperature_problem(t)
+            if problem:
+                raise ValueError(f"{key}={t} {problem} (1 = the teacher's own distribution)")
         if self.divergence not in DIVERGENCES:
             raise ValueError(f"divergence={self.divergence!r} is unknown; use one of {DIVERGENCES}")
         if self.divergence == "jsd" and not 0.0 < float(self.jsd_beta) < 1.0:

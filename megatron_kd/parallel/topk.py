@@ -7,11 +7,25 @@ Ties are broken by the smaller global id, through one int64 key per logit (value
 so the result does not depend on the TP layout or on torch.topk's tie order: a cache built at TP=1
 and at TP=2 names the same ids whenever the two layouts produce the same logits.
 """
+import math
+
 import torch
 import torch.distributed as dist
 
 from .comm import all_reduce_max, all_reduce_sum, group_size
-from .vocab import VocabShard
+from .vocab import VocabShard, rows_per_chunk
+
+# Softmax temperatures that are usable: beyond the range logits / T overflow or the distribution is a one-hot /
+# uniform. The one rule for the loss's temperature and cache_temperature, the teacher's top-K and cache manifests.
+TEMPERATURE_RANGE = (1e-3, 1e3)
+
+
+def temperature_problem(t) -> str | None:
+    """None when t is a usable softmax temperature, else what is wrong with it (a clause for a message)."""
+    lo, hi = TEMPERATURE_RANGE
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and lo <= t <= hi):
+        return f"must be a finite number in [{lo:g}, {hi:g}]"
+    return None
 
 _LOW = 1 << 32
 _EMPTY = torch.iinfo(torch.int64).min  # key of a padding candidate (a shard with fewer than K valid ids)
@@ -52,8 +66,9 @@ def vocab_parallel_topk(logits_shard, k, group=None, vocab_start_index=None, tem
     """
     if logits_shard.dim() != 2:
         raise ValueError(f"logits_shard must be [N, V_local], got shape {tuple(logits_shard.shape)}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    problem = temperature_problem(temperature)
+    if problem:
+        raise ValueError(f"temperature={temperature} {problem}")
     shard = VocabShard.build(logits_shard.shape[1], group, vocab_start_index, valid_vocab_size)
     k = int(k)
     if not 1 <= k <= shard.valid_size:
@@ -82,11 +97,6 @@ def vocab_parallel_topk(logits_shard, k, group=None, vocab_start_index=None, tem
     return ids, (vals.double() - lse[:, None]).float()
 
 
-def default_topk_chunk(vocab_local: int) -> int:
-    # About 2**26 logits per chunk: 256 MiB of fp32 plus 512 MiB of int64 keys, never a whole sequence.
-    return max(1, (1 << 26) // max(1, vocab_local))
-
-
 def topk_from_hidden(hidden, weight_shard, k, group=None, chunk_size=None, temperature=1.0,
                      vocab_start_index=None, valid_vocab_size=None):
     """vocab_parallel_topk of hidden [N, H] @ weight_shard[V_local, H].T, chunk_size rows at a time.
@@ -97,7 +107,7 @@ def topk_from_hidden(hidden, weight_shard, k, group=None, chunk_size=None, tempe
         raise ValueError(f"hidden must be [N, H] and weight_shard [V_local, H]; got {tuple(hidden.shape)} and "
                          f"{tuple(weight_shard.shape)} (pass the output layer's weight, not its transpose)")
     n = hidden.shape[0]
-    step = int(chunk_size or default_topk_chunk(weight_shard.shape[0]))
+    step = int(chunk_size or rows_per_chunk(weight_shard.shape[0]))  # plus 2x its bytes in int64 keys
     ids, logp = [], []
     w = weight_shard.to(hidden.dtype)
     for a in range(0, n, step):

@@ -21,12 +21,12 @@ activation terms name the tensors they count (tests/plan/test_plan.py checks the
 """
 from dataclasses import dataclass, field
 
+from ..parallel.vocab import LOGITS_PER_CHUNK
 from .shapes import Layout, ModelShape, padded_vocab, param_counts
 
 GIB = float(1 << 30)
 RESERVE_GIB = 3.0          # CUDA context, NCCL buffers, allocator rounding: not in max_memory_allocated
 H200_GIB = 139.8           # usable HBM of one H200 (torch.cuda.mem_get_info total)
-TOPK_CHUNK_ELEMENTS = 1 << 26   # teacher top-K on the fly: logits of one chunk
 
 RECOMPUTE = ("full", "selective", "none")
 
@@ -273,7 +273,7 @@ def teacher_forward_peak(teacher: ModelShape, lay: Layout, tr: Training, T: int)
     if tr.teacher_loss == "dense":
         out = T * vloc * (2 + 4 + 4)                    # bf16 logits, fp32 copy, log-softmax
     else:
-        c = max(16, TOPK_CHUNK_ELEMENTS // vloc)
+        c = max(16, LOGITS_PER_CHUNK // vloc)  # teacher top-K on the fly: logits of one chunk
         out = min(T, c) * vloc * (2 + 4 + 8 + 4) + T * tr.topk * 12   # logits, fp32, int64 keys; result
     return max(layer, out) + 2 * T * h
 

@@ -94,7 +94,6 @@ def check_recipe(r: Recipe, world_size: int | None = 1, cuda: bool = False) -> N
     _need(kd.mode in MODES, f"kd.mode={kd.mode!r}: use one of {MODES}")
     if kd.mode != "ce":
         _need(kd.top_k >= 1, f"kd.top_k={kd.top_k} must be >= 1")
-        _need(kd.temperature > 0, f"kd.temperature={kd.temperature} must be > 0")
     if kd.mode == "online" or (kd.mode == "offline" and kd.build_cache):
         check_model(r.teacher, "teacher", p.tp)
     if kd.mode == "offline":

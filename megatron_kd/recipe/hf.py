@@ -5,10 +5,11 @@ architecture Bridge maps, a layout it splits into), that teacher, student, data.
 kd.cache share one tokenizer, and writes the checkpoint's architecture into the recipe section (so FLOP
 counts, plans, checkpoints and resume checks see the real model).
 """
-import hashlib
 import json
 import os
 
+from ..cache.format import MANIFEST, is_finished
+from ..cache.hashing import tokenizer_id
 from ..hf.checks import (HFCheckpointError, check_hf_dir, check_layout, check_same_tokenizer, hf_vocab_size,
                          tokenizer_size)
 from ..hf.model import open_hf
@@ -29,7 +30,7 @@ def teacher_used(r) -> bool:
 
 
 def _cache_missing(cache) -> bool:
-    return bool(cache) and not os.path.isfile(os.path.join(cache, "manifest.json"))
+    return bool(cache) and not is_finished(cache)
 
 
 def sections(r, *, teacher: bool | None = None):
@@ -77,13 +78,11 @@ def resolve(r, *, teacher: bool | None = None) -> list:
 def check_cache_tokenizer(r) -> None:
     """An existing kd.cache was built on data of the same tokenizer file as data.tokenizer."""
     cache, tok = getattr(r.kd, "cache", None), r.data.tokenizer
-    manifest = os.path.join(cache, "manifest.json") if cache else ""
-    if not (tok and os.path.isfile(manifest) and os.path.isfile(tok)):
+    if not (tok and is_finished(cache) and os.path.isfile(tok)):
         return
-    with open(manifest) as f:
+    with open(os.path.join(cache, MANIFEST)) as f:
         recorded = str(json.load(f).get("tokenizer") or "")
-    with open(tok, "rb") as f:
-        sha = hashlib.sha256(f.read()).hexdigest()[:16]
+    sha = tokenizer_id(tok)
     if recorded and recorded != sha:
         raise HFCheckpointError(f"kd.cache={cache} was built with another tokenizer (sha {recorded}) than "
                                 f"data.tokenizer={tok} (sha {sha}): its ids mean other tokens; use the cache's "

@@ -19,9 +19,10 @@ import torch.distributed as dist
 
 from ..parallel.comm import group_rank, group_size
 from ..parallel.topk import topk_from_hidden, vocab_parallel_topk
+from ..parallel.vocab import rows_per_chunk
 from ..cache.dataset import split_sample
 from ..cache.errors import CacheError
-from ..cache.format import MANIFEST, make_settings
+from ..cache.format import is_finished, make_settings
 from ..cache.hashing import token_hash
 from ..cache.reader import load_manifest
 from ..cache.writer import CacheWriter
@@ -70,7 +71,7 @@ def _teacher_topk(teacher, tokens, k, temperature, chunk_size, tp_group):
     b, s = tokens.shape
     if out.logits is not None:
         logits = out.logits.reshape(b * s, -1)
-        step = int(chunk_size or max(1, (1 << 26) // max(1, logits.shape[1])))
+        step = int(chunk_size or rows_per_chunk(logits.shape[1]))
         parts = [vocab_parallel_topk(logits[a:a + step], k, tp_group, out.vocab_start_index, temperature,
                                      teacher.vocab_size) for a in range(0, b * s, step)]
         ids, lp = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
@@ -156,7 +157,7 @@ def content_id(dataset, n: int) -> str:
 
 def _build(writer, teacher, dataset, seq, top_k, temperature, chunk_size, micro_batch_size, tp_group, pp_group,
            dp_rank, dp_size, writes, is_root, progress) -> None:
-    finished = os.path.exists(os.path.join(writer.path, MANIFEST))  # and nothing pending: the writer checked
+    finished = is_finished(writer.path)  # and nothing pending: the writer checked
     mine = [j for j in writer.pending_shards() if j % dp_size == dp_rank]
     mine = _broadcast_list(_broadcast_list(mine, tp_group), pp_group)  # stage 0's list on every stage
     _barrier()  # every rank has listed its shards before any rank writes one

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout (megatron-kd is installed editable)
-RECIPES = ROOT / "recipes"
 TORCHRUN_SH = ROOT / "launch" / "torchrun.sh"
 SLURM_SBATCH = ROOT / "launch" / "slurm.sbatch"
 # Recipe keys that point the train command at its checkpoint directory (save and load: resume when present).
@@ -67,8 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_recipe(recipe: str) -> None:
     """A recipe is a name in recipes/ or a .yaml path; a missing one exits with the list of known names."""
-    from ..recipe.names import missing_recipe
-    problem = missing_recipe(recipe, RECIPES)
+    from ..recipe.compose import missing_recipe
+    problem = missing_recipe(recipe)
     if problem:
         raise SystemExit(f"megatron-kd launch: {problem}")
 

@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     from ..runtime.quiet import quiet_megatron_warnings
     from ..recipe.compose import recipes_dir, schema_overrides
     quiet_megatron_warnings()
-    from ..recipe.names import missing_recipe
+    from ..recipe.compose import missing_recipe
     name = _flag_value(argv, ("--config-name", "-cn")) or "tiny_cpu"
     config_path = _flag_value(argv, ("--config-path", "-cp"))
     if config_path is None:

@@ -28,20 +28,10 @@ from .memory import Training, loss_impls
 from .shapes import Layout, ModelShape
 
 
-def recipes_dir() -> Path:
-    from megatron_kd.recipe.compose import recipes_dir as _dir
-    return _dir()
-
-
 def recipe_path(name: str) -> Path | None:
-    """recipes/NAME.yaml for a bare name, or the file itself for a path ending in .yaml/.yml."""
-    p = Path(name)
-    if p.suffix in (".yaml", ".yml"):
-        return p if p.is_file() else None
-    if "/" in name or "\\" in name:
-        return None
-    cand = recipes_dir() / f"{name}.yaml"
-    return cand if cand.is_file() else None
+    """The recipe file a name refers to (recipe.compose.recipe_file), or None."""
+    from megatron_kd.recipe.compose import recipe_file
+    return recipe_file(name)
 
 
 def _missing_to_none(cfg) -> None:
@@ -65,7 +55,7 @@ def load_recipe(name: str, overrides=()):
     """The recipe as megatron_kd.recipe.schema.Recipe dataclasses (composed as `megatron-kd train` does)."""
     from omegaconf import OmegaConf, open_dict
     from megatron_kd.recipe.schema import to_recipe
-    from megatron_kd.recipe.compose import compose
+    from megatron_kd.recipe.compose import compose, recipes_dir
     path = recipe_path(name)
     if path is None:
         raise FileNotFoundError(f"no recipe {name!r} (recipes/NAME or a .yaml path)")

@@ -1,4 +1,5 @@
-"""Where recipes live and how to compose one outside the Hydra app (demo, tests, factories)."""
+"""Where recipes live, which names refer to one, and how to compose one outside the Hydra app (demo, tests,
+factories, plan)."""
 import os
 from pathlib import Path
 
@@ -9,6 +10,33 @@ def recipes_dir() -> Path:
     """$MEGATRON_KD_RECIPES, else the checkout's recipes/ (megatron-kd is installed editable)."""
     env = os.environ.get("MEGATRON_KD_RECIPES")
     return Path(env).resolve() if env else ROOT / "recipes"
+
+
+def recipe_file(name: str, directory: Path | None = None) -> Path | None:
+    """The recipe a name refers to: the file itself for a path ending in .yaml/.yml, else DIRECTORY/NAME.yaml
+    (DIRECTORY: recipes_dir()) for a bare name; None when there is none."""
+    p = Path(name)
+    if p.suffix in (".yaml", ".yml"):
+        return p if p.is_file() else None
+    if "/" in name or "\\" in name:
+        return None
+    cand = Path(directory or recipes_dir()) / f"{name}.yaml"
+    return cand if cand.is_file() else None
+
+
+def known_recipes(directory: Path | None = None) -> list:
+    d = Path(directory or recipes_dir())
+    return sorted(p.stem for p in d.glob("*.yaml")) if d.is_dir() else []
+
+
+def missing_recipe(name: str, directory: Path | None = None) -> str | None:
+    """None when `name` refers to a recipe (recipe_file), else the one-line error listing the known ones."""
+    if recipe_file(name, directory) is not None:
+        return None
+    if Path(name).suffix in (".yaml", ".yml"):
+        return f"recipe file {name!r} does not exist"
+    d = Path(directory or recipes_dir())
+    return f"no recipe {name!r} in {d}; known: {', '.join(known_recipes(d)) or 'none'}"
 
 
 SECTIONS = ("model", "teacher", "parallel", "data", "kd", "train")

@@ -114,3 +114,17 @@ def _recipe_names():
 def test_every_recipe_composes_and_passes_the_schema(name):
     from megatron_kd.recipe.schema import Recipe
     assert isinstance(to_recipe(compose(name, ["train.save=x"])), Recipe)
+
+
+def test_one_recipe_name_lookup(tmp_path, monkeypatch):
+    """train, launch and plan find recipes by one rule (recipe.compose.recipe_file), in $MEGATRON_KD_RECIPES too."""
+    from megatron_kd.plan.recipe import recipe_path
+    from megatron_kd.recipe.compose import missing_recipe, recipe_file
+    (tmp_path / "mine.yaml").write_text("defaults: []\n")
+    monkeypatch.setenv("MEGATRON_KD_RECIPES", str(tmp_path))
+    assert recipe_file("mine") == recipe_path("mine") == tmp_path / "mine.yaml"
+    assert missing_recipe("mine") is None
+    assert recipe_path("tiny_cpu") is None
+    assert missing_recipe("tiny_cpu") == f"no recipe 'tiny_cpu' in {tmp_path}; known: mine"
+    assert missing_recipe(str(tmp_path / "gone.yaml")) == f"recipe file {str(tmp_path / 'gone.yaml')!r} does not exist"
+    assert recipe_path(str(tmp_path / "mine.yaml")) == tmp_path / "mine.yaml"

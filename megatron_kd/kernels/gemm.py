@@ -51,10 +51,6 @@ def addmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1
     acc.addmm_(a.to(acc.dtype), b.to(acc.dtype), alpha=alpha)
 
 
-def addmm_path() -> str:
-    return "addmm(out_dtype=fp32)" if _ADDMM_OUT_DTYPE_OK else "blocked mm + add (fallback)"
-
-
 def mm_bias_t_into(w: torch.Tensor, h: torch.Tensor, bias: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out [V, S] = w [V, H] @ h[S, H]^T + bias[S] per column, accumulated in fp32 and rounded once to out's
     dtype. On CUDA this is cuBLASLt's bias epilogue (torch.addmm with a 1-D bias); elsewhere the same math."""

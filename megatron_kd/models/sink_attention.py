@@ -144,10 +144,3 @@ def attention_activation_bytes(tokens: int, heads: int, kv_heads: int, head_dim:
         out["sink scale (fp32 sigmoid + copy)"] = 4 * T * n + b * T * n
         out["sink-scaled output"] = b * T * n * d
     return out
-
-
-def attention_workspace_bytes(tokens: int, heads: int, head_dim: int, *, micro_batch: int = 1,
-                              elem: int = 2) -> int:
-    """Transient bytes while the attention runs backward (dq, dk, dv, FlexAttention's fp32 delta): about the
-    size of its saved output twice, freed as the layer's backward ends."""
-    return 2 * elem * tokens * heads * head_dim + 4 * tokens * heads

@@ -99,9 +99,10 @@ def check_recipe(r: Recipe, world_size: int | None = 1, cuda: bool = False) -> N
     if kd.mode == "offline":
         _need(bool(kd.cache), "kd.cache is required in offline mode: the teacher top-K cache directory "
               "(build one with `megatron-kd cache build`, or set kd.build_cache=true)")
-    if kd.mode == "online":
-        _need(p.teacher_tp in (None, p.tp), f"parallel.teacher_tp={p.teacher_tp} must equal parallel.tp={p.tp}: "
-              "the online teacher shares the student's tensor-parallel group")
+    if kd.mode == "online":  # the teacher computes its targets at kd.temperature every step
+        _need(kd.cache_temperature is None, f"kd.cache_temperature={kd.cache_temperature} re-tempers a cache "
+              "captured at that temperature, but kd.mode=online computes the teacher at kd.temperature each step; "
+              "set kd.cache_temperature=null")
     try:
         kd.loss_options()
     except ValueError as e:

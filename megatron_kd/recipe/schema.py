@@ -77,7 +77,6 @@ class ParallelConfig:
     use_distributed_optimizer: bool = True       # Megatron's DistributedOptimizer (GPU)
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
-    teacher_tp: Optional[int] = None             # online mode: must equal tp for now (checked)
 
 
 @dataclass

@@ -128,3 +128,14 @@ def test_one_recipe_name_lookup(tmp_path, monkeypatch):
     assert missing_recipe("tiny_cpu") == f"no recipe 'tiny_cpu' in {tmp_path}; known: mine"
     assert missing_recipe(str(tmp_path / "gone.yaml")) == f"recipe file {str(tmp_path / 'gone.yaml')!r} does not exist"
     assert recipe_path(str(tmp_path / "mine.yaml")) == tmp_path / "mine.yaml"
+
+
+def test_online_mode_refuses_cache_temperature():
+    """Online targets are the teacher at kd.temperature already; re-tempering them from kd.cache_temperature would
+    train on a distribution neither temperature describes."""
+    from megatron_kd.recipe.checks import check_recipe
+    base = ["data=mock", "data.vocab_size=64", "kd=online", "kd.temperature=2.0"]
+    check_recipe(to_recipe(compose("tiny_cpu", base)), None, False)
+    r = to_recipe(compose("tiny_cpu", [*base, "kd.cache_temperature=1.0"]))
+    with pytest.raises(RecipeError, match=r"^kd.cache_temperature=1.0 .* set kd.cache_temperature=null$"):
+        check_recipe(r, None, False)

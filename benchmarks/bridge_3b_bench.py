@@ -79,7 +79,7 @@ class StepMeter:
 
 
 def overrides(a, w):
-    o = [f"kd.cache_path={w}/cache", f"kd.top_k={TOPK}", f"train.train_iters={a.iters}",
+    o = [f"kd.cache={w}/cache", f"kd.top_k={TOPK}", f"train.train_iters={a.iters}",
          "train.global_batch_size=1", "train.micro_batch_size=1", "checkpoint.save=null", "checkpoint.load=null",
          "dataset.num_workers=0", f"model.seq_length={a.seq}", f"dataset.seq_length={a.seq}",
          # no tokenizer files or token data on the device: Bridge's NullTokenizer and mock data (the recipe's)

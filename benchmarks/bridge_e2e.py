@@ -75,7 +75,7 @@ class KillAt:
 
 
 def bridge_argv(w, ckpt, log):
-    return ["--recipe", "bridge_e2e:student_recipe", "--config-file", YAML, f"kd.cache_path={w}/cache",
+    return ["--recipe", "bridge_e2e:student_recipe", "--config-file", YAML, f"kd.cache={w}/cache",
             f"kd.top_k={TOPK}", f"checkpoint.save={ckpt}", f"checkpoint.load={ckpt}",
             f"checkpoint.save_interval={SAVE_AT}", f"train.train_iters={ITERS}", f"train.global_batch_size={GBS}",
             f"train.micro_batch_size={MBS}", "--loss-log", log]
@@ -94,7 +94,7 @@ def child(a):
         from megatron_kd.bridge.cache import main
         return main(["build", "--recipe", "bridge_e2e:student_recipe", "--config-file", YAML,
                      "--teacher", f"hf:{w}/teacher", "--top-k", str(TOPK), "--no-progress",
-                     f"kd.cache_path={w}/cache", f"train.train_iters={ITERS}", f"train.global_batch_size={GBS}"])
+                     f"kd.cache={w}/cache", f"train.train_iters={ITERS}", f"train.global_batch_size={GBS}"])
     if a.child == "config":  # CPU: the run's config as run.py builds it, and its saved form
         from megatron_kd.bridge.run import build
         cfg, _, _ = build(bridge_argv(w, f"{w}/ck_cfg", f"{w}/cfg.jsonl"))
@@ -215,8 +215,8 @@ def main():
             import yaml
             rc = yaml.safe_load(open(f"{w}/ck_a/{cfgs[0]}/run_config.yaml"))["dataset"]
             checks["saved_config_holds_kd"] = {"file": f"ck_a/{cfgs[0]}/run_config.yaml", "target": rc["_target_"],
-                                               "kd_cache_path": rc.get("kd", {}).get("cache_path"),
-                                               "ok": rc.get("kd", {}).get("cache_path") == f"{w}/cache"}
+                                               "kd_cache": rc.get("kd", {}).get("cache"),
+                                               "ok": rc.get("kd", {}).get("cache") == f"{w}/cache"}
     else:
         checks["cache_built"] = {"ok": os.path.exists(f"{w}/cache/manifest.json")}
         checks["megatron_kd_train_on_the_bridge_cache"] = {"ok": 1 in mkd, "loss": mkd.get(1)}

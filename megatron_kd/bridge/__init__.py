@@ -5,7 +5,7 @@
     from megatron_kd.bridge import OfflineKDConfig, enable_offline_kd
 
     cfg = llama32_3b_pretrain_config()
-    pretrain(cfg, enable_offline_kd(cfg, OfflineKDConfig(cache_path="/data/kd/llama31_8b_top100")))
+    pretrain(cfg, enable_offline_kd(cfg, OfflineKDConfig(cache="/data/kd/llama31_8b_top100")))
 
 or from a Bridge-style YAML with a `kd:` section (recipes/bridge/):
 

@@ -12,7 +12,7 @@ def check_cache_against_model(reader, kd: OfflineKDConfig, *, seq_length=None, v
     """Fail before any work when the cache cannot serve this student: K, temperature, length, vocabulary."""
     reader.check_compatible(top_k=kd.top_k, temperature=kd.capture_temperature, seq_length=seq_length)
     if vocab_size is not None and int(reader.vocab_size) > int(vocab_size):
-        raise ValueError(f"kd.cache_path {kd.cache_path!r}: the teacher's vocabulary ({reader.vocab_size}) is "
+        raise ValueError(f"kd.cache {kd.cache!r}: the teacher's vocabulary ({reader.vocab_size}) is "
                          f"larger than the student's ({vocab_size}); teacher and student must share a tokenizer")
 
 
@@ -20,13 +20,13 @@ def enable_offline_kd(cfg, kd: OfflineKDConfig | dict, *, reader=None) -> Offlin
     """Turn a Bridge ConfigContainer into an offline-KD run and return its forward step:
 
         cfg = llama32_3b_pretrain_config()
-        forward_step = enable_offline_kd(cfg, OfflineKDConfig(cache_path="/data/kd/llama31_8b_top100"))
+        forward_step = enable_offline_kd(cfg, OfflineKDConfig(cache="/data/kd/llama31_8b_top100"))
         pretrain(cfg, forward_step)
 
     cfg.dataset is wrapped so the train split carries the cache rows; validation keeps the plain LM loss.
     """
     kd = (OfflineKDConfig.from_dict(kd) if isinstance(kd, dict) else kd).validate()
-    reader = reader if reader is not None else open_cache(kd.cache_path)
+    reader = reader if reader is not None else open_cache(kd.cache)
     model = cfg.model
     check_cache_against_model(reader, kd, seq_length=getattr(model, "seq_length", None),
                               vocab_size=getattr(model, "vocab_size", None))

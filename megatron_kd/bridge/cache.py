@@ -6,7 +6,7 @@
 The recipe, the YAML and the overrides are merged as `megatron_kd.bridge.run` merges them; then Bridge's own
 pieces make the samples: its tokenizer (build_tokenizer), its sample counts (get_train_valid_test_num_samples:
 train_iters x global_batch_size), its dataset provider for cfg.dataset (same blend, split, seed, sequence
-length), and the first train_samples of the train split are what the teacher sees. The cache goes to kd.cache_path
+length), and the first train_samples of the train split are what the teacher sees. The cache goes to kd.cache
 (or --out) with kd.top_k (default 100) and kd.temperature, so `megatron_kd.bridge.run` with the same file trains
 on it. A restart of the same command resumes an unfinished cache; under torchrun, data-parallel ranks split it.
 
@@ -118,9 +118,9 @@ def _init_distributed():
 def build(a) -> dict:
     from ..teacher.build import build_cache
     cfg, kd, notes = load_config(a)
-    out = a.out or kd.cache_path
+    out = a.out or kd.cache
     if not out:
-        raise ValueError("no cache directory: set kd.cache_path in the --config-file (or kd.cache_path=...) or --out")
+        raise ValueError("no cache directory: set kd.cache in the --config-file (or kd.cache=...) or --out")
     top_k = a.top_k or kd.top_k or 100
     _init_distributed()
     train, tokenizer = bridge_train_samples(cfg)
@@ -149,7 +149,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--teacher", required=True, help="hf:MODEL_DIR, mkd:MEGATRON_KD_SAVE_DIR or module:function "
                    "returning a teacher")
     b.add_argument("--teacher-args", default="{}", help='JSON keyword arguments, e.g. \'{"dtype": "bfloat16"}\'')
-    b.add_argument("--out", default=None, help="cache directory (default: kd.cache_path)")
+    b.add_argument("--out", default=None, help="cache directory (default: kd.cache)")
     b.add_argument("--top-k", type=int, default=None, help="default: kd.top_k, else 100")
     b.add_argument("--encoding", choices=["fp16", "compact"], default="fp16")
     b.add_argument("--micro-batch-size", type=int, default=1)
@@ -168,7 +168,7 @@ def main(argv=None) -> int:
         return 2
     import torch.distributed as dist
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"cache complete: {a.out or 'kd.cache_path'}: {m['num_samples']} samples (Bridge's train samples "
+        print(f"cache complete: {a.out or 'kd.cache'}: {m['num_samples']} samples (Bridge's train samples "
               f"0..{m['num_samples'] - 1}) x {m['seq_length']} positions x K={m['top_k']}", flush=True)
     return 0
 

@@ -1,30 +1,31 @@
 """The `kd` section a Bridge user adds next to their ConfigContainer. Plain dataclass: no Bridge import."""
 from dataclasses import asdict, dataclass, fields
+from typing import Optional
 
-from ..loss import KDLoss
+from ..recipe.schema import OfflineKD
 
 
 @dataclass
-class OfflineKDConfig(KDLoss):
-    """Offline top-K distillation settings; the loss keys (kl_weight, ce_weight, temperature, tail, impl,
-    chunk_size) are loss.KDLoss's, the same schema as the recipes' `kd` section. temperature must equal the
-    temperature the cache was captured at (checked before any step)."""
+class OfflineKDConfig(OfflineKD):
+    """Offline top-K distillation settings of a Bridge run: the recipes' `kd` keys (recipe.schema.OfflineKD:
+    the loss keys, cache, top_k, check_tokens, log_ce, with the same defaults) plus Bridge's own below. The
+    cache's capture temperature is checked against temperature / cache_temperature before any step."""
 
-    cache_path: str = ""
-    """Teacher top-K cache (a directory with manifest.json) built over the same training dataset."""
-    top_k: int | None = None
-    """K to train with: None takes the cache's; a smaller K keeps each row's most probable entries."""
-    check_tokens: bool = True
-    """Compare each sample's token hash with the cache's: catches a cache built for other data."""
-    log_ce: bool = False
-    """Also report the student's CE and KL apart: one extra forward-only pass over the output layer per
-    micro-batch (off by default: at 32K x 128K vocab that pass is not free)."""
+    cache_path: Optional[str] = None
+    """Alias of `cache`, in the *_path style of Bridge's own path keys; a YAML may give either (not both)."""
     eval_with_lm_loss: bool = True
     """Validation batches (no cache rows) use the plain LM loss instead of failing."""
 
+    def __post_init__(self):
+        if self.cache_path is not None:
+            if self.cache is not None and self.cache != self.cache_path:
+                raise ValueError(f"kd.cache={self.cache!r} and kd.cache_path={self.cache_path!r} name two caches; "
+                                 "give one of them (cache_path is an alias of cache)")
+            self.cache, self.cache_path = self.cache_path, None
+
     def validate(self) -> "OfflineKDConfig":
-        if not self.cache_path:
-            raise ValueError("kd.cache_path is required: the directory of the teacher top-K cache")
+        if not self.cache:
+            raise ValueError("kd.cache is required: the directory of the teacher top-K cache")
         if self.top_k is not None and int(self.top_k) < 1:
             raise ValueError(f"kd.top_k={self.top_k} must be a positive integer (or null: the cache's K)")
         try:
@@ -59,7 +60,7 @@ def split_kd_overrides(overrides: list) -> tuple[list, list]:
 
 
 def apply_kd_overrides(kd: OfflineKDConfig, overrides: list) -> OfflineKDConfig:
-    """`kd.top_k=64 kd.cache_path=/data/c` onto a config; values parse as YAML scalars (64 -> int, null -> None)."""
+    """`kd.top_k=64 kd.cache=/data/c` onto a config; values parse as YAML scalars (64 -> int, null -> None)."""
     import yaml
 
     values = kd.to_dict()
@@ -68,6 +69,7 @@ def apply_kd_overrides(kd: OfflineKDConfig, overrides: list) -> OfflineKDConfig:
             raise ValueError(f"kd override {item!r} needs the form kd.<key>=<value>")
         key, raw = item.lstrip("+").split("=", 1)
         key = key[len("kd."):]
+        key = "cache" if key == "cache_path" else key  # the alias overrides what the YAML's cache says
         if key not in values:
             raise ValueError(f"unknown kd key {key!r} in {item!r}; known: {sorted(values)}")
         values[key] = yaml.safe_load(raw) if raw != "" else ""

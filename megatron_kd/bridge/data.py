@@ -36,9 +36,9 @@ def kd_train_split(train, kd, train_samples: int, reader=None):
     hashes checked per sample). The cache must cover what the run consumes, not the split's whole epoch."""
     from ..cache import CacheReader, TopKDataset
     head = train_head(train, train_samples)
-    reader = reader if reader is not None else CacheReader(kd.cache_path)
+    reader = reader if reader is not None else CacheReader(kd.cache)
     if len(reader) < len(head):
-        raise ValueError(f"kd.cache_path={kd.cache_path!r} holds {len(reader)} samples, the run needs {len(head)} "
+        raise ValueError(f"kd.cache={kd.cache!r} holds {len(reader)} samples, the run needs {len(head)} "
                          "(train.train_iters x train.global_batch_size); rebuild it for this recipe with `python -m "
                          "megatron_kd.bridge.cache build --recipe ... --config-file ...` or lower train.train_iters")
     return TopKDataset(head, reader, check_tokens=kd.check_tokens, top_k=kd.top_k)

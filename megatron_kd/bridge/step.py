@@ -14,8 +14,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ..loss.options import KDLoss
-from ..recipe.schema import KDConfig
+from ..recipe.schema import KDConfig, OfflineKD
 from ..models.hook import forward_with_head
 from ..models.builder import unwrap
 from ..training.step import KDHead, loss_func, slice_for_context_parallel
@@ -29,10 +28,7 @@ _NO_PARTS = SimpleNamespace(kl=None, ce=None)  # a loss with no KL / CE split to
 
 def kd_settings(kd: OfflineKDConfig) -> KDConfig:
     """The `kd` section of megatron-kd's own recipes that this Bridge section stands for."""
-    extra = {} if kd.top_k is None else {"top_k": int(kd.top_k)}
-    loss = {f.name: getattr(kd, f.name) for f in fields(KDLoss)}  # every loss key, as megatron.step.loss_kwargs
-    return KDConfig(mode="offline", cache=kd.cache_path, check_tokens=kd.check_tokens, log_ce=kd.log_ce,
-                    **loss, **extra)
+    return KDConfig(mode="offline", **{f.name: getattr(kd, f.name) for f in fields(OfflineKD)})
 
 
 def next_batch(data_iterator, device, keep_attention_mask: bool = False) -> dict:

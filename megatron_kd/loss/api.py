@@ -26,6 +26,38 @@ def _pick_impl(opts: LossOptions, n: int, v_local: int, device: torch.device) ->
     return "chunked" if opts.reduction == "none" else "forward_chunked"
 
 
+def _check_call_extras(grad_scale, fused_settings, metrics, weight) -> float:
+    """The arguments topk_kl_loss checks itself (LossOptions and check_and_flatten check the rest)."""
+    grad_scale = float(grad_scale)
+    if not (grad_scale > 0 and grad_scale < float("inf")):
+        raise ValueError(f"grad_scale={grad_scale} must be a finite positive number (the expected grad_output)")
+    if fused_settings is not None and not isinstance(fused_settings, FusedSettings):
+        raise ValueError(f"fused_settings must be a megatron_kd.loss.FusedSettings or None, got "
+                         f"{type(fused_settings).__name__}")
+    if metrics is not None and not isinstance(metrics, dict):
+        raise ValueError(f"metrics must be a dict to fill (or None), got {type(metrics).__name__}")
+    if not torch.is_tensor(weight) or weight.dim() != 2:
+        raise ValueError(f"weight must be [V, H] (this rank's vocab shard), got shape "
+                         f"{tuple(getattr(weight, 'shape', ()))}")
+    return grad_scale
+
+
+def _run_impl(mode, h, weight, t, opts, shard, reduce_grad_input, fused_settings, grad_scale, metrics):
+    """The loss of impl `mode` over the flattened inputs (the fused impl, or the autograd Function of the torch impls)."""
+    if mode == "fused":
+        from .fused import fused_topk_kl
+        out = fused_topk_kl(h, weight, t, opts, shard, reduce_grad_input=reduce_grad_input,
+                            settings=fused_settings, grad_scale=grad_scale, metrics=metrics)
+    else:
+        if mode == "forward_chunked" and opts.reduction == "none":
+            mode = "chunked"  # per-position upstream grads are unknown in forward
+        n = max(1, h.shape[0])
+        # chunk tokens follow the global vocabulary, so a TP rank's chunk buffer shrinks with its shard
+        chunk = n if mode == "dense" else int(opts.chunk_size or default_chunk_size(shard.valid_size))
+        out = TopKKLFunction.apply(h, weight, t, opts, shard, mode, chunk, reduce_grad_input, metrics)
+    return out
+
+
 def topk_kl_loss(hidden, weight, topk_ids, topk_logprobs, *, labels=None, loss_mask=None, kl_weight=1.0,
                  ce_weight=0.0, temperature=1.0, tail="none", reduction="mean", impl="auto", chunk_size=None,
                  ignore_index=-100, tp_group=None, sequence_parallel=False, vocab_start_index=None,
@@ -54,25 +86,14 @@ def topk_kl_loss(hidden, weight, topk_ids, topk_logprobs, *, labels=None, loss_m
     impl="fused" writes the weight gradient into weight.main_grad during forward already times grad_scale; a
     different grad_output is still exact but reruns the whole loss in backward.
     """
-    grad_scale = float(grad_scale)
-    if not (grad_scale > 0 and grad_scale < float("inf")):
-        raise ValueError(f"grad_scale={grad_scale} must be a finite positive number (the expected grad_output)")
-    if fused_settings is not None and not isinstance(fused_settings, FusedSettings):
-        raise ValueError(f"fused_settings must be a megatron_kd.loss.FusedSettings or None, got "
-                         f"{type(fused_settings).__name__}")
-    opts = LossOptions(kl_weight=float(kl_weight), ce_weight=float(ce_weight), temperature=float(temperature),
-                       tail=tail, reduction=reduction, impl=impl, chunk_size=chunk_size, ignore_index=ignore_index,
-                       divergence=divergence, jsd_beta=float(jsd_beta),
-                       cache_temperature=None if cache_temperature is None else float(cache_temperature),
+    grad_scale = _check_call_extras(grad_scale, fused_settings, metrics, weight)
+    opts = LossOptions(kl_weight=kl_weight, ce_weight=ce_weight, temperature=temperature, tail=tail,
+                       reduction=reduction, impl=impl, chunk_size=chunk_size, ignore_index=ignore_index,
+                       divergence=divergence, jsd_beta=jsd_beta, cache_temperature=cache_temperature,
                        monitor=metrics is not None)
-    if metrics is not None and not isinstance(metrics, dict):
-        raise ValueError(f"metrics must be a dict to fill (or None), got {type(metrics).__name__}")
     tp = group_size(tp_group)
     if sequence_parallel and tp == 1:
         sequence_parallel = False
-    if not torch.is_tensor(weight) or weight.dim() != 2:
-        raise ValueError(f"weight must be [V, H] (this rank's vocab shard), got shape "
-                         f"{tuple(getattr(weight, 'shape', ()))}")
     shard = VocabShard.build(weight.shape[0], tp_group, vocab_start_index, valid_vocab_size)
     h, t, lead = check_and_flatten(hidden, weight, topk_ids, topk_logprobs, labels, loss_mask, opts,
                                    vocab_size=shard.valid_size, seq_shards=tp if sequence_parallel else 1)
@@ -83,17 +104,7 @@ def topk_kl_loss(hidden, weight, topk_ids, topk_logprobs, *, labels=None, loss_m
     if sequence_parallel:
         h = gather_sequence(hidden, tp_group).reshape(-1, hidden.shape[-1])
     mode = _pick_impl(opts, h.shape[0], -(-shard.valid_size // tp), h.device)
-    if mode == "fused":
-        from .fused import fused_topk_kl
-        out = fused_topk_kl(h, weight, t, opts, shard, reduce_grad_input=not sequence_parallel,
-                            settings=fused_settings, grad_scale=grad_scale, metrics=metrics)
-    else:
-        if mode == "forward_chunked" and opts.reduction == "none":
-            mode = "chunked"  # per-position upstream grads are unknown in forward
-        n = max(1, h.shape[0])
-        # chunk tokens follow the global vocabulary, so a TP rank's chunk buffer shrinks with its shard
-        chunk = n if mode == "dense" else int(opts.chunk_size or default_chunk_size(shard.valid_size))
-        out = TopKKLFunction.apply(h, weight, t, opts, shard, mode, chunk, not sequence_parallel, metrics)
+    out = _run_impl(mode, h, weight, t, opts, shard, not sequence_parallel, fused_settings, grad_scale, metrics)
     if opts.reduction == "none":
         if metrics is not None and "kl_bucket" in metrics:
             metrics["kl_bucket"] = metrics["kl_bucket"].reshape(lead)

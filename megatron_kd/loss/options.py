@@ -11,26 +11,59 @@ IMPLS = ("auto", "dense", "chunked", "forward_chunked", "fused")
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")  # docs/loss.md defines each on a sparse teacher, per tail
 
 
-@dataclass(frozen=True)
-class LossOptions:
-    kl_weight: float = 1.0
-    ce_weight: float = 0.0
+_FLOAT_KEYS = ("kl_weight", "ce_weight", "temperature", "jsd_beta", "cache_temperature")
+
+
+def _as_float(key: str, value) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"{key}={value!r} must be a number")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{key}={value!r} must be a number") from None
+
+
+@dataclass
+class KDLoss:
+    """The loss keys of a KD run's `kd` section, one schema: megatron_kd.recipe.schema.KDConfig (recipes) and
+    megatron_kd.bridge.OfflineKDConfig (Bridge YAMLs) extend it; loss_options() is the topk_kl_loss call's."""
+    kl_weight: float = 1.0                       # ce mode trains on CE alone (weight 1)
+    ce_weight: float = 0.0                       # adds this x CE on the labels
     temperature: float = 1.0
-    tail: str = "none"
+    tail: str = "none"                           # none | renormalize | bucket (see topk_kl_loss)
+    impl: str = "auto"                           # auto | dense | chunked | forward_chunked | fused
+    chunk_size: Optional[int] = None
+    divergence: str = "forward_kl"               # forward_kl | reverse_kl | jsd (docs/loss.md)
+    jsd_beta: float = 0.5                        # jsd: the teacher's weight beta in (0, 1) (Liger's convention)
+    cache_temperature: Optional[float] = None    # the T the cache was captured at, to re-temper it to temperature
+
+    @property
+    def capture_temperature(self) -> float:
+        """The temperature the teacher's cache is captured at: cache_temperature when set (the loss re-tempers it
+        to `temperature`), else `temperature`."""
+        return self.temperature if self.cache_temperature is None else self.cache_temperature
+
+    def loss_options(self, **overrides) -> "LossOptions":
+        """The checked LossOptions of these keys (ValueError naming the key when one is wrong)."""
+        kw = {f.name: getattr(self, f.name) for f in fields(KDLoss)}
+        kw.update(overrides)
+        return LossOptions(**kw)
+
+
+@dataclass
+class LossOptions(KDLoss):
+    """One loss call's options, checked once: the run's loss keys (KDLoss) plus what only a call decides. The
+    numbers are coerced to float here, naming the key when one is not a number. Read-only by convention: a
+    changed copy is dataclasses.replace(opts, ...)."""
     reduction: str = "mean"
-    impl: str = "auto"
-    chunk_size: int | None = None
     ignore_index: int = -100
-    # divergences (issue 20): the divergence, JSD's teacher weight beta (Liger's convention), the temperature the
-    # cache was captured at (None: the training temperature; otherwise the cache is re-tempered, an approximation:
-    # docs/loss.md), and whether to also compute the bucket-tail forward KL for monitoring (topk_kl_loss sets it
-    # when given a metrics dict)
-    divergence: str = "forward_kl"
-    jsd_beta: float = 0.5
-    cache_temperature: float | None = None
-    monitor: bool = False
+    monitor: bool = False  # also compute the bucket-tail forward KL (topk_kl_loss sets it given a metrics dict)
 
     def __post_init__(self):
+        for key in _FLOAT_KEYS:
+            value = getattr(self, key)
+            if value is not None:
+                setattr(self, key, _as_float(key, value))
         if self.tail not in TAILS:
             raise ValueError(f"tail={self.tail!r} is unknown; use one of {TAILS}")
         if self.reduction not in REDUCTIONS:
@@ -71,33 +104,3 @@ class LossOptions:
         if self.cache_temperature is None or float(self.cache_temperature) == float(self.temperature):
             return None
         return float(self.cache_temperature) / float(self.temperature)
-
-@dataclass
-class KDLoss:
-    """The loss keys of a KD run's `kd` section, one schema: megatron_kd.recipe.schema.KDConfig (recipes) and
-    megatron_kd.bridge.OfflineKDConfig (Bridge YAMLs) extend it; loss_options() is the topk_kl_loss call's."""
-    kl_weight: float = 1.0                       # ce mode trains on CE alone (weight 1)
-    ce_weight: float = 0.0                       # adds this x CE on the labels
-    temperature: float = 1.0
-    tail: str = "none"                           # none | renormalize | bucket (see topk_kl_loss)
-    impl: str = "auto"                           # auto | dense | chunked | forward_chunked | fused
-    chunk_size: Optional[int] = None
-    divergence: str = "forward_kl"               # forward_kl | reverse_kl | jsd (docs/loss.md)
-    jsd_beta: float = 0.5                        # jsd: the teacher's weight beta in (0, 1) (Liger's convention)
-    cache_temperature: Optional[float] = None    # the T the cache was captured at, to re-temper it to temperature
-
-    @property
-    def capture_temperature(self) -> float:
-        """The temperature the teacher's cache is captured at: cache_temperature when set (the loss re-tempers it
-        to `temperature`), else `temperature`."""
-        return self.temperature if self.cache_temperature is None else self.cache_temperature
-
-    def loss_options(self, **overrides) -> LossOptions:
-        """The checked LossOptions of these keys (ValueError naming the key when one is wrong)."""
-        kw = {f.name: getattr(self, f.name) for f in fields(KDLoss)}
-        kw.update(overrides)
-        return LossOptions(kl_weight=float(kw["kl_weight"]), ce_weight=float(kw["ce_weight"]),
-                           temperature=float(kw["temperature"]), tail=kw["tail"], impl=kw["impl"],
-                           chunk_size=kw["chunk_size"], divergence=kw["divergence"],
-                           jsd_beta=float(kw["jsd_beta"]), cache_temperature=None if kw["cache_temperature"] is None
-                           else float(kw["cache_temperature"]))

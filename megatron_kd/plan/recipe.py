@@ -20,6 +20,7 @@ Every key is then read as megatron_kd/models/builder.py and optim/setup.py read 
   data.seq_length    tokens per sample
   kd                 mode, top_k, impl (auto = what auto picks on a GPU: fused)
 """
+import json
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -49,6 +50,16 @@ def _missing_to_none(cfg) -> None:
                 cfg[i] = None
             else:
                 _missing_to_none(cfg._get_node(i))
+
+
+def _cache_top_k(kd, notes: list) -> int:
+    """kd.top_k=null trains with the cache's K: read it from a finished cache, else plan for K=100."""
+    from megatron_kd.cache.format import MANIFEST, is_finished
+    if is_finished(kd.cache):
+        with open(Path(kd.cache) / MANIFEST) as f:
+            return int(json.load(f)["top_k"])
+    notes.append("kd.top_k=null (the cache's K) and no finished cache at kd.cache: planned at K=100")
+    return 100
 
 
 def load_recipe(name: str, overrides=()):
@@ -198,7 +209,7 @@ def from_recipe(r) -> RecipePlan:
     tr = dict(seq_len=d.seq_length, micro_batch=t.micro_batch_size, recompute=rc, recompute_layers=rc_layers,
               distributed_optimizer=bool(p.use_distributed_optimizer), grad_fp32=True, optimizer=t.optimizer,
               moment_bytes=tuple(2 if x == "bf16" else 4 for x in (t.exp_avg_dtype, t.exp_avg_sq_dtype)),
-              mode=kd.mode, topk=kd.top_k)
+              mode=kd.mode, topk=kd.top_k or _cache_top_k(kd, notes))
     if kd.impl in loss_impls():
         tr["loss"] = kd.impl
     elif kd.impl != "auto":

@@ -87,12 +87,28 @@ def check_world(r: Recipe, world_size: int) -> int:
 def check_recipe(r: Recipe, world_size: int | None = 1, cuda: bool = False) -> None:
     """Cross-section checks that need no data or model; raise RecipeError naming the key.
     The world-size check comes last (world_size=None skips it)."""
-    p, t, kd, d = r.parallel, r.train, r.kd, r.data
+    p = r.parallel
     for k in ("tp", "pp", "cp", "ep"):
         _need(getattr(p, k) >= 1, f"parallel.{k}={getattr(p, k)} must be >= 1")
     check_model(r.model, "model", p.tp)
+    _check_kd(r)
+    _check_data(r)
+    _check_train(r)
+    if not cuda:
+        _check_cpu(r)
+    if world_size is not None:
+        check_world(r, world_size)
+
+
+def _check_kd(r: Recipe) -> None:
+    """The kd section: mode, K, the teacher or cache it needs, the loss keys."""
+    kd, p = r.kd, r.parallel
     _need(kd.mode in MODES, f"kd.mode={kd.mode!r}: use one of {MODES}")
-    if kd.mode != "ce":
+    if kd.mode == "online" or (kd.mode == "offline" and kd.build_cache):
+        _need(kd.top_k is not None, f"kd.top_k=null takes a cache's K; kd.mode={kd.mode}"
+              f"{' with kd.build_cache=true' if kd.mode == 'offline' else ''} computes the teacher's top-K itself: "
+              "set kd.top_k (e.g. 100)")
+    if kd.mode != "ce" and kd.top_k is not None:
         _need(kd.top_k >= 1, f"kd.top_k={kd.top_k} must be >= 1")
     if kd.mode == "online" or (kd.mode == "offline" and kd.build_cache):
         check_model(r.teacher, "teacher", p.tp)
@@ -107,6 +123,10 @@ def check_recipe(r: Recipe, world_size: int | None = 1, cuda: bool = False) -> N
         kd.loss_options()
     except ValueError as e:
         raise RecipeError(f"kd: {e}") from None
+
+
+def _check_data(r: Recipe) -> None:
+    d, p = r.data, r.parallel
     _need(d.kind in ("mock", "indexed"), f"data.kind={d.kind!r}: use mock or indexed")
     if d.kind == "indexed":
         _need(bool(d.path), "data.path is required with data.kind=indexed: the .bin/.idx prefix "
@@ -120,6 +140,10 @@ def check_recipe(r: Recipe, world_size: int | None = 1, cuda: bool = False) -> N
     if p.sequence_parallel:
         _need(d.seq_length % p.tp == 0, f"data.seq_length={d.seq_length} must divide by parallel.tp={p.tp} "
               "with parallel.sequence_parallel")
+
+
+def _check_train(r: Recipe) -> None:
+    t, p = r.train, r.parallel
     _need(t.iters >= 1, f"train.iters={t.iters} must be >= 1")
     _need(t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size} must be >= 1")
     _need(t.precision in PRECISIONS, f"train.precision={t.precision!r}: use one of {PRECISIONS}")
@@ -136,20 +160,22 @@ def check_recipe(r: Recipe, world_size: int | None = 1, cuda: bool = False) -> N
               "train.exp_avg_sq_dtype=fp32 or adam_beta2 <= 0.95")
         _need(p.ep == 1, f"train.optimizer=lean_adam with parallel.ep={p.ep}: its one gradient-norm group "
               "would clip expert-parallel ranks differently; use train.optimizer=adam for expert parallelism")
-    if not cuda:
-        _need(p.pp == 1, f"parallel.pp={p.pp}: pipeline parallel needs GPUs (Megatron's schedules are CUDA-only); "
-              "use parallel.pp=1 on CPU")
-        _need(p.cp == 1, f"parallel.cp={p.cp}: context parallel attention needs Transformer Engine on GPUs; "
-              "use parallel.cp=1 on CPU")
-        _need(not p.sequence_parallel, "parallel.sequence_parallel=true needs GPUs (Megatron's norms refuse it "
-              "without TE/apex); set it false on CPU")
-        _need(t.precision == "fp32" or t.optimizer == "lean_adam", f"train.precision={t.precision} needs GPUs "
-              "(Megatron's mixed-precision optimizer is CUDA-only); use train.precision=fp32 on CPU, or "
-              "train.precision=bf16 with train.optimizer=lean_adam")
     if t.stop_at is not None:
         _need(1 <= t.stop_at <= t.iters, f"train.stop_at={t.stop_at} must be in [1, train.iters={t.iters}]")
-    if world_size is not None:
-        check_world(r, world_size)
+
+
+def _check_cpu(r: Recipe) -> None:
+    """What only GPUs run."""
+    t, p = r.train, r.parallel
+    _need(p.pp == 1, f"parallel.pp={p.pp}: pipeline parallel needs GPUs (Megatron's schedules are CUDA-only); "
+          "use parallel.pp=1 on CPU")
+    _need(p.cp == 1, f"parallel.cp={p.cp}: context parallel attention needs Transformer Engine on GPUs; "
+          "use parallel.cp=1 on CPU")
+    _need(not p.sequence_parallel, "parallel.sequence_parallel=true needs GPUs (Megatron's norms refuse it "
+          "without TE/apex); set it false on CPU")
+    _need(t.precision == "fp32" or t.optimizer == "lean_adam", f"train.precision={t.precision} needs GPUs "
+          "(Megatron's mixed-precision optimizer is CUDA-only); use train.precision=fp32 on CPU, or "
+          "train.precision=bf16 with train.optimizer=lean_adam")
 
 
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
@@ -201,7 +227,7 @@ def check_run(r: Recipe, world_size: int, cuda: bool, vocab_size: int) -> None:
     if cuda and p.sequence_parallel and p.tp > 1 and not (te_available() or apex_available()):
         raise RecipeError("parallel.sequence_parallel=true needs Transformer Engine or apex norms (Megatron's torch "
                           "norms refuse it); set it false or run where TE/apex import")
-    if r.kd.mode != "ce" and r.kd.top_k > vocab_size:
+    if r.kd.mode != "ce" and r.kd.top_k is not None and r.kd.top_k > vocab_size:
         raise RecipeError(f"kd.top_k={r.kd.top_k} exceeds the vocabulary ({vocab_size} ids)")
     check_world(r, world_size)
     check_export(r)

@@ -96,19 +96,25 @@ class DataConfig:
 
 
 @dataclass
-class KDConfig(KDLoss):
-    """The `kd` section: the loss keys (kl_weight, ce_weight, temperature, tail, impl, chunk_size: loss.KDLoss)
-    plus the mode and where the teacher's targets come from."""
-    mode: str = "offline"                        # offline (top-K cache) | online (teacher beside) | ce (labels only)
+class OfflineKD(KDLoss):
+    """The keys of offline KD that a recipe's `kd` section and a Bridge YAML's `kd` section share: the loss keys
+    (loss.KDLoss) plus the cache and how it is read. One name and one default each, in both dialects."""
     cache: Optional[str] = None                  # offline: the teacher top-K cache directory
+    top_k: Optional[int] = None                  # K to train with; null: the cache's K (online and building a
+                                                 # cache need a number)
+    check_tokens: bool = True                    # compare each sample's token hash with the cache's
+    log_ce: bool = False                         # also report the student's CE in KD modes (one forward-only
+                                                 # output-layer pass per micro-batch; not free at 32K x 128K)
+
+
+@dataclass
+class KDConfig(OfflineKD):
+    """The recipe's `kd` section: OfflineKD's keys plus the mode and where the teacher's targets come from."""
+    mode: str = "offline"                        # offline (top-K cache) | online (teacher beside) | ce (labels only)
     build_cache: bool = False                    # offline: build the cache from `teacher` first when it is missing
     cache_encoding: str = "fp16"                 # when building: fp16 | compact
-    top_k: int = 32
-    check_tokens: bool = True                    # compare each sample's token hash with the cache's
     teacher_id: Optional[str] = None             # offline: the cache's teacher ("name" or "name@weights_hash");
-                                                 # a cache from another teacher is refused (data-safety hook)
-    log_ce: bool = True                          # report the student's CE in KD modes (one forward-only output-
-                                                 # layer pass per micro-batch; large GPU runs may turn it off)
+                                                 # a cache from another teacher is refused
 
 
 @dataclass

@@ -57,7 +57,7 @@ def test_import_never_pulls_bridge_or_megatron_core():
 
 
 def test_config_validation_names_the_key():
-    with pytest.raises(ValueError, match="kd.cache_path is required"):
+    with pytest.raises(ValueError, match="kd.cache is required"):
         OfflineKDConfig().validate()
     with pytest.raises(ValueError, match="kd: tail='oops'"):
         OfflineKDConfig(cache_path="/c", tail="oops").validate()
@@ -65,6 +65,20 @@ def test_config_validation_names_the_key():
         OfflineKDConfig(cache_path="/c", top_k=0).validate()
     with pytest.raises(ValueError, match=r"unknown kd key\(s\) \['topk'\]"):
         OfflineKDConfig.from_dict({"cache_path": "/c", "topk": 3})
+
+
+def test_one_kd_schema_in_both_dialects():
+    """A Bridge YAML's kd section and a recipe's share OfflineKD's names and defaults; cache_path is an alias."""
+    from dataclasses import fields
+    from megatron_kd.recipe.schema import KDConfig, OfflineKD
+    shared = [f.name for f in fields(OfflineKD)]
+    assert {f.name: f.default for f in fields(OfflineKDConfig) if f.name in shared} == \
+        {f.name: f.default for f in fields(KDConfig) if f.name in shared}
+    assert OfflineKDConfig(cache_path="/c").cache == "/c" == OfflineKDConfig.from_dict({"cache_path": "/c"}).cache
+    assert OfflineKDConfig(cache="/c", cache_path="/c").cache == "/c"
+    with pytest.raises(ValueError, match="name two caches"):
+        OfflineKDConfig(cache="/a", cache_path="/b")
+    assert apply_kd_overrides(OfflineKDConfig(cache="/a"), ["kd.cache_path=/b"]).cache == "/b"
 
 
 def test_overrides_split_and_parse():

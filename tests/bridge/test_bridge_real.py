@@ -128,11 +128,11 @@ def test_saved_run_config_keeps_kd_and_loads_back(cache, tmp_path):
     cfg.to_yaml(str(path))  # what checkpointing.save_checkpoint writes
     saved = yaml.safe_load(path.read_text())["dataset"]
     assert saved["_target_"] == "megatron_kd.bridge.provider.OfflineKDDatasetProvider"
-    assert saved["kd"]["cache_path"] == cache and saved["kd"]["_target_"].endswith("OfflineKDConfig")
+    assert saved["kd"]["cache"] == cache and saved["kd"]["_target_"].endswith("OfflineKDConfig")
     assert saved["base"]["_target_"] == "megatron.bridge.training.config.MockGPTDatasetConfig"
     assert saved["base"]["random_seed"] == 1234 and saved["base"]["seq_length"] == SEQ
     loaded = read_run_config(str(path))  # what a resume reads
-    assert loaded["dataset"]["kd"]["cache_path"] == cache
+    assert loaded["dataset"]["kd"]["cache"] == cache
     # The tokenizer object Bridge attached at setup does not instantiate back (the same with Bridge's own plain
     # MockGPTDatasetConfig); everything else does.
     loaded["dataset"]["base"]["tokenizer"] = None
@@ -248,7 +248,7 @@ def test_run_build_merges_the_yaml_and_wires_kd(cache, tmp_path):
                           f"kd.top_k={K}", f"model.seq_length={SEQ}", f"dataset.seq_length={SEQ}",
                           f"train.train_iters={ITERS}", f"checkpoint.save={tmp_path}", f"checkpoint.load={tmp_path}"])
     assert isinstance(step, OfflineKDForwardStep) and isinstance(cfg.dataset, OfflineKDDatasetProvider)
-    assert cfg.dataset.kd.top_k == K and cfg.dataset.kd.cache_path == cache
+    assert cfg.dataset.kd.top_k == K and cfg.dataset.kd.cache == cache
     assert cfg.train.train_iters == ITERS and cfg.train.global_batch_size == 4 and cfg.checkpoint.save_interval == 12
     assert cfg.dataset.base.create_attention_mask is False and cfg.optimizer.lr == 1e-3
     assert cfg.model.transformer_layer_spec is sdpa_layer_spec and not cfg.model.gradient_accumulation_fusion

@@ -33,7 +33,7 @@ def test_unknown_key_in_a_recipe_file(tmp_path):
     shutil.copytree(recipes_dir(), rdir)
     (rdir / "typo.yaml").write_text("defaults:\n  - tiny_cpu\n  - _self_\nkd:\n  topk: 3\n")
     cfg = compose(str(rdir / "typo.yaml"), ["train.save=x"])
-    with pytest.raises(RecipeError, match=r"unknown recipe key 'kd\.topk'.*kd takes: .*mode, cache, .*top_k"):
+    with pytest.raises(RecipeError, match=r"unknown recipe key 'kd\.topk'.*kd takes: .*cache, top_k, .*mode"):
         to_recipe(cfg)
 
 
@@ -139,3 +139,14 @@ def test_online_mode_refuses_cache_temperature():
     r = to_recipe(compose("tiny_cpu", [*base, "kd.cache_temperature=1.0"]))
     with pytest.raises(RecipeError, match=r"^kd.cache_temperature=1.0 .* set kd.cache_temperature=null$"):
         check_recipe(r, None, False)
+
+
+def test_top_k_null_takes_the_caches_k_where_a_cache_is_read():
+    """kd.top_k=null (the shared default with Bridge's kd section) reads the cache's K; modes that compute the
+    teacher's top-K themselves need a number, refused by name before any work."""
+    from megatron_kd.recipe.checks import check_recipe
+    base = ["data=mock", "data.vocab_size=64", "kd.top_k=null"]
+    check_recipe(to_recipe(compose("tiny_cpu", [*base, "kd.cache=/some/cache", "kd.build_cache=false"])), None, False)
+    for extra, mode in ((["kd=online"], "online"), (["kd.cache=/c", "kd.build_cache=true"], "offline with")):
+        with pytest.raises(RecipeError, match=rf"^kd.top_k=null takes a cache's K; kd.mode={mode}.*set kd.top_k"):
+            check_recipe(to_recipe(compose("tiny_cpu", [*base, *extra])), None, False)

@@ -10,14 +10,13 @@ length), and the first train_samples of the train split are what the teacher see
 (or --out) with kd.top_k (default 100) and kd.temperature, so `megatron_kd.bridge.run` with the same file trains
 on it. A restart of the same command resumes an unfinished cache; under torchrun, data-parallel ranks split it.
 
-Teachers: `hf:DIR` (a local transformers checkpoint, megatron_kd.cache.HFTeacher, one GPU per rank),
-`mkd:SAVE_DIR` (a `megatron-kd train` checkpoint: its recipe's model section and weights, megatron_kd_teacher
-below; --teacher-args {"tp": 2, "precision": "bf16"}) or `module:function` returning a teacher
-(megatron_kd.teacher: MegatronTeacher, CallableTeacher, ...), called with --teacher-args (JSON).
+Teachers (read by megatron_kd.teacher.spec, as `megatron-kd cache build` reads them): `hf:DIR` (a local
+transformers checkpoint, HFTeacher, one GPU per rank), `mkd:SAVE_DIR` (a `megatron-kd train` checkpoint: its
+recipe's model section and weights; --teacher-args {"tp": 2, "precision": "bf16"}) or `module:function`
+returning a teacher (megatron_kd.teacher: MegatronTeacher, CallableTeacher, ...), called with --teacher-args.
 """
 import argparse
 import json
-import os
 import sys
 
 from .run import add_config_args, load_config
@@ -57,72 +56,17 @@ def bridge_train_samples(cfg):
     return train_head(train, counts[0]), tokenizer
 
 
-def megatron_kd_teacher(save_dir: str, vocab_size: int, seq_length: int, tp: int = 1, precision: str = "bf16",
-                        device: str = "auto"):
-    """A `megatron-kd train` save dir (or iter_* dir) as a Megatron teacher: the model section of the recipe it
-    saved, its weights (any layout they were saved at), tensor parallel over `tp` ranks of this job; the other
-    ranks split the samples (data parallel)."""
-    import dataclasses
-    from megatron.core import parallel_state as ps
-    from ..teacher.megatron import MegatronTeacher
-    from ..checkpoint import store as ckpt
-    from ..recipe.schema import ModelConfig, ParallelConfig
-    from ..runtime.dist import init_model_parallel, init_process_group, use_cuda
-    from ..models.builder import build_gpt
-    from ..teacher.megatron import freeze
-    saved = (ckpt.read_common(save_dir).get("recipe") or {}).get("model")
-    if not saved:
-        raise ValueError(f"--teacher mkd:{save_dir}: no recipe in its checkpoint (not a `megatron-kd train` save dir)")
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    m = ModelConfig(**{k: v for k, v in saved.items() if k in known})
-    m.hf_path = None
-    cuda = use_cuda(device)
-    init_process_group(cuda)
-    p = ParallelConfig(tp=int(tp))
-    if not ps.model_parallel_is_initialized():
-        init_model_parallel(p, cuda)
-    model = build_gpt(m, p, vocab_size, seq_length, precision)
-    ckpt.load_weights(save_dir, [model])
-    freeze(model)
-    return MegatronTeacher(model, vocab_size, name=m.name, tp_group=ps.get_tensor_model_parallel_group())
-
-
-def make_teacher(spec: str, args: dict, vocab_size: int | None = None, seq_length: int | None = None):
-    if spec.startswith("mkd:"):
-        return megatron_kd_teacher(spec[4:], vocab_size=vocab_size, seq_length=seq_length, **args)
-    if spec.startswith("hf:"):
-        import torch
-        from ..teacher.protocol import HFTeacher
-        kw = dict(args)
-        if "device" not in kw and torch.cuda.is_available():
-            kw["device"] = f"cuda:{torch.cuda.current_device()}"
-        if isinstance(kw.get("dtype"), str):
-            kw["dtype"] = getattr(torch, kw["dtype"])
-        return HFTeacher(spec[3:], **kw)
-    module, sep, name = spec.partition(":")
-    if not sep or not module or not name:
-        raise ValueError(f"--teacher {spec!r}: give hf:MODEL_DIR or module:function")
-    import importlib
-    return getattr(importlib.import_module(module), name)(**args)
-
-
-def _init_distributed():
-    import torch
-    import torch.distributed as dist
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-
-
 def build(a) -> dict:
+    import torch
+    from ..runtime.dist import init_process_group
     from ..teacher.build import build_cache
+    from ..teacher.spec import make_teacher
     cfg, kd, notes = load_config(a)
     out = a.out or kd.cache
     if not out:
         raise ValueError("no cache directory: set kd.cache in the --config-file (or kd.cache=...) or --out")
     top_k = a.top_k or kd.top_k or 100
-    _init_distributed()
+    init_process_group(torch.cuda.is_available(), launched_only=True)
     train, tokenizer = bridge_train_samples(cfg)
     vocab = int(getattr(tokenizer, "vocab_size", 0) or 0)
     teacher = make_teacher(a.teacher, json.loads(a.teacher_args or "{}"), vocab_size=vocab or None,

@@ -32,18 +32,12 @@ def _json_arg(text: str, flag: str) -> dict:
     return value
 
 
-def _init_distributed() -> None:
-    import torch
-    import torch.distributed as dist
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-
-
 def _teacher(args):
-    if args.teacher.startswith("hf:"):
-        from ..teacher.protocol import HFTeacher
-        return HFTeacher(args.teacher[3:], **_json_arg(args.teacher_args, "--teacher-args"))
-    return _factory(args.teacher)(**_json_arg(args.teacher_args, "--teacher-args"))
+    from ..teacher.spec import make_teacher
+    try:
+        return make_teacher(args.teacher, _json_arg(args.teacher_args, "--teacher-args"))
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def _dataset(args):
@@ -66,8 +60,10 @@ def cmd_build(args) -> int:
 
 
 def _build(args) -> int:
+    import torch
+    from ..runtime.dist import init_process_group
     from ..teacher.build import build_cache
-    _init_distributed()
+    init_process_group(torch.cuda.is_available(), launched_only=True)
     teacher = _teacher(args)
     dataset, dataset_id = _dataset(args)
     m = build_cache(teacher, dataset, args.out, top_k=args.top_k, encoding=args.encoding,

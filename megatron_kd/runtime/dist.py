@@ -28,9 +28,12 @@ def use_cuda(device: str = "auto") -> bool:
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-def init_process_group(cuda: bool) -> bool:
-    """Join (or create, for a plain `python`/single process) the default group; True if we created it."""
+def init_process_group(cuda: bool, *, launched_only: bool = False) -> bool:
+    """Join (or create, for a plain `python`/single process) the default group; True if we created it.
+    launched_only: join a launcher's group (WORLD_SIZE > 1) but run a single process without one."""
     if dist.is_initialized():
+        return False
+    if launched_only and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return False
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")

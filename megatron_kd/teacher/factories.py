@@ -28,8 +28,7 @@ def recipe_dataset(recipe: str = "tiny_cpu", overrides=None):
 
 def recipe_teacher(recipe: str = "tiny_cpu", overrides=None):
     """The recipe's teacher (weights from teacher.load) as a cache-builder teacher, on this rank's TP shard."""
-    from ..runtime.dist import init_model_parallel, init_process_group, set_seed, use_cuda
-    from .megatron import cache_teacher
+    from .megatron import start_cache_teacher
     r = _recipe(recipe, overrides)
     if r.teacher.hf_path:  # hf-ckpt: checked, architecture from config.json
         from ..recipe.hf import resolve_hf
@@ -40,10 +39,4 @@ def recipe_teacher(recipe: str = "tiny_cpu", overrides=None):
     if not (r.teacher.load or r.teacher.hf_path):
         raise ValueError(f"recipe {recipe}: teacher.load is not set; point it at the teacher's checkpoint directory "
                          "(or teacher.hf_path at a Hugging Face checkpoint)")
-    cuda = use_cuda(r.train.device)
-    init_process_group(cuda)
-    p = r.parallel
-    p.pp = p.cp = 1  # the builder runs the teacher unpipelined; its TP group is the recipe's
-    init_model_parallel(p, cuda)
-    set_seed(r.train.seed)
-    return cache_teacher(r, tok.vocab_size, parallel=p)
+    return start_cache_teacher(r, tok.vocab_size)

@@ -74,6 +74,20 @@ def cache_teacher(r, vocab_size: int, parallel=None):
     return MegatronTeacher(model, vocab_size, name=r.teacher.name, tp_group=ps.get_tensor_model_parallel_group())
 
 
+def start_cache_teacher(r, vocab_size: int):
+    """The one teacher setup of a cache build outside `megatron-kd train` (the recipe factory of `cache build`,
+    a mkd: teacher): this job's process group, Megatron's groups at the recipe's TP unpipelined (the builder
+    runs the teacher whole; other ranks split the samples), the seed, then cache_teacher."""
+    import dataclasses
+    from ..runtime.dist import init_model_parallel, init_process_group, set_seed, use_cuda
+    cuda = use_cuda(r.train.device)
+    init_process_group(cuda)
+    p = dataclasses.replace(r.parallel, pp=1, cp=1)
+    init_model_parallel(p, cuda)
+    set_seed(r.train.seed)
+    return cache_teacher(r, vocab_size, parallel=p)
+
+
 # Fields of a TransformerConfig that define the function a GPT computes. Parallel layout fields are left out
 # so that the same teacher hashes alike at any TP size.
 _CONFIG_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",

@@ -1,6 +1,7 @@
-"""`--teacher mkd:SAVE_DIR` of the Bridge cache command: a `megatron-kd train` checkpoint as the teacher. Needs
-megatron-core only (Python 3.11 or 3.12), no Bridge. Reference: the trainer's own end-of-run evaluation CE over
-the validation samples, which the reloaded teacher must reproduce."""
+"""`--teacher mkd:SAVE_DIR` (teacher/spec.py, read alike by the Bridge cache command and `megatron-kd cache
+build`): a `megatron-kd train` checkpoint as the teacher. Needs megatron-core only (Python 3.11 or 3.12), no
+Bridge. Reference: the trainer's own end-of-run evaluation CE over the validation samples, which the reloaded
+teacher must reproduce."""
 import pytest
 import torch
 
@@ -11,7 +12,7 @@ pytest.importorskip("megatron.core")
 def test_a_megatron_kd_checkpoint_serves_as_the_teacher(tmp_path):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from megatron_kd.bridge.cache import megatron_kd_teacher
+    from megatron_kd.teacher.spec import megatron_kd_teacher
     from megatron_kd.recipe.schema import DataConfig, KDConfig, ModelConfig, Recipe, TrainConfig
     from megatron_kd.data.datasets import build_datasets, load_tokenizer, samples_needed
     from megatron_kd.training.loop import run

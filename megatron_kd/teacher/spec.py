@@ -1,0 +1,58 @@
+"""The one reading of a teacher spec, as `megatron-kd cache build --teacher` and Bridge's cache command take it:
+  hf:DIR          a local Hugging Face checkpoint through transformers (HFTeacher)
+  mkd:SAVE_DIR    a `megatron-kd train` save dir (or iter_* dir) as a Megatron teacher
+  module:function a factory returning a teacher (teacher.protocol), called with the JSON args
+"""
+import importlib
+
+
+def factory(spec: str):
+    """The function `module:function` names; ValueError naming the problem when it does not."""
+    module, sep, name = spec.partition(":")
+    if not sep or not module or not name:
+        raise ValueError(f"{spec!r} is not `module:function` (e.g. mypkg.teachers:make_teacher)")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot load {spec!r} ({e}); check the module is on PYTHONPATH") from None
+
+
+def make_teacher(spec: str, args: dict, vocab_size: int | None = None, seq_length: int | None = None):
+    """The teacher `spec` names (see the module docstring), built with `args`; vocab_size and seq_length are the
+    run's, for a mkd: teacher."""
+    if spec.startswith("mkd:"):
+        kw = {"vocab_size": vocab_size, "seq_length": seq_length, **args}
+        if kw["vocab_size"] is None or kw["seq_length"] is None:
+            raise ValueError(f"--teacher {spec} needs the run's vocab_size and seq_length: give them in "
+                             "--teacher-args, e.g. '{\"vocab_size\": 128256, \"seq_length\": 8192}'")
+        return megatron_kd_teacher(spec[4:], **kw)
+    if spec.startswith("hf:"):
+        import torch
+        from .protocol import HFTeacher
+        kw = dict(args)
+        if "device" not in kw and torch.cuda.is_available():
+            kw["device"] = f"cuda:{torch.cuda.current_device()}"
+        if isinstance(kw.get("dtype"), str):
+            kw["dtype"] = getattr(torch, kw["dtype"])
+        return HFTeacher(spec[3:], **kw)
+    return factory(spec)(**args)
+
+
+def megatron_kd_teacher(save_dir: str, vocab_size: int, seq_length: int, tp: int = 1, precision: str = "bf16",
+                        device: str = "auto"):
+    """A `megatron-kd train` save dir (or iter_* dir) as a Megatron teacher: the model section of the recipe it
+    saved, its weights (any layout they were saved at), tensor parallel over `tp` ranks of this job; the other
+    ranks split the samples (data parallel)."""
+    import dataclasses
+    from ..checkpoint import store as ckpt
+    from ..recipe.schema import DataConfig, ParallelConfig, Recipe, TeacherConfig, TrainConfig
+    from .megatron import start_cache_teacher
+    saved = (ckpt.read_common(save_dir).get("recipe") or {}).get("model")
+    if not saved:
+        raise ValueError(f"--teacher mkd:{save_dir}: no recipe in its checkpoint (not a `megatron-kd train` save dir)")
+    known = {f.name for f in dataclasses.fields(TeacherConfig)}
+    teacher = TeacherConfig(**{k: v for k, v in saved.items() if k in known})
+    teacher.hf_path, teacher.load = None, save_dir
+    r = Recipe(teacher=teacher, parallel=ParallelConfig(tp=int(tp)), data=DataConfig(seq_length=int(seq_length)),
+               train=TrainConfig(precision=precision, device=device))
+    return start_cache_teacher(r, vocab_size)

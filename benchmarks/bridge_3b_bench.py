@@ -1,5 +1,5 @@
 """Llama-3.2-3B shape at 32K with offline KD: a REAL Megatron-Bridge 0.6.2 pretrain() beside `megatron-kd train`
-on the same model, samples and cache, one H200, one call (issue 18, acceptance 3).
+on the same model, samples and cache, one H200, one call.
 
   cache    `python -m megatron_kd.bridge.cache build` over the recipe's train samples (--iters x 1 samples of
            32768 tokens) with a synthetic teacher (random [V, 64] output layer: top-100 of real 128256-way

@@ -1,4 +1,4 @@
-"""Offline KD through a REAL Megatron-Bridge 0.6.2 pretrain(), end to end on one H200 (issue 18, acceptance 1).
+"""Offline KD through a REAL Megatron-Bridge 0.6.2 pretrain(), end to end on one H200.
 
 In one call, every step its own process (Bridge's pretrain() owns the process group):
   1 models     a tiny random Llama teacher and student saved as Hugging Face checkpoints (transformers)

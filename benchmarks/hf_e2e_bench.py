@@ -1,4 +1,4 @@
-"""Issue 16, acceptance 4: the HF user path at Llama-3.1-8B (teacher) -> Llama-3.2-3B (student) shapes on one GPU,
+"""The HF user path at Llama-3.1-8B (teacher) -> Llama-3.2-3B (student) shapes on one GPU,
 beside the random-init figures of the same recipe in the same call.
 
 Makes random HF checkpoints of both shapes (bf16, transformers' save_pretrained) from the recipe's own model

@@ -128,7 +128,7 @@ def variants_for(a, h, w, ids, logp):
         v[f"ours {impl}"] = ours(h, w, ids, logp, impl)
         if impl == "fused":
             v["ours fused, grad into main_grad"] = ours(h, w, ids, logp, "fused", main_grad=True)
-            for div in a.divergences:  # issue 20: the same fused path with another divergence
+            for div in a.divergences:  # the same fused path with another divergence
                 v[f"ours fused {div}"] = ours(h, w, ids, logp, "fused", divergence=div)
                 v[f"ours fused {div}, grad into main_grad"] = ours(h, w, ids, logp, "fused", main_grad=True,
                                                                   divergence=div)
@@ -178,7 +178,7 @@ def bench(a, dev):
 
 
 def divergence_check(results, floor, divergences):
-    """Issue 20's bar per divergence: x the floor (<= 1.20) and peak memory against fused forward KL (<= +0.1 GiB),
+    """The bar per divergence: x the floor (<= 1.20) and peak memory against fused forward KL (<= +0.1 GiB),
     for plain .grad and grad into main_grad."""
     out = {}
     for div in divergences:
@@ -423,7 +423,7 @@ def main():
     ap.add_argument("--settings", nargs="*", default=[],
                     help="extra fused variants (main_grad), FusedSettings fields: logits=fp32 a_mib=768 z_mib=256,e_mib=1024")
     ap.add_argument("--divergences", nargs="*", default=[], choices=["reverse_kl", "jsd"],
-                    help="also time fused with these divergences (issue 20: x floor, peak vs fused forward KL)")
+                    help="also time fused with these divergences (x floor, peak vs fused forward KL)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2, help="passes over all variants; ms = median of all reps")
     ap.add_argument("--profile", action="store_true", help="also profile each fused variant once (torch.profiler)")

@@ -1,4 +1,4 @@
-"""Offline top-K KD equals online full-vocabulary KD (issue 8, part 3), on real text, on a CPU.
+"""Offline top-K KD equals online full-vocabulary KD, on real text, on a CPU.
 
 Reuses the demo's pipeline (megatron_kd.cli.demo): CPython's documentation (pydoc_data) tokenized with a byte-level
 BPE into Megatron indexed data, a tiny teacher GPT trained with CE (`megatron-kd train`), its top-100 cache over the
@@ -62,7 +62,7 @@ class BenchSettings(Settings):
 
 SMALL = dict(teacher_iters=250, student_iters=60, eval_samples=32, eval_interval=20)
 
-# --sweep (issue 20): K x tail x divergence, every K read from the ONE K=100 cache (its K most probable entries)
+# --sweep: K x tail x divergence, every K read from the ONE K=100 cache (its K most probable entries)
 SWEEP_K = (8, 20, 50, 100)
 SWEEP_TAILS = ("none", "renormalize", "bucket")
 SWEEP_DIVS = ("forward_kl", "reverse_kl", "jsd")
@@ -94,7 +94,7 @@ class Bench(Demo):
         if mode == "offline":  # the demo's cache stage composes its recipe from this: K = the cache's K
             mode = "offline_k100"
         o = self.common(f"student_{mode}", s.student_iters, s.student_lr) + [f"train.save_interval={s.eval_interval}"]
-        if self.sweep:  # the fidelity sweep (issue 20): only the final checkpoint is evaluated
+        if self.sweep:  # the fidelity sweep: only the final checkpoint is evaluated
             o = self.common(f"student_{mode}", s.student_iters, s.student_lr)
             o = [x.replace(f"train.eval_interval={s.eval_interval}", f"train.eval_interval={s.student_iters}")
                  for x in o]
@@ -259,7 +259,7 @@ def plot(res: dict, png: str) -> None:
     fig.savefig(png, dpi=110)
     plt.close(fig)
 
-# --- the fidelity sweep (issue 20) ----------------------------------------------------------------------------
+# --- the fidelity sweep ----------------------------------------------------------------------------
 
 def _hidden_and_weight(model, batch):
     """The student's final hidden states [s, b, H] and output weight through the training hook (no logits)."""
@@ -417,7 +417,7 @@ def run_sweep(bench: Bench, args, t0: float) -> int:
     bench.times["retemper_check"] = time.time() - t
     final = {m: {k: metrics[m][k] for k in ("ce", "kl")} for m in modes}
     from common import environment
-    res = {"benchmark": "fidelity sweep: K x tail x divergence from one K=100 cache vs online full KD (issue 20)",
+    res = {"benchmark": "fidelity sweep: K x tail x divergence from one K=100 cache vs online full KD",
            "command": "python benchmarks/offline_vs_online.py --sweep" + (" --small" if args.small else ""),
            "device": "CPU", "cpu_cores": os.cpu_count(), "environment": environment(),
            "settings": dataclasses.asdict(s), "jsd_beta": JSD_BETA, "modes": modes, "student_commands": commands,
@@ -517,7 +517,7 @@ def main(argv=None) -> int:
     p.add_argument("--small", action="store_true", help="smoke-test sizes")
     p.add_argument("--overwrite", action="store_true", help="discard a previous run in --out")
     p.add_argument("--progress", action="store_true", help="tqdm bars instead of log lines")
-    p.add_argument("--sweep", action="store_true", help="issue 20's fidelity sweep: K x tail x divergence from one "
+    p.add_argument("--sweep", action="store_true", help="the fidelity sweep: K x tail x divergence from one "
                    "K=100 cache, against online full KD and CE only (results default: divergence_sweep_cpu)")
     p.add_argument("--sweep-k", default=",".join(map(str, SWEEP_K)), help="--sweep: the K values")
     p.add_argument("--sweep-div", default=",".join(SWEEP_DIVS), help="--sweep: the divergences")
@@ -558,7 +558,7 @@ def main(argv=None) -> int:
     final = {m: {k: ev["curves"][m][-1][k] for k in ("ce", "kl")} for m in MODES}
     from common import environment
     summaries = {m: json.load(open(os.path.join(out, f"student_{m}", "summary.json"))) for m in MODES}
-    res = {"benchmark": "offline top-K KD vs online full-vocabulary KD (issue 8, part 3)",
+    res = {"benchmark": "offline top-K KD vs online full-vocabulary KD",
            "command": "python benchmarks/offline_vs_online.py" + (" --small" if args.small else ""),
            "device": "CPU", "cpu_cores": os.cpu_count(), "environment": environment(),
            "settings": dataclasses.asdict(s), "student_commands": commands, "full_kl_check": check,

@@ -12,7 +12,7 @@ if "TRITON_INTERPRET" not in os.environ:
         os.environ["TRITON_INTERPRET"] = "1"
 
 
-# --- hf-ckpt (issue 16): tests marked `bridge` need real Megatron-Bridge 0.6.2 + megatron-core 0.19.2 ------------
+# --- tests marked `bridge` need real Megatron-Bridge 0.6.2 + megatron-core 0.19.2 ------------
 # (Python 3.12: .ci/run's second job). Elsewhere they are skipped; `--require-bridge` turns the skip into an error.
 import pytest  # noqa: E402
 

@@ -22,7 +22,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 
 @contextlib.contextmanager
 def _dcp_notice_off():
-    """first-hour (issue 21): torch's distributed checkpoint warns "deprecating ShardedTensor" whenever
+    """torch's distributed checkpoint warns "deprecating ShardedTensor" whenever
     megatron-core's dist_checkpointing loads (Megatron's own tensor type, nothing a user can change); drop that
     one FutureWarning around our dist_checkpointing.load calls only."""
     with warnings.catch_warnings():

@@ -417,7 +417,7 @@ def plot_curves(out: str, png: str, rows: dict | None = None) -> None:
         if mode != "ce":
             axes[0].plot([r["iteration"] for r in train], [r["kl"] for r in train], ms=4, **st,
                          label=f"{mode}: train KL to teacher top-K")
-            kb = [r for r in train if r.get("kl_bucket") is not None]  # issue 20: the monitor, a true KL (>= 0)
+            kb = [r for r in train if r.get("kl_bucket") is not None]  # the monitor, a true KL (>= 0)
             if kb:
                 axes[0].plot([r["iteration"] for r in kb], [r["kl_bucket"] for r in kb], color=st["color"],
                              linestyle=":", label=f"{mode}: bucket-tail KL (>= 0, train)")

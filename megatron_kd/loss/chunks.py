@@ -82,8 +82,7 @@ def _round(x: int, q: int) -> int:
 def anchored_rows(vocab: int, hidden: int, a_bytes: int = 0) -> int:
     """Tokens per super-chunk of the anchored path: a_bytes of buffer, or (0) 0.9 x the bf16 weight gradient a
     plain implementation would allocate, so the loss never needs more than that. A multiple of 128 (of 16 below
-    128): on an H200 at V=201088 a chunk of 2560 tokens ran the loss 3% faster than one of 2592
-    (results/loss_rows_v201k_h200.json: 189.4 against 195.6 ms at N=32768), with less memory."""
+    128): GEMM tiles divide it, which measured faster than the odd size above it (benchmarks/README.md)."""
     budget = a_bytes or int(W_FRACTION * 2 * vocab * hidden)
     rows = budget // (2 * max(1, vocab))
     return rows // 128 * 128 if rows >= 128 else max(16, rows // 16 * 16)

@@ -18,9 +18,8 @@ Two ways to get dz (both exact up to the input dtype's rounding of dz):
            global statistics are known.
 Slot columns (teacher ids, label) are masked in the sweep and get their finished values by one
 scatter_add; s_r >= A_r e^-(slack + log V) keeps those values in range.
-Anchored logits cost S x V bf16 (<= 0.9 x the bf16 weight); fp32 logits C x V fp32 plus S x V of E. On an H200
-(N=32768, V=128256, weight grad into main_grad; benchmarks/results/loss_fused_v128k_h200.json): anchored
-122.6 ms, 3.40 GiB peak; fp32 logits 121.2 ms, 5.31 GiB; the three GEMMs alone 109.0 ms.
+Anchored logits cost S x V bf16 (<= 0.9 x the bf16 weight); fp32 logits C x V fp32 plus S x V of E: about the
+same time, the anchored path in less memory (benchmarks/README.md has the H200 figures).
 
 Weight gradient: fp32 accumulator, or straight into weight.main_grad when the weight has an fp32 one
 (Megatron's gradient-accumulation fusion: no extra memory); a bf16 main_grad (grad_reduce_in_fp32 off,

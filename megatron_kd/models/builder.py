@@ -111,7 +111,7 @@ def build_gpt(m: ModelConfig, p: ParallelConfig, vocab_size: int, seq_length: in
 
 
 def build_hf_chunks(m: ModelConfig, p: ParallelConfig, seq_length: int, precision: str, load_weights: bool = True):
-    """hf-ckpt: m.hf_path's architecture and weights through Megatron-Bridge (megatron_kd/hf), our layer spec."""
+    """m.hf_path's architecture and weights through Megatron-Bridge (megatron_kd/hf), our layer spec."""
     from ..hf.model import local_layer_spec, te_layer_spec
     from ..hf.model import open_hf
     backend = _backend(m)
@@ -132,7 +132,7 @@ def build_hf_chunks(m: ModelConfig, p: ParallelConfig, seq_length: int, precisio
 def build_model_chunks(m: ModelConfig, p: ParallelConfig, vocab_size: int, seq_length: int, precision: str):
     """This rank's model chunks (one, or vpp under virtual pipeline), as Megatron-LM's get_model makes them."""
     from megatron.core import parallel_state as ps
-    if m.hf_path:  # hf-ckpt
+    if m.hf_path:
         return build_hf_chunks(m, p, seq_length, precision)
     config = transformer_config(m, p, precision)
     chunks = []

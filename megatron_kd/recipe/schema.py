@@ -54,7 +54,7 @@ class ModelConfig:
     glu_linear_offset: float = 0.0               # + this on the GLU's linear half (GPT-OSS: 1.0)
     yarn: dict = field(default_factory=dict)     # position_embedding_type=yarn: megatron's yarn_* without the prefix
     megatron: dict = field(default_factory=dict)  # any other TransformerConfig field, passed through as is
-    # hf-ckpt (issue 16): a local Hugging Face checkpoint: architecture (config.json, overriding the keys above)
+    # a local Hugging Face checkpoint: architecture (config.json, overriding the keys above)
     # and weights through Megatron-Bridge's AutoBridge (megatron_kd/hf); null = the keys above, random init
     hf_path: Optional[str] = None
 
@@ -167,7 +167,7 @@ class RecipeError(ValueError):
 
 def _schema_error(e) -> RecipeError:
     key = getattr(e, "full_key", None) or ""
-    msg = (getattr(e, "msg", None) or str(e)).splitlines()[0]  # first-hour: OmegaConf appends its internals
+    msg = (getattr(e, "msg", None) or str(e)).splitlines()[0]  # OmegaConf appends its internals
     if "not in struct" in msg or "Key '" in msg and "not in" in msg:
         section = key.rsplit(".", 1)[0] if "." in key else ""
         known = _known_keys(section)

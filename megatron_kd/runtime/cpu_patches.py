@@ -16,7 +16,7 @@ def apply_cpu_patches() -> None:
         return
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda *args, **kwargs: None
-    # hf-ckpt: megatron-core 0.19's DDP grad sync waits on torch.cuda.current_stream() events (none on CPU)
+    # megatron-core 0.19's DDP grad sync waits on torch.cuda.current_stream() events (none on CPU)
     torch.cuda.current_stream = lambda *args, **kwargs: _NoStream()
     _applied = True
 

@@ -12,7 +12,7 @@ def te_available() -> bool:
         import megatron.core.extensions.transformer_engine as mcore_te
     except Exception:  # TE present but broken (CUDA/cuDNN mismatch): fall back to the local spec
         return False
-    # [bridge hook, issue 18] megatron-core's own verdict: on an ImportError it puts a MagicMock in TE's place
+    # megatron-core's own verdict: on an ImportError it puts a MagicMock in TE's place
     # and sets HAVE_TE = False, while a stand-in module can still satisfy find_spec above.
     return bool(getattr(mcore_te, "HAVE_TE", False))
 
@@ -31,7 +31,7 @@ def release_memory() -> None:
     """Free the finished run's model, gradients and optimizer state now. They sit in reference cycles
     (DDP hooks, Megatron wrappers), which Python frees only when its collector next runs. Without this, a
     second run() in the same process (a sweep, a benchmark arm) starts with the first one's GPU memory still
-    allocated (36 GiB more peak for the 3.2B student at 32K)."""
+    allocated (benchmarks/README.md: the HF end-to-end run)."""
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()

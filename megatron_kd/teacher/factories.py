@@ -30,7 +30,7 @@ def recipe_teacher(recipe: str = "tiny_cpu", overrides=None):
     """The recipe's teacher (weights from teacher.load) as a cache-builder teacher, on this rank's TP shard."""
     from .megatron import start_cache_teacher
     r = _recipe(recipe, overrides)
-    if r.teacher.hf_path:  # hf-ckpt: checked, architecture from config.json
+    if r.teacher.hf_path:  # checked, architecture from config.json
         from ..recipe.hf import resolve_hf
         resolve_hf(r, teacher=True)
     tok = load_tokenizer(r.data)

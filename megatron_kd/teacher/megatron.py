@@ -56,7 +56,7 @@ def build_teacher(r, vocab_size: int, parallel=None):
     architecture and weights through Megatron-Bridge, else the recipe's architecture with teacher.load's weights
     (random when unset). Online mode, kd.build_cache and `cache build` all build it here."""
     p = parallel or r.parallel
-    if r.teacher.hf_path:  # hf-ckpt (issue 16)
+    if r.teacher.hf_path:
         from ..models.builder import build_hf_chunks
         m = build_hf_chunks(r.teacher, p, r.data.seq_length, r.train.precision)[0][0]
     else:

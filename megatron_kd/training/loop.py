@@ -108,7 +108,7 @@ class Trainer:
         from ..cache import CacheError, CacheReader
         r = self.r
         try:
-            # data-safety hook (issue 19): build (or check) every time, so a finished cache from another teacher,
+            # build (or check) every time, so a finished cache from another teacher,
             # data or settings is refused naming both sides instead of being used; kd.teacher_id: declared teacher
             if r.kd.build_cache:
                 build_teacher_cache(r, self.tok, self.train_ds, self.train_n)

@@ -61,7 +61,7 @@ class Sink:
             try:
                 from torch.utils.tensorboard import SummaryWriter
                 self.tb = SummaryWriter(os.path.join(out_dir, "tensorboard"))
-            except ImportError:  # first-hour (issue 21): say so once, instead of dropping the logs silently
+            except ImportError:  # say so once, instead of dropping the logs silently
                 self.tb = None
                 print("note: train.tensorboard=true but tensorboard is not installed (pip install tensorboard); "
                       "metrics go to metrics.jsonl only. train.tensorboard=false silences this.", file=sys.stderr,

@@ -42,7 +42,7 @@ def _cpu_forward_backward(step_fn, data_iterator, chunks, n: int, forward_only: 
                                                  is_first_microbatch=i == 0, current_microbatch=i)
             total += tokens
             if not forward_only:
-                # hf-ckpt: megatron-core 0.19 dropped backward_step's model_type argument (0.16 has it)
+                # megatron-core 0.19 dropped backward_step's model_type argument (0.16 has it)
                 args = (model_type, config) if "model_type" in _params(schedules.backward_step) else (config,)
                 schedules.backward_step(None, out, None, *args)
     if not forward_only and config.finalize_model_grads_func is not None:

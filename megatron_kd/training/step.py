@@ -76,7 +76,7 @@ class KDHead:
             self.ce = total.detach() / kw["ce_weight"]
         else:
             if self.split:  # forward-only CE over the same hidden states ("chunked": no gradient work), and
-                # the bucket-tail KL at T (a true divergence, >= 0) for the report (issue 20's monitor)
+                # the bucket-tail KL at T (a true divergence, >= 0) for the report (the monitor)
                 metrics = {}
                 with torch.no_grad():
                     self.ce = self._loss(hidden.detach(), weight.detach(), ids, logp, mask, labels=labels,

@@ -1,4 +1,4 @@
-"""megatron_kd.bridge against the REAL Megatron-Bridge 0.6.2 / megatron-core 0.19.2 classes, on CPU (issue 18).
+"""megatron_kd.bridge against the REAL Megatron-Bridge 0.6.2 / megatron-core 0.19.2 classes, on CPU.
 
 Run: PYTHONPATH=$PWD /work/venv312/bin/python -m pytest -q -m bridge tests/bridge
 Bridge's own code runs wherever it can without CUDA: runtime_config_update, build_tokenizer, the dataset lines of

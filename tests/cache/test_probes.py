@@ -1,4 +1,4 @@
-"""Issue 19's probe suite: kills at every file operation of the writer, corruptions of every file and manifest
+"""The cache's probe suite: kills at every file operation of the writer, corruptions of every file and manifest
 field, mismatches of data / teacher / tokenizer / K / T / length, concurrency, bad loss inputs.
 
 Every probe ends in a loud outcome (an error whose message names the problem, or a resume that is byte-identical

@@ -1,4 +1,4 @@
-"""What a new user meets at the command line (issue 21): fast --help with help for every flag, one-line errors
+"""What a new user meets at the command line: fast --help with help for every flag, one-line errors
 that name the fix, `--cfg job` with every schema key, the launch dry run's warnings, next-step hints."""
 import dataclasses
 import os

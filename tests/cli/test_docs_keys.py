@@ -1,4 +1,4 @@
-"""recipes/README.md documents every schema key (issue 21: train.optimizer and the lean_adam moments were missing)."""
+"""recipes/README.md documents every schema key (train.optimizer and the lean_adam moments were missing)."""
 import dataclasses
 import re
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""SIGTERM / SIGINT of `megatron-kd train` (issue 19): exit 128 + signal with a line saying what is kept, no child
+"""SIGTERM / SIGINT of `megatron-kd train`: exit 128 + signal with a line saying what is kept, no child
 process left behind (data-loader workers, multiprocessing's resource_tracker), and the rerun resumes."""
 import json
 import os

@@ -1,4 +1,4 @@
-"""Acceptance 2 and 3 (issue 16): the whole user path of docs/hf.md on CPU with tiny random HF checkpoints.
+"""The whole user path of docs/hf.md on CPU with tiny random HF checkpoints.
 
 HF teacher + HF student -> `data prepare` with the teacher's tokenizer -> `cache build` from teacher.hf_path ->
 offline `train` of the student from model.hf_path -> `export` -> transformers loads the student, its logits equal

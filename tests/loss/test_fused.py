@@ -34,7 +34,7 @@ def test_fp64_matches_reference(tail, T, ce, red):
     check(inp, 1e-9, tail=tail, temperature=T, ce_weight=ce, kl_weight=0.8, reduction=red)
 
 
-# reverse KL and JSD (issue 20); (T, ce) = (1.7, 0.5) is CE at T != 1: the two-pass path, also at tail none
+# reverse KL and JSD; (T, ce) = (1.7, 0.5) is CE at T != 1: the two-pass path, also at tail none
 DIV_CASES = [(div, tail, T, ce) for div in ("reverse_kl", "jsd") for tail in ("none", "renormalize", "bucket")
              for (T, ce) in ((1.0, 0.5), (1.7, 0.0), (1.7, 0.5))]
 

@@ -1,4 +1,4 @@
-"""Acceptance 1 (issue 16): the cache megatron-kd builds from teacher.hf_path equals transformers' top-K.
+"""The cache megatron-kd builds from teacher.hf_path equals transformers' top-K.
 
 Fresh random tiny Llama (GQA, tied and untied embeddings) and GPT-OSS (sinks, sliding window, MoE, YaRN)
 checkpoints; the teacher is built through Megatron-Bridge at TP=1 and TP=2 on gloo. The fp32 top-K the builder

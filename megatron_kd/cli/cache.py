@@ -55,7 +55,7 @@ def _dataset(args):
 
 
 def cmd_build(args) -> int:
-    from .interrupt import run_interruptible
+    from ..runtime.interrupt import run_interruptible
     return run_interruptible(lambda: _build(args), "finished shards are kept")
 
 

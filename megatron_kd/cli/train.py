@@ -72,7 +72,7 @@ def main(argv=None) -> int:
 
     saved = sys.argv
     sys.argv = ["megatron-kd train"] + schema_overrides(argv)
-    from .interrupt import run_interruptible
+    from ..runtime.interrupt import run_interruptible
 
     def call() -> int:
         app()

@@ -42,7 +42,10 @@ def _init_distributed() -> None:
 def _teacher(args):
     if args.teacher.startswith("hf:"):
         from ..cache.teacher import HFTeacher
-        return HFTeacher(args.teacher[3:], **_json_arg(args.teacher_args, "--teacher-args"))
+        try:
+            return HFTeacher(args.teacher[3:], **_json_arg(args.teacher_args, "--teacher-args"))
+        except ImportError as e:
+            raise SystemExit(f"error: --teacher {args.teacher}: {e}") from None
     return _factory(args.teacher)(**_json_arg(args.teacher_args, "--teacher-args"))
 
 
@@ -68,8 +71,9 @@ def cmd_build(args) -> int:
 def _build(args) -> int:
     from ..cache import build_cache
     _init_distributed()
-    teacher = _teacher(args)
+    # the dataset's arguments first: loading a teacher is the slow part, and the one that may need a package
     dataset, dataset_id = _dataset(args)
+    teacher = _teacher(args)
     m = build_cache(teacher, dataset, args.out, top_k=args.top_k, encoding=args.encoding,
                     temperature=args.temperature, num_samples=args.num_samples,
                     samples_per_shard=args.samples_per_shard, micro_batch_size=args.micro_batch_size,

@@ -100,12 +100,37 @@ def main(argv=None) -> int:
     quiet_megatron_warnings()
     s = settings_from(args)
     out = os.path.abspath(args.out)
+    problem = check_settings(Demo(out, s, progress=False))
+    if problem:
+        print(f"megatron-kd demo: error: {problem}", file=sys.stderr)
+        return 2
     try:
         prepare_out_dir(out, s, args.overwrite)
     except FileExistsError as e:
         print(f"megatron-kd demo: {e}", file=sys.stderr)
         return 2
     return Demo(out, s, progress=not args.no_progress).run()
+
+
+# the recipe key each flag becomes, so a refusal names the flag the user typed
+FLAG_KEYS = {"kd.top_k": "--top-k", "data.seq_length": "--seq-length", "data.vocab_size": "--vocab-size"}
+
+
+def check_settings(demo) -> str | None:
+    """The recipe checks of every training stage, before the first stage runs (a bad --top-k used to surface
+    in the cache stage, minutes in); None when they pass."""
+    from ..megatron.config import RecipeError, check_recipe, to_recipe
+    from ..megatron.recipes import compose
+    stages = [("teacher", demo.teacher_overrides(), "--teacher-iters")] + \
+        [(f"student_{m}", demo.student_overrides(m), "--student-iters") for m in ("offline", "online", "ce")]
+    for stage, overrides, iters_flag in stages:
+        try:
+            check_recipe(to_recipe(compose("tiny_cpu", recipe_overrides(overrides))), None, cuda=False)
+        except RecipeError as e:
+            key = str(e).split("=", 1)[0]
+            flag = iters_flag if key == "train.iters" else FLAG_KEYS.get(key)
+            return f"{flag}: {e}" if flag else f"the {stage} stage's recipe: {e}"
+    return None
 
 
 def prepare_out_dir(out: str, s: Settings, overwrite: bool) -> None:
@@ -202,7 +227,7 @@ class Demo:
         return ["--config-name", "tiny_cpu", "data=pydoc", f"data.path={self.data_prefix}",
                 f"data.tokenizer={self.tokenizer}", f"data.seq_length={s.seq_length}", f"data.seed={s.seed}",
                 f"train.iters={iters}", f"train.global_batch_size={s.global_batch_size}",
-                f"train.micro_batch_size={s.micro_batch_size}", f"train.lr={lr}", f"train.min_lr={lr / 10}",
+                f"train.micro_batch_size={s.micro_batch_size}", f"train.lr={short(lr)}", f"train.min_lr={short(lr / 10)}",
                 f"train.lr_warmup_iters={max(1, iters // 20)}", f"train.eval_interval={s.eval_interval}",
                 f"train.eval_iters={max(1, s.eval_samples // s.global_batch_size)}", "train.save_interval=null",
                 f"train.log_interval={max(1, iters // 40)}", f"train.progress={str(self.progress).lower()}",
@@ -308,6 +333,11 @@ class Demo:
 def load_times(out: str) -> dict:
     path = os.path.join(out, TIMES)
     return json.load(open(path)) if os.path.exists(path) else {}
+
+
+def short(x: float) -> str:
+    """A float as a person writes it in a command (lr / 10 is 0.00030000000000000003 in full)."""
+    return f"{x:.10g}"
 
 
 def fmt_s(seconds: float) -> str:

@@ -1,4 +1,5 @@
-"""The recipes a name may refer to, and the one-line error for a name that is none of them (train, launch)."""
+"""The recipes a name may refer to, the one-line error for a name that is none of them, and the values a recipe
+leaves to the user (train, launch)."""
 from pathlib import Path
 
 
@@ -13,3 +14,10 @@ def missing_recipe(name: str, directory: Path) -> str | None:
     if (Path(directory) / f"{name}.yaml").is_file():
         return None
     return f"no recipe {name!r} in {directory}; known: {', '.join(known_recipes(directory)) or 'none'}"
+
+
+def missing_keys(cfg) -> list:
+    """`section.key` of every value a composed recipe leaves `???` (the user must give it)."""
+    from omegaconf import OmegaConf
+    return [f"{sec}.{k}" for sec in cfg if sec != "hydra" and OmegaConf.is_dict(cfg[sec])
+            for k in cfg[sec] if OmegaConf.is_missing(cfg[sec], k)]

@@ -84,6 +84,10 @@ def topk_kl_loss(hidden, weight, topk_ids, topk_logprobs, *, labels=None, loss_m
         h = gather_sequence(hidden, tp_group).reshape(-1, hidden.shape[-1])
     mode = _pick_impl(opts, h.shape[0], -(-shard.valid_size // tp), h.device)
     if mode == "fused":
+        from ..kernels import fused_unavailable
+        problem = fused_unavailable(h.device.type == "cuda")
+        if problem:
+            raise ValueError(f'impl="fused" {problem}; use impl="auto" (fused where it runs, else chunked)')
         from .fused import fused_topk_kl
         out = fused_topk_kl(h, weight, t, opts, shard, reduce_grad_input=not sequence_parallel,
                             settings=fused_settings, grad_scale=grad_scale, metrics=metrics)

@@ -51,6 +51,11 @@ def preflight(r: Recipe, world_size: int, cuda: bool):
     """Checks that need neither a process group nor a model; returns the tokenizer."""
     resolve_hf(r)
     check_recipe(r, None, cuda)
+    if r.kd.impl == "fused":
+        from ..kernels import fused_unavailable
+        problem = fused_unavailable(cuda)
+        if problem:
+            raise RecipeError(f"kd.impl=fused {problem}; use kd.impl=auto (fused where it runs, else chunked)")
     tok = load_tokenizer(r.data)
     check_vocab(tok.vocab_size, r.model, "model", r.parallel.tp)
     if r.kd.mode == "online" or (r.kd.mode == "offline" and r.kd.build_cache):

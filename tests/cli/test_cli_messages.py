@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_kd.cli import data as data_cli, demo, launch, loss_demo, main as cli_main, plan
+from megatron_kd.cli import data as data_cli, demo, export as export_cli, launch, loss_demo, main as cli_main, plan
 from megatron_kd.cli import train as train_cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,7 +50,7 @@ def test_every_flag_has_help(name, parser):
     assert actions and all(a.help for a in actions), [a.dest for a in actions if not a.help]
 
 
-@pytest.mark.parametrize("module", [demo, data_cli, launch, loss_demo, plan])
+@pytest.mark.parametrize("module", [demo, data_cli, launch, loss_demo, plan, export_cli])
 def test_help_prints_the_description_once(module, capsys):
     with pytest.raises(SystemExit):
         module.build_parser().parse_args(["--help"])
@@ -217,6 +217,16 @@ def test_cache_build_hf_teacher_without_transformers(tmp_path):
     line = assert_one_sentence(p.stderr)
     assert p.returncode != 0 and "--teacher hf:" in line and "pip install transformers" in line, line
     assert not (tmp_path / "c").exists()
+
+
+def test_cache_progress_bar_prints_one_rate(capsys):
+    from megatron_kd.cache.progress import Progress
+    bar = Progress(4, 16)
+    bar.update(2)
+    bar.update(2)
+    bar.close()
+    err = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    assert "samples/s" in err and "tokens/s" in err and err.count("/s") == 2, err  # ours, not tqdm's as well
 
 
 def test_the_printed_commands_write_floats_shortly(tmp_path):

@@ -426,10 +426,11 @@ def read_metrics(path: str) -> dict:
     return out
 
 
-def plot_curves(out: str, png: str, rows: dict | None = None) -> None:
+def plot_curves(out: str, png: str, rows: dict | None = None):
     """Left: train KL to the teacher top-K (offline solid circles, online dashed crosses, so neither hides the
     other) and each student's final held-out KL, CE-only included (stars; online's hollow and larger, so an equal
-    offline value shows inside it). Right: train and held-out CE, with the teacher's held-out CE as a line."""
+    offline value shows inside it). Right: train and held-out CE, with the teacher's held-out CE as a line.
+    Returns the (closed) figure."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -467,7 +468,9 @@ def plot_curves(out: str, png: str, rows: dict | None = None) -> None:
     axes[1].set(title="cross-entropy", xlabel="iteration", ylabel="nats/token")
     for a in axes:
         a.grid(alpha=0.3)
-        a.legend(fontsize=7)
+        # below the axes, not inside: inside, "best" still put the teacher's line through its own legend entry
+        a.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    fig.savefig(png, dpi=110, bbox_inches="tight")
     plt.close(fig)
+    return fig

@@ -1,7 +1,7 @@
 """`megatron-kd demo`: the whole pipeline on a laptop CPU in a few minutes, on real English text.
 
-    megatron-kd demo                    # 3-8 minutes on 2 CPU cores (3 idle, 8 shared); results in runs/demo
-    megatron-kd demo --small            # CI size (about a minute)
+    megatron-kd demo                    # 2 CPU cores: 3 minutes idle, 10 at load average 8; results in runs/demo
+    megatron-kd demo --small            # CI size (2 CPU cores: about 1 minute idle, 6 at load average 8)
     megatron-kd demo --out DIR --overwrite
 
 Seven stages, each printed as [demo i/7 STAGE] with the time so far and an estimate of the rest:
@@ -66,7 +66,7 @@ def build_parser():
     p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
     p.add_argument("--small", action="store_true",
                    help=f"CI size: sequences of {SMALL['seq_length']}, {SMALL['teacher_iters']} teacher and "
-                        f"{SMALL['student_iters']} student steps (about a minute)")
+                        f"{SMALL['student_iters']} student steps (2 CPU cores: about 1 minute idle, 6 at load 8)")
     p.add_argument("--overwrite", action="store_true", help="discard a previous demo's results in --out")
     p.add_argument("--no-progress", action="store_true", help="log lines instead of progress bars")
     p.add_argument("--teacher-iters", type=int, default=None, metavar="N",
@@ -172,7 +172,7 @@ class Demo:
         self.stage = stage
         left = eta_s(self.times, self.s, STAGES[STAGES.index(stage):])
         eta = f", about {fmt_s(left)} left" if left is not None else \
-            " (the default demo: 3-8 minutes on 2 CPU cores; an estimate follows the teacher)" if stage == "data" else ""
+            " (the default demo on 2 CPU cores: 3 minutes idle, 10 at load average 8; an estimate follows the teacher)" if stage == "data" else ""
         self.say(f"{fmt_s(time.time() - self.t0)} so far{eta}")
 
     def finish(self, stage: str, seconds: float) -> None:

@@ -62,7 +62,7 @@ def test_demo_help_states_the_run_time_and_stages(capsys):
     with pytest.raises(SystemExit):
         demo.build_parser().parse_args(["--help"])
     out = capsys.readouterr().out
-    assert "3-8 minutes" in out and "[demo i/7 STAGE]" in out
+    assert "3 minutes idle, 10 at load average 8" in out and "[demo i/7 STAGE]" in out
 
 
 def test_train_help_without_hydra(capsys):

@@ -171,8 +171,9 @@ class Demo:
     def begin(self, stage: str) -> None:
         self.stage = stage
         left = eta_s(self.times, self.s, STAGES[STAGES.index(stage):])
-        eta = f", about {fmt_s(left)} left" if left is not None else \
-            " (the default demo on 2 CPU cores: 3 minutes idle, 10 at load average 8; an estimate follows the teacher)" if stage == "data" else ""
+        first = " (the default demo on 2 CPU cores: 3 minutes idle, 10 at load average 8; an estimate follows the " \
+            "teacher)"
+        eta = f", about {fmt_s(left)} left" if left is not None else first if stage == "data" else ""
         self.say(f"{fmt_s(time.time() - self.t0)} so far{eta}")
 
     def finish(self, stage: str, seconds: float) -> None:
@@ -227,7 +228,8 @@ class Demo:
         return ["--config-name", "tiny_cpu", "data=pydoc", f"data.path={self.data_prefix}",
                 f"data.tokenizer={self.tokenizer}", f"data.seq_length={s.seq_length}", f"data.seed={s.seed}",
                 f"train.iters={iters}", f"train.global_batch_size={s.global_batch_size}",
-                f"train.micro_batch_size={s.micro_batch_size}", f"train.lr={short(lr)}", f"train.min_lr={short(lr / 10)}",
+                f"train.micro_batch_size={s.micro_batch_size}", f"train.lr={short(lr)}",
+                f"train.min_lr={short(lr / 10)}",
                 f"train.lr_warmup_iters={max(1, iters // 20)}", f"train.eval_interval={s.eval_interval}",
                 f"train.eval_iters={max(1, s.eval_samples // s.global_batch_size)}", "train.save_interval=null",
                 f"train.log_interval={max(1, iters // 40)}", f"train.progress={str(self.progress).lower()}",

@@ -38,6 +38,8 @@ def _teacher(args):
         return make_teacher(args.teacher, _json_arg(args.teacher_args, "--teacher-args"))
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    except ImportError as e:  # hf: needs transformers
+        raise SystemExit(f"error: --teacher {args.teacher}: {e}") from None
 
 
 def _dataset(args):
@@ -64,8 +66,9 @@ def _build(args) -> int:
     from ..runtime.dist import init_process_group
     from ..teacher.build import build_cache
     init_process_group(torch.cuda.is_available(), launched_only=True)
-    teacher = _teacher(args)
+    # the dataset's arguments first: loading a teacher is the slow part, and the one that may need a package
     dataset, dataset_id = _dataset(args)
+    teacher = _teacher(args)
     m = build_cache(teacher, dataset, args.out, top_k=args.top_k, encoding=args.encoding,
                     temperature=args.temperature, num_samples=args.num_samples,
                     samples_per_shard=args.samples_per_shard, micro_batch_size=args.micro_batch_size,

@@ -1,7 +1,7 @@
 """`megatron-kd demo`: the whole pipeline on a laptop CPU in a few minutes, on real English text.
 
-    megatron-kd demo                    # 3-8 minutes on 2 CPU cores (3 idle, 8 shared); results in runs/demo
-    megatron-kd demo --small            # CI size (about a minute)
+    megatron-kd demo                    # 2 CPU cores: 3 minutes idle, 10 at load average 8; results in runs/demo
+    megatron-kd demo --small            # CI size (2 CPU cores: about 1 minute idle, 6 at load average 8)
     megatron-kd demo --out DIR --overwrite
 
 Seven stages, each printed as [demo i/7 STAGE] with the time so far and an estimate of the rest:
@@ -66,7 +66,7 @@ def build_parser():
     p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
     p.add_argument("--small", action="store_true",
                    help=f"CI size: sequences of {SMALL['seq_length']}, {SMALL['teacher_iters']} teacher and "
-                        f"{SMALL['student_iters']} student steps (about a minute)")
+                        f"{SMALL['student_iters']} student steps (2 CPU cores: about 1 minute idle, 6 at load 8)")
     p.add_argument("--overwrite", action="store_true", help="discard a previous demo's results in --out")
     p.add_argument("--no-progress", action="store_true", help="log lines instead of progress bars")
     p.add_argument("--teacher-iters", type=int, default=None, metavar="N",
@@ -100,12 +100,38 @@ def main(argv=None) -> int:
     quiet_megatron_warnings()
     s = settings_from(args)
     out = os.path.abspath(args.out)
+    problem = check_settings(Demo(out, s, progress=False))
+    if problem:
+        print(f"megatron-kd demo: error: {problem}", file=sys.stderr)
+        return 2
     try:
         prepare_out_dir(out, s, args.overwrite)
     except FileExistsError as e:
         print(f"megatron-kd demo: {e}", file=sys.stderr)
         return 2
     return Demo(out, s, progress=not args.no_progress).run()
+
+
+# the recipe key each flag becomes, so a refusal names the flag the user typed
+FLAG_KEYS = {"kd.top_k": "--top-k", "data.seq_length": "--seq-length", "data.vocab_size": "--vocab-size"}
+
+
+def check_settings(demo) -> str | None:
+    """The recipe checks of every training stage, before the first stage runs (a bad --top-k used to surface
+    in the cache stage, minutes in); None when they pass."""
+    from ..recipe.checks import check_recipe
+    from ..recipe.compose import compose
+    from ..recipe.schema import RecipeError, to_recipe
+    stages = [("teacher", demo.teacher_overrides(), "--teacher-iters")] + \
+        [(f"student_{m}", demo.student_overrides(m), "--student-iters") for m in ("offline", "online", "ce")]
+    for stage, overrides, iters_flag in stages:
+        try:
+            check_recipe(to_recipe(compose("tiny_cpu", recipe_overrides(overrides))), None, cuda=False)
+        except RecipeError as e:
+            key = str(e).split("=", 1)[0]
+            flag = iters_flag if key == "train.iters" else FLAG_KEYS.get(key)
+            return f"{flag}: {e}" if flag else f"the {stage} stage's recipe: {e}"
+    return None
 
 
 def prepare_out_dir(out: str, s: Settings, overwrite: bool) -> None:
@@ -146,8 +172,9 @@ class Demo:
     def begin(self, stage: str) -> None:
         self.stage = stage
         left = eta_s(self.times, self.s, STAGES[STAGES.index(stage):])
-        eta = f", about {fmt_s(left)} left" if left is not None else \
-            " (the default demo: 3-8 minutes on 2 CPU cores; an estimate follows the teacher)" if stage == "data" else ""
+        first = " (the default demo on 2 CPU cores: 3 minutes idle, 10 at load average 8; an estimate follows the " \
+            "teacher)"
+        eta = f", about {fmt_s(left)} left" if left is not None else first if stage == "data" else ""
         self.say(f"{fmt_s(time.time() - self.t0)} so far{eta}")
 
     def finish(self, stage: str, seconds: float) -> None:
@@ -202,7 +229,8 @@ class Demo:
         return ["--config-name", "tiny_cpu", "data=pydoc", f"data.path={self.data_prefix}",
                 f"data.tokenizer={self.tokenizer}", f"data.seq_length={s.seq_length}", f"data.seed={s.seed}",
                 f"train.iters={iters}", f"train.global_batch_size={s.global_batch_size}",
-                f"train.micro_batch_size={s.micro_batch_size}", f"train.lr={lr}", f"train.min_lr={lr / 10}",
+                f"train.micro_batch_size={s.micro_batch_size}", f"train.lr={short(lr)}",
+                f"train.min_lr={short(lr / 10)}",
                 f"train.lr_warmup_iters={max(1, iters // 20)}", f"train.eval_interval={s.eval_interval}",
                 f"train.eval_iters={max(1, s.eval_samples // s.global_batch_size)}", "train.save_interval=null",
                 f"train.log_interval={max(1, iters // 40)}", f"train.progress={str(self.progress).lower()}",
@@ -311,6 +339,11 @@ def load_times(out: str) -> dict:
     return json.load(open(path)) if os.path.exists(path) else {}
 
 
+def short(x: float) -> str:
+    """A float as a person writes it in a command (lr / 10 is 0.00030000000000000003 in full)."""
+    return f"{x:.10g}"
+
+
 def fmt_s(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
 
@@ -397,10 +430,11 @@ def read_metrics(path: str) -> dict:
     return out
 
 
-def plot_curves(out: str, png: str, rows: dict | None = None) -> None:
+def plot_curves(out: str, png: str, rows: dict | None = None):
     """Left: train KL to the teacher top-K (offline solid circles, online dashed crosses, so neither hides the
     other) and each student's final held-out KL, CE-only included (stars; online's hollow and larger, so an equal
-    offline value shows inside it). Right: train and held-out CE, with the teacher's held-out CE as a line."""
+    offline value shows inside it). Right: train and held-out CE, with the teacher's held-out CE as a line.
+    Returns the (closed) figure."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -438,7 +472,9 @@ def plot_curves(out: str, png: str, rows: dict | None = None) -> None:
     axes[1].set(title="cross-entropy", xlabel="iteration", ylabel="nats/token")
     for a in axes:
         a.grid(alpha=0.3)
-        a.legend(fontsize=7)
+        # below the axes, not inside: inside, "best" still put the teacher's line through its own legend entry
+        a.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    fig.savefig(png, dpi=110, bbox_inches="tight")
     plt.close(fig)
+    return fig

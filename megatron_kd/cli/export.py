@@ -18,7 +18,8 @@ DTYPES = ("auto", "fp32", "bf16", "fp16")
 
 def build_parser():
     p = argparse.ArgumentParser(prog="megatron-kd export", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n", 1)[1])
     p.add_argument("--checkpoint", required=True, help="a `megatron-kd train` save dir (latest) or an iter_* dir")
     p.add_argument("--out", required=True, help="the Hugging Face directory to write")
     p.add_argument("--hf-path", default=None, help="the student's HF source (default: the run's model.hf_path)")

@@ -184,10 +184,9 @@ def recipe_warnings(a, world: int | None) -> list:
     try:
         from omegaconf import OmegaConf
         from ..recipe.schema import Recipe
-        from ..recipe.compose import compose
+        from ..recipe.compose import compose, missing_keys
         cfg = compose(a.recipe, a.overrides, save="/dev/null")
-        missing = [f"{sec}.{k}" for sec in cfg if sec != "hydra" and OmegaConf.is_dict(cfg[sec])
-                   for k in cfg[sec] if OmegaConf.is_missing(cfg[sec], k)]
+        missing = missing_keys(cfg)
         par = OmegaConf.merge(OmegaConf.structured(Recipe).parallel, cfg.get("parallel", {}))
     except Exception as e:  # noqa: BLE001  a dry run still prints the commands; train names the problem
         return [f"warning: could not compose the recipe to check it ({str(e).splitlines()[0]})"]

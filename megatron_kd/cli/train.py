@@ -58,6 +58,10 @@ def main(argv=None) -> int:
         if problem:
             print(f"megatron-kd train: error: {problem}", file=sys.stderr)
             return USAGE_ERROR
+    problem = unknown_section(_overrides(argv))
+    if problem:
+        print(f"megatron-kd train: error: {problem}", file=sys.stderr)
+        return USAGE_ERROR
     if _flag_value(argv, PRINT_FLAGS) == "job" and "--package" not in argv and "-p" not in argv:
         return print_job(name, config_path, _overrides(argv))
     if any(a in PRINT_FLAGS or a.startswith("--cfg=") for a in argv) and "--resolve" not in argv:
@@ -81,6 +85,22 @@ def main(argv=None) -> int:
         return run_interruptible(call, "the last saved checkpoint is kept")
     finally:
         sys.argv = saved
+
+
+def unknown_section(overrides: list) -> str | None:
+    """An override whose first word is no recipe section, named with the valid ones. Hydra's own answer for
+    `trian.iters=5` is to append it as `+trian.iters=5`, which the schema then refuses."""
+    import difflib
+    from ..recipe.compose import SECTIONS
+    for o in overrides:
+        key = o.split("=", 1)[0].lstrip("+~")
+        top = key.split(".", 1)[0].split("/", 1)[0].split("@", 1)[0]
+        if top in SECTIONS or top == "hydra":
+            continue
+        close = difflib.get_close_matches(top, SECTIONS, n=1)
+        hint = f" (did you mean {o.replace(top, close[0], 1)}?)" if close else ""
+        return f"{o!r} names no recipe section: {top!r} is none of {', '.join(SECTIONS)}{hint}"
+    return None
 
 
 def print_job(name: str, config_path, overrides: list) -> int:
@@ -121,14 +141,14 @@ def _keep_missing(src, dst) -> None:
 def run_config(cfg) -> int:
     """Train from a composed recipe; a recipe problem prints one line naming the key and returns 2."""
     from omegaconf import OmegaConf, open_dict
-    from ..recipe.schema import RecipeError, to_recipe
+    from ..recipe.schema import RecipeError
     try:
         if cfg.train.get("save") is None:
             from hydra.core.hydra_config import HydraConfig
             with open_dict(cfg):
                 cfg.train.save = HydraConfig.get().runtime.output_dir
         OmegaConf.resolve(cfg)
-        recipe = to_recipe(cfg)
+        recipe = checked_recipe(cfg)
         from ..training.loop import run
         summary = run(recipe, recipe.train.save)
     except RecipeError as e:
@@ -138,6 +158,33 @@ def run_config(cfg) -> int:
     if is_rank0():
         print(summary_line(summary))
     return 0
+
+
+def checked_recipe(cfg):
+    """The Recipe of a composed config; what keeps it from running on this machine is said in one line, every
+    problem at once: the values the recipe leaves `???` (the schema merge would quietly fill them with defaults),
+    a key of the wrong type, train.device=cuda without a GPU."""
+    from ..recipe.compose import missing_keys
+    from ..recipe.schema import RecipeError, to_recipe
+    from ..runtime.dist import use_cuda
+    problems, recipe = [], None
+    missing = missing_keys(cfg)
+    if missing:
+        problems.append(f"{' and '.join(missing)} {'has' if len(missing) == 1 else 'have'} no value (the recipe "
+                        f"leaves {'it' if len(missing) == 1 else 'them'} `???`): pass "
+                        f"{' '.join(k + '=...' for k in missing)}")
+    try:
+        recipe = to_recipe(cfg)
+    except RecipeError as e:
+        problems.append(str(e))
+    if recipe is not None:
+        try:
+            use_cuda(recipe.train.device)
+        except RuntimeError as e:
+            problems.append(str(e))
+    if problems:
+        raise RecipeError("; ".join(problems))
+    return recipe
 
 
 def summary_line(s: dict) -> str:

@@ -1,6 +1,20 @@
 """Pure ops of the fused loss: Triton kernels (rows, cols, scaled) and the cuBLAS GEMM helpers (gemm). No autograd,
 and nothing else of the package is imported here. Optional: the Triton modules need Triton (and CUDA, or
 TRITON_INTERPRET=1 on CPU tensors)."""
+import os
+
+
+def fused_unavailable(cuda: bool) -> str | None:
+    """Why the fused kernels cannot run here (None when they can): said by the loss and the recipe check before
+    any work, instead of a ModuleNotFoundError or Triton's "0 active drivers" at the first step."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return ("needs Triton, which does not import here (CUDA builds of torch bring it; pip install triton "
+                "otherwise)")
+    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return "needs a CUDA GPU (on CPU only Triton's interpreter runs it, TRITON_INTERPRET=1, for tests)"
+    return None
 
 
 def fused_available() -> bool:

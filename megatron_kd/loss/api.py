@@ -45,6 +45,10 @@ def _check_call_extras(grad_scale, fused_settings, metrics, weight) -> float:
 def _run_impl(mode, h, weight, t, opts, shard, reduce_grad_input, fused_settings, grad_scale, metrics):
     """The loss of impl `mode` over the flattened inputs (the fused impl, or the autograd Function of the torch impls)."""
     if mode == "fused":
+        from ..kernels import fused_unavailable
+        problem = fused_unavailable(h.device.type == "cuda")
+        if problem:
+            raise ValueError(f'impl="fused" {problem}; use impl="auto" (fused where it runs, else chunked)')
         from .fused import fused_topk_kl
         out = fused_topk_kl(h, weight, t, opts, shard, reduce_grad_input=reduce_grad_input,
                             settings=fused_settings, grad_scale=grad_scale, metrics=metrics)

@@ -8,6 +8,7 @@ from dataclasses import fields
 
 import torch.distributed as dist
 
+from ..kernels import fused_unavailable
 from ..runtime.features import apex_available, te_available
 from .schema import ATTENTION_BACKENDS, MODES, PRECISIONS, ModelConfig, Recipe, RecipeError
 
@@ -94,6 +95,7 @@ def check_recipe(r: Recipe, world_size: int | None = 1, cuda: bool = False) -> N
     _check_kd(r)
     _check_data(r)
     _check_train(r)
+    _check_fused(r, cuda)
     if not cuda:
         _check_cpu(r)
     if world_size is not None:
@@ -162,6 +164,12 @@ def _check_train(r: Recipe) -> None:
               "would clip expert-parallel ranks differently; use train.optimizer=adam for expert parallelism")
     if t.stop_at is not None:
         _need(1 <= t.stop_at <= t.iters, f"train.stop_at={t.stop_at} must be in [1, train.iters={t.iters}]")
+
+
+def _check_fused(r: Recipe, cuda: bool) -> None:
+    if r.kd.impl == "fused":
+        problem = fused_unavailable(cuda)
+        _need(not problem, f"kd.impl=fused {problem}; use kd.impl=auto (fused where it runs, else chunked)")
 
 
 def _check_cpu(r: Recipe) -> None:

@@ -39,6 +39,13 @@ def missing_recipe(name: str, directory: Path | None = None) -> str | None:
     return f"no recipe {name!r} in {d}; known: {', '.join(known_recipes(d)) or 'none'}"
 
 
+def missing_keys(cfg) -> list:
+    """`section.key` of every value a composed recipe leaves `???` (the user must give it)."""
+    from omegaconf import OmegaConf
+    return [f"{sec}.{k}" for sec in cfg if sec != "hydra" and OmegaConf.is_dict(cfg[sec])
+            for k in cfg[sec] if OmegaConf.is_missing(cfg[sec], k)]
+
+
 SECTIONS = ("model", "teacher", "parallel", "data", "kd", "train")
 
 

@@ -10,8 +10,10 @@ class Progress:
         self.t0, self.done = time.monotonic(), 0
         if enabled and total_samples:
             from tqdm import tqdm
+            # tqdm's own rate is left out of the bar: it counts rank 0 only, the postfix's counts all ranks
             self.bar = tqdm(total=total_samples, unit="sample", file=sys.stderr, dynamic_ncols=True,
-                            desc="teacher top-K" + (f" (rank 0 of {scale} DP ranks)" if scale > 1 else ""))
+                            desc="teacher top-K" + (f" (rank 0 of {scale} DP ranks)" if scale > 1 else ""),
+                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
 
     def update(self, n: int) -> None:
         self.done += n

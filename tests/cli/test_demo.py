@@ -12,11 +12,11 @@ from megatron_kd.cli import demo as demo_cli
 pytestmark = pytest.mark.slow
 
 
-def demo(out, *args, timeout=300):
+def demo(out, *args):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                              "MASTER_PORT")}
     return subprocess.run([sys.executable, "-m", "megatron_kd", "demo", "--small", "--no-progress", "--out", str(out),
-                           *args], capture_output=True, text=True, timeout=timeout, env=env)
+                           *args], capture_output=True, text=True, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_demo_runs_end_to_end(finished):
 def test_a_finished_demo_is_not_overwritten(finished):
     out, _ = finished
     before = (out / "results.json").read_bytes()
-    p = demo(out, timeout=60)
+    p = demo(out)
     assert p.returncode == 2 and "holds a finished demo" in p.stderr and "--overwrite" in p.stderr
     assert (out / "results.json").read_bytes() == before
 
@@ -80,7 +80,7 @@ def test_an_interrupted_demo_resumes(finished, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(src, out)
     (out / "results.json").unlink()
-    p = demo(out, timeout=120)
+    p = demo(out)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     for stage in ("teacher", "student_offline", "student_online", "student_ce"):
         assert f"{stage}] already trained" in p.stdout

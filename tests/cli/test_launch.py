@@ -91,7 +91,7 @@ def test_torchrun_sh_without_args_prints_usage():
 @pytest.mark.slow
 def test_two_cpu_workers_all_reduce_through_torchrun_sh():
     out = run(["bash", str(TORCHRUN_SH), "launch/dist_smoke.py"], env={**clean_env(), "NPROC_PER_NODE": "2"},
-              cwd=ROOT, timeout=120)
+              cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "dist_smoke: world=2 backend=gloo sum=1 expected=1 OK" in out.stdout
 
@@ -109,10 +109,10 @@ def test_two_cpu_workers_train_stop_and_resume_through_torchrun_sh(tmp_path):
            f"train.load={save}", f"hydra.run.dir={tmp_path / 'hydra'}", "train.eval_interval=null",
            "train.progress=false", "train.tensorboard=false"]
     env = {**clean_env(), "NPROC_PER_NODE": "2", "PYTHONWARNINGS": "ignore"}
-    first = run(cmd + ["train.stop_at=2"], env=env, cwd=ROOT, timeout=240)
+    first = run(cmd + ["train.stop_at=2"], env=env, cwd=ROOT)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"  # what slurm.sbatch reports
-    second = run(cmd, env=env, cwd=ROOT, timeout=240)
+    second = run(cmd, env=env, cwd=ROOT)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     out = second.stdout + second.stderr
     assert f"resuming from {save} at iteration 2" in out and "done: 3/3 iterations (offline)" in out
@@ -181,12 +181,14 @@ def test_launch_through_the_cli_dispatcher(recipe):
 FAKE_SCONTROL = """#!/bin/bash
 if [[ $1 == show ]]; then printf 'gpu-%s\\n' 07 08 09 10; else echo "scontrol $*" >> "$FAKE_LOG"; fi
 """
-# srun: log its flags, then run the command once as node 0, with torchrun.sh in dry-run mode.
+# srun: log its flags, then run the command once as node 0, with torchrun.sh in dry-run mode; with FAKE_SRUN_HOLD
+# set, it then runs until that file exists (a step that lasts until the test says so: no sleep to race against).
 FAKE_SRUN = """#!/bin/bash
 echo "srun $*" >> "$FAKE_LOG"
 while [[ $1 == --* ]]; do shift; done
 SLURM_NODEID=0 DRY_RUN=1 "$@" >> "$FAKE_LOG"
-sleep "${FAKE_SRUN_SLEEP:-0}"
+echo "srun step running" >> "$FAKE_LOG"
+while [[ -n $FAKE_SRUN_HOLD && ! -e $FAKE_SRUN_HOLD ]]; do sleep 0.05; done
 """
 
 
@@ -243,29 +245,37 @@ def test_sbatch_without_container_runs_on_the_host(fake_slurm, tmp_path):
     assert f"train --config-path {tmp_path / 'r'} --config-name x " in torchrun_line
 
 
+def usr1_during_the_step(env, cwd, err_path):
+    """Run slurm.sbatch, send USR1 while its srun step runs, let the step end once the trap has spoken; no
+    deadlines: each wait ends on the event it waits for, or fails when sbatch exits first."""
+    hold = cwd / "release_srun"
+    log = Path(env["FAKE_LOG"])
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(["bash", str(SBATCH), "tiny_cpu"], env={**env, "FAKE_SRUN_HOLD": str(hold)},
+                                cwd=cwd, stdout=subprocess.PIPE, stderr=err, text=True)
+        while "srun step running" not in (log.read_text() if log.exists() else ""):
+            assert proc.poll() is None, err_path.read_text()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@600 delivers before the time limit
+        while "time limit near" not in err_path.read_text():
+            assert proc.poll() is None, err_path.read_text()
+            time.sleep(0.05)
+        hold.touch()
+        proc.communicate()
+    return err_path.read_text()
+
+
 def test_sbatch_requeues_itself_on_usr1(fake_slurm, tmp_path):
     env, log = fake_slurm
-    proc = subprocess.Popen(["bash", str(SBATCH), "tiny_cpu"], env={**env, "FAKE_SRUN_SLEEP": "1"},
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 10
-    while "srun" not in (log.read_text() if log.exists() else "") and time.time() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@600 delivers before the time limit
-    _, err = proc.communicate(timeout=20)
+    err = usr1_during_the_step(env, tmp_path, tmp_path / "err.txt")
     assert "scontrol requeue 4242" in log.read_text()
     assert "time limit near: requeueing job 4242" in err
 
 
 def test_sbatch_stops_requeueing_after_max(fake_slurm, tmp_path):
     env, log = fake_slurm
-    proc = subprocess.Popen(["bash", str(SBATCH), "tiny_cpu"],
-                            env={**env, "FAKE_SRUN_SLEEP": "1", "SLURM_RESTART_COUNT": "5", "MAX_REQUEUES": "5"},
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 10
-    while "srun" not in (log.read_text() if log.exists() else "") and time.time() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGUSR1)
-    _, err = proc.communicate(timeout=20)
+    err = usr1_during_the_step({**env, "SLURM_RESTART_COUNT": "5", "MAX_REQUEUES": "5"}, tmp_path,
+                               tmp_path / "err.txt")
     assert "scontrol requeue" not in log.read_text()
     assert "not requeueing" in err
 

@@ -29,22 +29,21 @@ def test_signal_ends_train_and_its_children_and_the_rerun_resumes(tmp_path, sig)
            "data.num_workers=1", "train.eval_interval=null", "train.tensorboard=false", "train.progress=false",
            f"train.save={save}", f"hydra.run.dir={tmp_path / 'hydra'}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 240
     while not any(i > 4 for i in _train_records(save)):  # a checkpoint (every 4) is on disk, training goes on
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "train did not reach iteration 5 in 240 s"
+        assert proc.poll() is None, proc.communicate()  # no deadline: a loaded machine is slow, not wrong
         time.sleep(0.2)
     children = psutil.Process(proc.pid).children(recursive=True)
     assert children, "expected a data-loader worker / resource_tracker under train.num_workers=1"
     proc.send_signal(sig)
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate()
     assert proc.returncode == 128 + sig, (proc.returncode, err[-2000:])
     assert "the last saved checkpoint is kept; rerun the same command to resume" in err
-    _, alive = psutil.wait_procs(children, timeout=15)
+    # the limit only bounds the failing case (a child left behind never ends); passing returns once they end
+    _, alive = psutil.wait_procs(children, timeout=600)
     assert not alive, f"left behind: {[(p.pid, p.name()) for p in alive]}"
     done = max(_train_records(save))
     r = subprocess.run(cmd[:5] + ["train.iters=" + str(done + 3)] + cmd[6:], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300)
+                       text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "resuming from" in r.stdout + r.stderr
     assert max(_train_records(save)) == done + 3

@@ -148,6 +148,7 @@ def run_config(cfg) -> int:
             with open_dict(cfg):
                 cfg.train.save = HydraConfig.get().runtime.output_dir
         OmegaConf.resolve(cfg)
+        from ..recipe.checks import checked_recipe
         recipe = checked_recipe(cfg)
         from ..training.loop import run
         summary = run(recipe, recipe.train.save)
@@ -158,33 +159,6 @@ def run_config(cfg) -> int:
     if is_rank0():
         print(summary_line(summary))
     return 0
-
-
-def checked_recipe(cfg):
-    """The Recipe of a composed config; what keeps it from running on this machine is said in one line, every
-    problem at once: the values the recipe leaves `???` (the schema merge would quietly fill them with defaults),
-    a key of the wrong type, train.device=cuda without a GPU."""
-    from ..recipe.compose import missing_keys
-    from ..recipe.schema import RecipeError, to_recipe
-    from ..runtime.dist import use_cuda
-    problems, recipe = [], None
-    missing = missing_keys(cfg)
-    if missing:
-        problems.append(f"{' and '.join(missing)} {'has' if len(missing) == 1 else 'have'} no value (the recipe "
-                        f"leaves {'it' if len(missing) == 1 else 'them'} `???`): pass "
-                        f"{' '.join(k + '=...' for k in missing)}")
-    try:
-        recipe = to_recipe(cfg)
-    except RecipeError as e:
-        problems.append(str(e))
-    if recipe is not None:
-        try:
-            use_cuda(recipe.train.device)
-        except RuntimeError as e:
-            problems.append(str(e))
-    if problems:
-        raise RecipeError("; ".join(problems))
-    return recipe
 
 
 def summary_line(s: dict) -> str:

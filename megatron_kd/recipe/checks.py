@@ -272,3 +272,30 @@ def check_target(out: str, src: str, key: str, fix: str | None) -> bool:
     if full and fix:
         raise ValueError(f"{key}{out} exists and is not empty; {fix}")
     return full
+
+
+def checked_recipe(cfg):
+    """The Recipe of a composed config; what keeps it from running on this machine is said in one line, every
+    problem at once: the values the recipe leaves `???` (the schema merge would quietly fill them with defaults),
+    a key of the wrong type, train.device=cuda without a GPU."""
+    from ..runtime.dist import use_cuda
+    from .compose import missing_keys
+    from .schema import to_recipe
+    problems, recipe = [], None
+    missing = missing_keys(cfg)
+    if missing:
+        problems.append(f"{' and '.join(missing)} {'has' if len(missing) == 1 else 'have'} no value (the recipe "
+                        f"leaves {'it' if len(missing) == 1 else 'them'} `???`): pass "
+                        f"{' '.join(k + '=...' for k in missing)}")
+    try:
+        recipe = to_recipe(cfg)
+    except RecipeError as e:
+        problems.append(str(e))
+    if recipe is not None:
+        try:
+            use_cuda(recipe.train.device)
+        except RuntimeError as e:
+            problems.append(str(e))
+    if problems:
+        raise RecipeError("; ".join(problems))
+    return recipe

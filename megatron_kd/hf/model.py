@@ -161,9 +161,10 @@ class HFModel:
         from megatron.core import tensor_parallel
         for m in chunks:
             for name, prm in m.named_parameters():
-                if name.endswith("softmax_offset") and parallel.tp > 1:
-                    # learned sinks hold this rank's heads, but megatron-core leaves them unmarked: mark them,
-                    # so weight hashes, grad norms and checkpoints treat them as the TP shards they are
+                if name.endswith("softmax_offset") and parallel.tp > 1 and not hasattr(prm, "tensor_model_parallel"):
+                    # learned sinks hold this rank's heads, but megatron-core's DotProductAttention leaves them
+                    # unmarked (megatron-kd's SDPAttention marks them itself, and a second mark is an error):
+                    # mark them, so weight hashes, grad norms and checkpoints treat them as the TP shards they are
                     tensor_parallel.set_tensor_model_parallel_attributes(prm, True, 0, 1)
             for prm in m.parameters():
                 tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(prm)

@@ -9,6 +9,7 @@ import os
 
 import torch
 
+from . import exact
 from .checks import HFCheckpointError, check_architecture, check_hf_dir, check_layout, require_bridge
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -77,6 +78,8 @@ class HFModel:
         check_architecture(self.path, key)
         self.bridge = AutoBridge.from_hf_pretrained(self.path)  # lazy: tensors are read when loaded
         self.hf_config = self.bridge.hf_pretrained.config
+        # config.json's fields Bridge drops or hard-codes: read (or refused) now, set on every provider and model
+        self.exact = exact.settings(self.hf_config, f"{key}={self.path!r}")
 
     @property
     def vocab_size(self) -> int:
@@ -125,6 +128,7 @@ class HFModel:
         prov.hidden_dropout = prov.attention_dropout = 0.0
         prov.attention_softmax_in_fp32 = True  # as megatron-kd's own builder (megatron-core's default; Bridge: False)
         prov.calculate_per_token_loss = True  # megatron-kd's losses are per-token sums
+        exact.apply(prov, self.exact)
         prov.use_cpu_initialization = not cuda
         prov.deallocate_pipeline_outputs = p.pp > 1
         for k, v in (recompute or {}).items():
@@ -153,6 +157,7 @@ class HFModel:
             first = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
             last = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
             m = prov.provide(pre_process=first, post_process=last, vp_stage=stage)
+            exact.fix_model(m, self.exact)
             if stage is not None:
                 m.vp_stage = stage
             if torch.cuda.is_available():

@@ -107,13 +107,7 @@ class HFModel:
         prov.tensor_model_parallel_size, prov.pipeline_model_parallel_size = p.tp, p.pp
         prov.virtual_pipeline_model_parallel_size = p.vpp
         prov.context_parallel_size, prov.expert_model_parallel_size = p.cp, p.ep
-        etp = p.etp
-        if etp is None:  # Megatron's default is TP; its MoE layers with biases (GPT-OSS) take only ETP=1
-            etp = 1 if prov.num_moe_experts and prov.add_bias_linear else p.tp
-        elif etp > 1 and prov.num_moe_experts and prov.add_bias_linear:
-            raise HFCheckpointError(f"{self.key}={self.path!r}: its experts have biases, which Megatron splits "
-                                    f"only with parallel.etp=1 (got {etp}); set parallel.etp=1")
-        prov.expert_tensor_parallel_size = etp
+        prov.expert_tensor_parallel_size = self._expert_tp(p, prov)
         prov.sequence_parallel = bool(p.sequence_parallel and p.tp > 1)
         prov.bf16, prov.fp16 = precision == "bf16", precision == "fp16"
         prov.params_dtype = prov.pipeline_dtype = dtype
@@ -142,6 +136,23 @@ class HFModel:
         from megatron.core.process_groups_config import ProcessGroupCollection
         prov._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         return prov
+
+    def _expert_tp(self, p, prov) -> int:
+        """Expert TP: parallel.etp, else that of the Megatron groups already made (the model's layers split over
+        those groups, so a provider of another size would not load), else Megatron's default (TP). MoE layers with
+        biases (GPT-OSS) split only at expert TP 1."""
+        from megatron.core import parallel_state as ps
+        made = ps.get_expert_tensor_parallel_world_size() if ps.model_parallel_is_initialized() else None
+        biased = bool(prov.num_moe_experts and prov.add_bias_linear)
+        etp = p.etp if p.etp is not None else made if made is not None else (1 if biased else p.tp)
+        if made is not None and etp != made and prov.num_moe_experts:
+            raise HFCheckpointError(f"{self.key}={self.path!r}: parallel.etp={p.etp} but the Megatron process "
+                                    f"groups were made with expert TP {made}; pass the same etp to both")
+        if etp > 1 and biased:
+            raise HFCheckpointError(f"{self.key}={self.path!r}: its experts have biases, which Megatron splits "
+                                    f"only with parallel.etp=1 (got {etp}); set parallel.etp=1"
+                                    + ("" if p.etp is not None else " (also when making the Megatron groups)"))
+        return etp
 
     def build(self, parallel, *, load_weights: bool = True, **provider_kw):
         """This rank's model chunks (one, or vpp under virtual pipeline), on the current device, with the

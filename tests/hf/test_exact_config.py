@@ -124,3 +124,29 @@ def test_field_megatron_cannot_run_is_refused_by_name(tmp_path, case):
     msg = str(e.value)
     assert "teacher.hf_path=" in msg and all(w in msg for w in words), msg
     assert "\n" not in msg and "Traceback" not in msg
+
+
+def _etp_worker(rank, world, hf_dir):
+    from megatron.core import parallel_state as ps
+    from megatron_kd.hf.checks import HFCheckpointError
+    from megatron_kd.hf.model import HFModel
+    from megatron_kd.megatron.config import ParallelConfig
+    from megatron_kd.megatron.cpu_patches import seed_model_parallel_rng
+    from megatron_kd.megatron.dist import init_model_parallel
+    hf = HFModel(hf_dir, key="teacher.hf_path")
+    for groups_etp, asked in ((None, None), (None, 1)):  # groups of expert TP 2 (Megatron's default: TP)
+        init_model_parallel(ParallelConfig(tp=2, etp=groups_etp), cuda=False)
+        seed_model_parallel_rng(0)
+        with pytest.raises(HFCheckpointError) as e:
+            hf.build(ParallelConfig(tp=2, etp=asked), seq_length=SEQ)
+        msg = str(e.value)
+        assert "parallel.etp" in msg and "\n" not in msg, msg
+        ps.destroy_model_parallel()
+
+
+def test_expert_tp_of_the_process_groups_is_checked(tmp_path):
+    """GPT-OSS's experts have biases (expert TP 1 only). Under Megatron groups of expert TP 2, a build with
+    parallel.etp unset or 1 is refused naming parallel.etp (it was Bridge's "Unexpected gate_up_proj shape")."""
+    import tiny
+    tiny.make_hf(str(tmp_path / "gptoss"), "gptoss", seed=4)
+    run_ranks(2, _etp_worker, str(tmp_path / "gptoss"))

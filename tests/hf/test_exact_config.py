@@ -4,7 +4,8 @@ Each case: a fresh random tiny checkpoint with one non-default value of a field 
 hard-codes (GPT-OSS YaRN and layer_types, Llama 3 RoPE scaling). megatron-kd builds it through HFModel with the
 default attention backend at TP=1 and TP=2 (real gloo ranks); its fp32 logits must equal transformers' to 1e-5.
 Measured: 0 .. 2.3e-6 at TP=1 and TP=2; without megatron_kd/hf/exact.py's carrying (Bridge's values) every case
-fails, by 3.7e-4 (Llama 3 frequency factors) to 1.87 (layer_types full / sliding / full) at both TP sizes.
+but linear (which Bridge maps itself) fails, by 3.7e-4 (Llama 3 frequency factors) to 1.87 (layer_types full /
+sliding / full) at both TP sizes.
 """
 import os
 
@@ -27,11 +28,15 @@ FULL, SLIDING = "full_attention", "sliding_attention"
 CASES = {
     "yarn_factor_8": ("gptoss", 2, {"rope_parameters": {**GPTOSS_YARN, "factor": 8.0}}),
     "yarn_beta_fast_16": ("gptoss", 2, {"rope_parameters": {**GPTOSS_YARN, "beta_fast": 16.0}}),
+    "yarn_truncate": ("gptoss", 2, {"rope_parameters": {**GPTOSS_YARN, "truncate": True}}),
+    "yarn_mscale_1_0.5": ("gptoss", 2, {"rope_parameters": {**GPTOSS_YARN, "mscale": 1.0, "mscale_all_dim": 0.5}}),
     "layer_types_full_sliding_full": ("gptoss", 3, {"layer_types": [FULL, SLIDING, FULL]}),
     "layer_types_sliding_only": ("gptoss", 2, {"layer_types": [SLIDING, SLIDING]}),
     "llama3_original_1024": ("llama", 2, {"rope_parameters": {**LLAMA3, "original_max_position_embeddings": 1024}}),
     "llama3_freq_factors_2_8": ("llama", 2, {"rope_parameters": {**LLAMA3, "low_freq_factor": 2.0,
                                                                  "high_freq_factor": 8.0}}),
+    # Bridge maps linear scaling itself; megatron-kd sets the same value (seq_len_interpolation_factor)
+    "linear_factor_2": ("llama", 2, {"rope_parameters": {"rope_type": "linear", "rope_theta": 5e5, "factor": 2.0}}),
     # Qwen2's sliding window on the layers from max_window_layers on (layer_types full, sliding)
     "qwen2_sliding_window": ("qwen2", 2, {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
 }

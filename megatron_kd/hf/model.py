@@ -1,7 +1,9 @@
 """HFModel: a Hugging Face checkpoint as megatron-core GPTModel chunks (this rank's shards) and back.
 
 Bridge's model provider (a megatron-core TransformerConfig) carries the architecture of config.json: sizes,
-GQA, tied embeddings, RoPE base and scaling (Llama 3, YaRN), attention sinks, sliding windows, MoE. We set the
+GQA, tied embeddings, RoPE base and scaling (Llama 3, YaRN), attention sinks, sliding windows, MoE; the values
+its bridges hard-code or drop (GPT-OSS YaRN and layer_types, Llama 3 frequency factors) exact.py sets from
+config.json, or refuses when the checkpoint is opened. We set the
 parallel layout, precision and run settings on it and build with the caller's layer spec; Bridge's mappings then
 copy each HF tensor's slice onto the rank that holds it (TP, PP, EP, VPP), and gather them back on export.
 """

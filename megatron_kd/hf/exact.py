@@ -19,7 +19,8 @@ from .checks import HFCheckpointError
 MCORE_LLAMA3 = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
-MODEL_TYPES = ("llama", "gpt_oss", "qwen2")  # the architectures whose fields these rules read (tests/hf/test_exact_config.py)
+# the architectures whose fields these rules read (each tested: tests/hf/test_exact_config.py)
+MODEL_TYPES = ("llama", "gpt_oss", "qwen2")
 
 
 def _rope_parameters(hf_config) -> dict:

@@ -1,7 +1,9 @@
 """HFModel: a Hugging Face checkpoint as megatron-core GPTModel chunks (this rank's shards) and back.
 
 Bridge's model provider (a megatron-core TransformerConfig) carries the architecture of config.json: sizes,
-GQA, tied embeddings, RoPE base and scaling (Llama 3, YaRN), attention sinks, sliding windows, MoE. We set the
+GQA, tied embeddings, RoPE base and scaling (Llama 3, YaRN), attention sinks, sliding windows, MoE; the values
+its bridges hard-code or drop (GPT-OSS YaRN and layer_types, Llama 3 frequency factors) exact.py sets from
+config.json, or refuses when the checkpoint is opened. We set the
 parallel layout, precision and run settings on it and build with the caller's layer spec; Bridge's mappings then
 copy each HF tensor's slice onto the rank that holds it (TP, PP, EP, VPP), and gather them back on export.
 """
@@ -9,6 +11,7 @@ import os
 
 import torch
 
+from . import exact
 from .checks import HFCheckpointError, check_architecture, check_hf_dir, check_layout, require_bridge
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -77,6 +80,8 @@ class HFModel:
         check_architecture(self.path, key)
         self.bridge = AutoBridge.from_hf_pretrained(self.path)  # lazy: tensors are read when loaded
         self.hf_config = self.bridge.hf_pretrained.config
+        # config.json's fields Bridge drops or hard-codes: read (or refused) now, set on every provider and model
+        self.exact = exact.settings(self.hf_config, f"{key}={self.path!r}")
 
     @property
     def vocab_size(self) -> int:
@@ -104,13 +109,7 @@ class HFModel:
         prov.tensor_model_parallel_size, prov.pipeline_model_parallel_size = p.tp, p.pp
         prov.virtual_pipeline_model_parallel_size = p.vpp
         prov.context_parallel_size, prov.expert_model_parallel_size = p.cp, p.ep
-        etp = p.etp
-        if etp is None:  # Megatron's default is TP; its MoE layers with biases (GPT-OSS) take only ETP=1
-            etp = 1 if prov.num_moe_experts and prov.add_bias_linear else p.tp
-        elif etp > 1 and prov.num_moe_experts and prov.add_bias_linear:
-            raise HFCheckpointError(f"{self.key}={self.path!r}: its experts have biases, which Megatron splits "
-                                    f"only with parallel.etp=1 (got {etp}); set parallel.etp=1")
-        prov.expert_tensor_parallel_size = etp
+        prov.expert_tensor_parallel_size = self._expert_tp(p, prov)
         prov.sequence_parallel = bool(p.sequence_parallel and p.tp > 1)
         prov.bf16, prov.fp16 = precision == "bf16", precision == "fp16"
         prov.params_dtype = prov.pipeline_dtype = dtype
@@ -125,6 +124,7 @@ class HFModel:
         prov.hidden_dropout = prov.attention_dropout = 0.0
         prov.attention_softmax_in_fp32 = True  # as megatron-kd's own builder (megatron-core's default; Bridge: False)
         prov.calculate_per_token_loss = True  # megatron-kd's losses are per-token sums
+        exact.apply(prov, self.exact)
         prov.use_cpu_initialization = not cuda
         prov.deallocate_pipeline_outputs = p.pp > 1
         for k, v in (recompute or {}).items():
@@ -138,6 +138,23 @@ class HFModel:
         from megatron.core.process_groups_config import ProcessGroupCollection
         prov._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         return prov
+
+    def _expert_tp(self, p, prov) -> int:
+        """Expert TP: parallel.etp, else that of the Megatron groups already made (the model's layers split over
+        those groups, so a provider of another size would not load), else Megatron's default (TP). MoE layers with
+        biases (GPT-OSS) split only at expert TP 1."""
+        from megatron.core import parallel_state as ps
+        made = ps.get_expert_tensor_parallel_world_size() if ps.model_parallel_is_initialized() else None
+        biased = bool(prov.num_moe_experts and prov.add_bias_linear)
+        etp = p.etp if p.etp is not None else made if made is not None else (1 if biased else p.tp)
+        if made is not None and etp != made and prov.num_moe_experts:
+            raise HFCheckpointError(f"{self.key}={self.path!r}: parallel.etp={p.etp} but the Megatron process "
+                                    f"groups were made with expert TP {made}; pass the same etp to both")
+        if etp > 1 and biased:
+            raise HFCheckpointError(f"{self.key}={self.path!r}: its experts have biases, which Megatron splits "
+                                    f"only with parallel.etp=1 (got {etp}); set parallel.etp=1"
+                                    + ("" if p.etp is not None else " (also when making the Megatron groups)"))
+        return etp
 
     def build(self, parallel, *, load_weights: bool = True, **provider_kw):
         """This rank's model chunks (one, or vpp under virtual pipeline), on the current device, with the
@@ -153,6 +170,7 @@ class HFModel:
             first = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
             last = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
             m = prov.provide(pre_process=first, post_process=last, vp_stage=stage)
+            exact.fix_model(m, self.exact)
             if stage is not None:
                 m.vp_stage = stage
             if torch.cuda.is_available():
@@ -161,9 +179,10 @@ class HFModel:
         from megatron.core import tensor_parallel
         for m in chunks:
             for name, prm in m.named_parameters():
-                if name.endswith("softmax_offset") and parallel.tp > 1:
-                    # learned sinks hold this rank's heads, but megatron-core leaves them unmarked: mark them,
-                    # so weight hashes, grad norms and checkpoints treat them as the TP shards they are
+                if name.endswith("softmax_offset") and parallel.tp > 1 and not hasattr(prm, "tensor_model_parallel"):
+                    # learned sinks hold this rank's heads, but megatron-core's DotProductAttention leaves them
+                    # unmarked (megatron-kd's SDPAttention marks them itself, and a second mark is an error):
+                    # mark them, so weight hashes, grad norms and checkpoints treat them as the TP shards they are
                     tensor_parallel.set_tensor_model_parallel_attributes(prm, True, 0, 1)
             for prm in m.parameters():
                 tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(prm)

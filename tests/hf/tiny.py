@@ -20,22 +20,24 @@ def tokenizer_files(out_dir, vocab_size: int, seed_text: str | None = None):
 
 def make_hf(out_dir, arch: str = "llama", *, seed: int = 0, vocab_size: int = 256, layers: int = 2,
             hidden: int = 64, heads: int = 4, kv_heads: int = 2, ffn: int = 128, tied: bool = False,
-            experts: int = 4, dtype: str = "float32", tokenizer: bool = True, tokenizer_size: int | None = None):
+            experts: int = 4, dtype: str = "float32", tokenizer: bool = True, tokenizer_size: int | None = None,
+            config: dict | None = None):
     """A random tiny HF model of `arch` (llama | gptoss | qwen2) saved in out_dir; returns the model (eval, fp32).
     tokenizer_size < vocab_size: an embedding padded beyond its tokenizer, as Qwen's (151,936 or 152,064 rows for
-    151,665 tokens)."""
+    151,665 tokens). config: more (or other) config fields, e.g. rope_parameters, layer_types."""
     from transformers import AutoModelForCausalLM, GptOssConfig, LlamaConfig, Qwen2Config
     torch.manual_seed(seed)
     kw = dict(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
               num_key_value_heads=kv_heads, intermediate_size=ffn, tie_word_embeddings=tied, dtype="float32",
               max_position_embeddings=512)
     if arch == "llama":
-        cfg = LlamaConfig(**kw, rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+        kw = {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}, **kw, **(config or {})}
+        cfg = LlamaConfig(**kw)
     elif arch == "gptoss":
-        cfg = GptOssConfig(**kw, head_dim=hidden // heads, num_local_experts=experts, num_experts_per_tok=2,
-                           sliding_window=8)
+        kw = dict(kw, head_dim=hidden // heads, num_local_experts=experts, num_experts_per_tok=2, sliding_window=8)
+        cfg = GptOssConfig(**{**kw, **(config or {})})
     elif arch == "qwen2":
-        cfg = Qwen2Config(**kw)
+        cfg = Qwen2Config(**{**kw, **(config or {})})
     else:
         raise ValueError(arch)
     hf = AutoModelForCausalLM.from_config(cfg).float().eval()

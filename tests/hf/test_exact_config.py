@@ -45,10 +45,10 @@ CASES = {
 def _worker(rank, world, cases, tp):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
-    from megatron_kd.megatron.config import ModelConfig, ParallelConfig
-    from megatron_kd.megatron.cpu_patches import apply_cpu_patches, seed_model_parallel_rng
-    from megatron_kd.megatron.dist import init_model_parallel
-    from megatron_kd.megatron.model import build_hf_chunks
+    from megatron_kd.recipe.schema import ModelConfig, ParallelConfig
+    from megatron_kd.runtime.cpu_patches import apply_cpu_patches, seed_model_parallel_rng
+    from megatron_kd.runtime.dist import init_model_parallel
+    from megatron_kd.models.builder import build_hf_chunks
     apply_cpu_patches()
     for hf_dir, out in cases:
         moe = "gptoss" in os.path.basename(hf_dir)
@@ -135,9 +135,9 @@ def _etp_worker(rank, world, hf_dir):
     from megatron.core import parallel_state as ps
     from megatron_kd.hf.checks import HFCheckpointError
     from megatron_kd.hf.model import HFModel
-    from megatron_kd.megatron.config import ParallelConfig
-    from megatron_kd.megatron.cpu_patches import seed_model_parallel_rng
-    from megatron_kd.megatron.dist import init_model_parallel
+    from megatron_kd.recipe.schema import ParallelConfig
+    from megatron_kd.runtime.cpu_patches import seed_model_parallel_rng
+    from megatron_kd.runtime.dist import init_model_parallel
     hf = HFModel(hf_dir, key="teacher.hf_path")
     for groups_etp, asked in ((None, None), (None, 1)):  # groups of expert TP 2 (Megatron's default: TP)
         init_model_parallel(ParallelConfig(tp=2, etp=groups_etp), cuda=False)

@@ -5,7 +5,7 @@ comparison fail (the measured differences are printed and asserted).
 
 The model is built the way the HF path builds it: Bridge's GPT-OSS provider (AutoBridge) with megatron-kd's local
 layer spec (SDPAttention as core attention, the expert-bias fix) and Bridge's weight mappings; and the recipe way:
-our ModelConfig fields (megatron/gpt_oss.hf_model_fields) through build_gpt, weights through AutoBridge.
+our ModelConfig fields (models/gpt_oss.hf_model_fields) through build_gpt, weights through AutoBridge.
 Needs the real Megatron-Bridge 0.6.2 + megatron-core 0.19.2 (the Python 3.12 job)."""
 import importlib.util
 import json

@@ -11,6 +11,18 @@ TEMPERATURE_RANGE = (1e-3, 1e3)  # beyond it logits / T overflow or the distribu
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")  # docs/loss.md defines each on a sparse teacher, per tail
 
 
+def _number(key: str, v, allow_none: bool = False):
+    """v as a float, or a ValueError naming the key (float('half') alone names nothing)."""
+    if v is None and allow_none:
+        return None
+    try:
+        if isinstance(v, bool):
+            raise TypeError
+        return float(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"{key}={v!r} must be a number") from None
+
+
 @dataclass(frozen=True)
 class LossOptions:
     kl_weight: float = 1.0
@@ -31,6 +43,8 @@ class LossOptions:
     monitor: bool = False
 
     def __post_init__(self):
+        for key in ("kl_weight", "ce_weight", "temperature", "jsd_beta", "cache_temperature"):
+            _number(key, getattr(self, key), allow_none=key == "cache_temperature")
         if self.tail not in TAILS:
             raise ValueError(f"tail={self.tail!r} is unknown; use one of {TAILS}")
         if self.reduction not in REDUCTIONS:
@@ -97,8 +111,9 @@ class KDLoss:
         """The checked LossOptions of these keys (ValueError naming the key when one is wrong)."""
         kw = {f.name: getattr(self, f.name) for f in fields(KDLoss)}
         kw.update(overrides)
-        return LossOptions(kl_weight=float(kw["kl_weight"]), ce_weight=float(kw["ce_weight"]),
-                           temperature=float(kw["temperature"]), tail=kw["tail"], impl=kw["impl"],
+        return LossOptions(kl_weight=_number("kl_weight", kw["kl_weight"]),
+                           ce_weight=_number("ce_weight", kw["ce_weight"]),
+                           temperature=_number("temperature", kw["temperature"]), tail=kw["tail"], impl=kw["impl"],
                            chunk_size=kw["chunk_size"], divergence=kw["divergence"],
-                           jsd_beta=float(kw["jsd_beta"]), cache_temperature=None if kw["cache_temperature"] is None
-                           else float(kw["cache_temperature"]))
+                           jsd_beta=_number("jsd_beta", kw["jsd_beta"]),
+                           cache_temperature=_number("cache_temperature", kw["cache_temperature"], allow_none=True))

@@ -9,6 +9,7 @@ checks that the shards an earlier run finished were built from this dataset's to
 everyone is done.
 Micro-batches never cross a shard boundary, so a shard's bytes do not depend on where a previous run died.
 """
+import errno
 import hashlib
 import os
 import sys
@@ -132,6 +133,11 @@ def build_cache(teacher, dataset, out_dir, *, top_k: int = 100, encoding: str = 
             writer = CacheWriter(out_dir, settings, lock=False)
         _build(writer, teacher, dataset, seq, top_k, temperature, chunk_size, micro_batch_size, tp_group, pp_group,
                dp_rank, dp_size, writes, is_root, progress)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise CacheError(f"no space left on the device of {out_dir} while writing the cache (finished shards are "
+                         "kept); free space there, then rerun the same command: the build resumes") from None
     finally:
         if writer is not None:
             writer.close()

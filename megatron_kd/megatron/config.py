@@ -144,6 +144,8 @@ class TrainConfig:
     progress: bool = True                        # console progress bar (rank 0)
     tensorboard: bool = True                     # <save>/tensorboard when tensorboard is installed
     device: str = "auto"                         # auto | cuda | cpu
+    nonfinite: str = "stop"                      # NaN/inf loss or gradients: stop | skip (the update, said on the console)
+    resume_changes: list = field(default_factory=list)  # keys a resume may change on purpose (megatron/guards.py)
 
 
 @dataclass
@@ -303,6 +305,8 @@ def check_recipe(r: Recipe, world_size: int | None = 1, cuda: bool = False) -> N
         _need(d.seq_length % p.tp == 0, f"data.seq_length={d.seq_length} must divide by parallel.tp={p.tp} "
               "with parallel.sequence_parallel")
     _need(t.iters >= 1, f"train.iters={t.iters} must be >= 1")
+    from .guards import check_train  # the train section's numbers and policies
+    check_train(t)
     _need(t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size} must be >= 1")
     _need(t.precision in PRECISIONS, f"train.precision={t.precision!r}: use one of {PRECISIONS}")
     _need(t.device in ("auto", "cuda", "cpu"), f"train.device={t.device!r}: use auto, cuda or cpu")

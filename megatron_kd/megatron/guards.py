@@ -1,0 +1,543 @@
+"""Guards of a training run: what must hold so that a run never trains on the wrong thing, and what it says when
+it does not (one sentence naming the key and the fix).
+
+- the train section's numbers (check_train: called by config.check_recipe)
+- train.save: a writable directory (check_save_dir), held by one run at a time (save_lock)
+- resuming: the checkpoint's recipe against this one (check_resume); train.resume_changes names intended changes
+- checkpoints of other shapes (teacher.load, train.pretrained) refused before any model is built
+- the corpus: long enough for data.seq_length, tokenized with data.tokenizer (check_corpus)
+- NaN / inf in the loss or gradients (nonfinite_step, check_weights_finite): train.nonfinite = stop | skip
+- free space before a checkpoint and a full disk reported as such (check_free_space, save_failed)
+- SIGTERM / SIGINT during a checkpoint save: the save finishes, then the run ends (signals_deferred)
+
+Every decision that ends a run is taken identically on every rank (the inputs are all-reduced first), so one
+rank never raises while the others wait in a collective.
+"""
+import contextlib
+import errno
+import math
+import os
+import shutil
+import signal
+import socket
+import threading
+
+import torch
+import torch.distributed as dist
+
+from .config import RecipeError
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+NONFINITE_POLICIES = ("stop", "skip")
+LOCK_NAME = ".megatron-kd-train.lock"
+
+
+class RunError(RecipeError):
+    """A problem met while training (not in the recipe itself), reported like a recipe problem: one sentence."""
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise RecipeError(msg)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# --- the train section's numbers -------------------------------------------------------------------------------
+
+def check_train(t) -> None:
+    """Numbers of the train section that Megatron would otherwise take and fail on later (or train wrongly with)."""
+    _need(_number(t.lr) and t.lr >= 0, f"train.lr={t.lr} must be a number >= 0 (e.g. train.lr=1e-3)")
+    _need(_number(t.min_lr) and 0 <= t.min_lr <= t.lr,
+          f"train.min_lr={t.min_lr} must be in [0, train.lr={t.lr}] (the schedule decays from lr down to min_lr); "
+          "lower train.min_lr or raise train.lr")
+    _need(t.global_batch_size >= 1, f"train.global_batch_size={t.global_batch_size} must be >= 1 (a multiple of "
+          "train.micro_batch_size x data-parallel size)")
+    _need(t.log_interval >= 1, f"train.log_interval={t.log_interval} must be >= 1 (iterations between log lines)")
+    _need(t.lr_decay_style in LR_DECAY_STYLES,
+          f"train.lr_decay_style={t.lr_decay_style!r}: use one of {', '.join(LR_DECAY_STYLES)}")
+    _need(t.lr_warmup_iters >= 0, f"train.lr_warmup_iters={t.lr_warmup_iters} must be >= 0")
+    _need(t.lr_decay_iters is None or t.lr_decay_iters >= 1,
+          f"train.lr_decay_iters={t.lr_decay_iters} must be >= 1, or null (= train.iters)")
+    for k in ("adam_beta1", "adam_beta2"):
+        v = getattr(t, k)
+        _need(_number(v) and 0 <= v < 1, f"train.{k}={v} must be in [0, 1) (Adam's moment decay; e.g. 0.9 / 0.95)")
+    _need(_number(t.adam_eps) and t.adam_eps > 0, f"train.adam_eps={t.adam_eps} must be > 0 (e.g. 1e-8)")
+    _need(_number(t.weight_decay) and t.weight_decay >= 0, f"train.weight_decay={t.weight_decay} must be >= 0")
+    _need(_number(t.clip_grad) and t.clip_grad >= 0, f"train.clip_grad={t.clip_grad} must be >= 0 (0: no clipping)")
+    for k in ("save_interval", "eval_interval"):
+        v = getattr(t, k)
+        _need(v is None or v >= 1, f"train.{k}={v} must be >= 1, or null (only at the end)")
+    _need(t.eval_iters >= 0, f"train.eval_iters={t.eval_iters} must be >= 0")
+    _need(t.nonfinite in NONFINITE_POLICIES, f"train.nonfinite={t.nonfinite!r}: use stop (end the run at the first "
+          "NaN/inf loss or gradient) or skip (skip that update and say so)")
+    _need(isinstance(t.resume_changes, (list, tuple)) and all(isinstance(k, str) for k in t.resume_changes),
+          f"train.resume_changes={t.resume_changes!r} must be a list of recipe keys, e.g. [train.lr, kd.top_k]")
+    unknown = [k for k in t.resume_changes if k not in resume_keys_all()]
+    _need(not unknown, f"train.resume_changes names {', '.join(unknown)}, which resuming does not compare; it takes "
+          f"any of: {', '.join(resume_keys_all())}")
+
+
+# --- train.save ------------------------------------------------------------------------------------------------
+
+def check_save_dir(save: str) -> None:
+    """train.save must be a directory this process can write (made when missing), before any model is built."""
+    if os.path.exists(save) and not os.path.isdir(save):
+        raise RecipeError(f"train.save={save} is a file, not a directory; point train.save at a directory (it is "
+                          "made when missing)")
+    parent = save
+    while not os.path.exists(parent):
+        parent = os.path.dirname(os.path.abspath(parent))
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise RecipeError(f"train.save={save}: {parent} is not writable (read-only filesystem or permissions); "
+                          "point train.save at a writable directory")
+    try:
+        os.makedirs(save, exist_ok=True)
+        probe = os.path.join(save, f".write-probe-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise RecipeError(f"train.save={save} cannot be written ({e.strerror or e}); point train.save at a "
+                          "writable directory") from None
+
+
+@contextlib.contextmanager
+def save_lock(save: str, rank0: bool = True):
+    """One run per train.save: an flock on <save>/.megatron-kd-train.lock, held by rank 0 while the run lasts
+    (the kernel drops it when the process dies, so a killed run leaves no stale lock). A second run into the same
+    directory is refused at once instead of interleaving its checkpoints and metrics with the first's."""
+    if not rank0:
+        yield
+        return
+    import fcntl
+    path = os.path.join(save, LOCK_NAME)
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        owner = f.read().strip() or "another process"
+        f.close()
+        raise RecipeError(f"train.save={save} is in use by another megatron-kd train ({owner}); wait for that run "
+                          "to end, or give this one another train.save") from None
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        f.flush()
+        yield
+    finally:
+        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+        f.close()
+
+
+# --- resuming --------------------------------------------------------------------------------------------------
+
+# The keys a resumed run must share with its checkpoint for the continuation to be the run it claims to be.
+# The architecture is compared always; paths (train.save, kd.cache) may move with a copied run, and the cache's
+# teacher is compared by the identity its manifest records, not by its path.
+ARCH_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+             "kv_channels", "normalization", "activation", "position_embedding_type", "tie_embeddings",
+             "num_moe_experts", "add_bias_linear", "add_qkv_bias", "qk_layernorm")
+SCHEDULE_KEYS = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_style", "lr_decay_iters")
+RESUME_KEYS = {
+    "train": (*SCHEDULE_KEYS, "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
+              "global_batch_size", "optimizer", "precision"),
+    "kd": ("mode", "top_k", "divergence", "jsd_beta", "temperature", "cache_temperature", "kl_weight", "ce_weight",
+           "tail", "teacher_id"),
+    "data": ("kind", "path", "tokenizer", "vocab_size", "seq_length", "split", "seed", "eod_id", "eod_mask_loss"),
+}
+TEACHER_KEYS = (*ARCH_KEYS, "load", "hf_path")
+CACHE_TEACHER = "kd.cache teacher"
+
+
+def resume_keys_all() -> list:
+    out = [f"{s}.{k}" for s, keys in RESUME_KEYS.items() for k in keys]
+    return out + [f"teacher.{k}" for k in TEACHER_KEYS] + [CACHE_TEACHER.replace(" ", "_")]
+
+
+def _uses_teacher(kd: dict) -> bool:
+    return kd.get("mode") == "online" or (kd.get("mode") == "offline" and bool(kd.get("build_cache")))
+
+
+def cache_teacher(kd) -> dict | None:
+    """The teacher identity the offline cache's manifest records (None: no finished cache, or not offline)."""
+    if getattr(kd, "mode", None) != "offline" or not kd.cache:
+        return None
+    try:
+        from ..cache.reader import load_manifest
+        return load_manifest(kd.cache).get("teacher")
+    except Exception:  # noqa: BLE001  an unfinished or broken cache is the cache checks' to report
+        return None
+
+
+def _fmt(v) -> str:
+    return "null" if v is None else str(v)
+
+
+def resume_differences(saved: dict, r, saved_cache_teacher=None) -> list:
+    """[(key, checkpoint's value, this recipe's value)] for every compared key that differs."""
+    import dataclasses
+    now = dataclasses.asdict(r)
+    diff = []
+    sm, nm = saved.get("model", {}), now["model"]
+    for k in ARCH_KEYS:
+        if k in sm and sm[k] != nm[k]:
+            diff.append((f"model.{k}", sm[k], nm[k]))
+    for section, keys in RESUME_KEYS.items():
+        s, n = saved.get(section, {}), now[section]
+        if section == "kd" and n.get("mode") == "ce" and s.get("mode") == "ce":
+            keys = ("mode",)  # CE-only runs read no other kd key
+        for k in keys:
+            if k in s and s[k] != n[k]:
+                diff.append((f"{section}.{k}", s[k], n[k]))
+    sk, nk = saved.get("kd", {}), now["kd"]
+    if _uses_teacher(sk) and _uses_teacher(nk):
+        st, nt = saved.get("teacher", {}), now["teacher"]
+        for k in TEACHER_KEYS:
+            if k in st and st[k] != nt[k]:
+                diff.append((f"teacher.{k}", st[k], nt[k]))
+    if saved_cache_teacher is not None:
+        current = cache_teacher(r.kd)
+        if current is not None and current != saved_cache_teacher:
+            diff.append((CACHE_TEACHER.replace(" ", "_"), saved_cache_teacher, current))
+    return diff
+
+
+def check_resume(r, load: str, common: dict) -> list:
+    """Refuse a resume whose recipe differs from the checkpoint's in a compared key, unless train.resume_changes
+    names it; returns the notes (one per intended change) to log. The architecture cannot be changed at all."""
+    saved = common.get("recipe") or {}
+    diff = resume_differences(saved, r, common.get("cache_teacher"))
+    arch = [d for d in diff if d[0].startswith("model.")]
+    if arch:
+        raise RecipeError(f"train.load={load} holds a checkpoint of another model ("
+                          + ", ".join(f"{k}: {a} there, {b} here" for k, a, b in arch)
+                          + "); use another train.save or the checkpoint's model settings")
+    allowed = set(r.train.resume_changes)
+    refused = [d for d in diff if d[0] not in allowed]
+    if refused:
+        it = common.get("iteration", "?")
+        what = "; ".join(f"{k}={_fmt(a)} there, {_fmt(b)} here" for k, a, b in refused)
+        keys = ",".join(k for k, _, _ in refused)
+        raise RecipeError(
+            f"train.load={load} holds iteration {it} of a run with other settings ({what}): resuming would mix "
+            f"two runs; set {' and '.join(f'{k}={_fmt(a)}' for k, a, _ in refused)} to resume it exactly, give "
+            f"this run another train.save, or set train.resume_changes=[{keys}] to change it on purpose")
+    return [f"resuming with a changed setting on purpose (train.resume_changes): {k} {_fmt(a)} -> {_fmt(b)}"
+            for k, a, b in diff]
+
+
+def schedule_changed(common: dict, r) -> bool:
+    """True when the resumed run changes the LR schedule on purpose: the recipe's schedule then replaces the
+    checkpoint's (megatron-core's scheduler otherwise keeps the checkpoint's values)."""
+    saved = (common.get("recipe") or {}).get("train", {})
+    return any(k in saved and saved[k] != getattr(r.train, k) for k in SCHEDULE_KEYS)
+
+
+def apply_optimizer_settings(optimizer, t) -> None:
+    """After a load, the recipe's Adam betas / eps (a checkpoint restores its own with the param groups); the
+    scheduler sets lr and weight decay at every step."""
+    for o in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = getattr(o, "optimizer", None)
+        for g in getattr(inner, "param_groups", []):
+            if "betas" in g:
+                g["betas"] = (t.adam_beta1, t.adam_beta2)
+            if "eps" in g:
+                g["eps"] = t.adam_eps
+
+
+def check_checkpoint_model(path: str, m, key: str, section: str) -> None:
+    """A checkpoint loaded as weights only (teacher.load, train.pretrained) must hold the architecture of `section`;
+    refused before any model is built, naming both shapes."""
+    from . import checkpoint as ckpt
+    try:
+        common = ckpt.read_common(path)
+    except FileNotFoundError as e:
+        raise RecipeError(f"{key}={path}: {e}") from None
+    except BaseException as e:  # torch's CheckpointException derives from BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)) or type(e).__name__ == "Interrupted":
+            raise
+        raise RecipeError(f"{key}={path}: its checkpoint cannot be read ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}); point {key} at a complete "
+                          "`megatron-kd train` save dir") from None
+    saved = (common.get("recipe") or {}).get("model", {})
+    diff = [(k, saved[k], getattr(m, k)) for k in ARCH_KEYS if k in saved and saved[k] != getattr(m, k)]
+    if diff:
+        raise RecipeError(f"{key}={path} holds a model of another shape ("
+                          + ", ".join(f"{k}: {a} there, {section}.{k}={b} here" for k, a, b in diff)
+                          + f"); set {section}'s architecture to the checkpoint's, or point {key} at a matching "
+                          "checkpoint")
+
+
+# --- data ------------------------------------------------------------------------------------------------------
+
+def _prefixes(path) -> list:
+    paths = [path] if isinstance(path, str) else [str(x) for x in path]
+    if len(paths) > 1:
+        try:
+            float(paths[0])
+            return paths[1::2]
+        except ValueError:
+            pass
+    return paths
+
+
+def check_corpus(d, tok) -> None:
+    """Indexed data: tokenized with this run's tokenizer (the .json sidecar `megatron-kd data prepare` writes
+    records its hash), and at least one sample of data.seq_length + 1 tokens long (else Megatron's index repeats
+    the corpus without end building one sample)."""
+    if d.kind != "indexed" or not d.path:
+        return
+    import json
+    total = 0
+    for p in _prefixes(d.path):
+        side = p + ".json"
+        meta = {}
+        if os.path.isfile(side):
+            try:
+                meta = json.load(open(side))
+            except ValueError:
+                meta = {}
+        want = getattr(tok, "sha", None)
+        got = meta.get("tokenizer_sha256")
+        if got and want and want != "mock" and got != want:
+            raise RecipeError(f"data.path={p} was tokenized with another tokenizer ({meta.get('tokenizer')}, sha256 "
+                              f"{got}) than data.tokenizer={d.tokenizer} (sha256 {want}); set data.tokenizer to the "
+                              "one the data was prepared with, or prepare the data again with this tokenizer")
+        if isinstance(meta.get("tokens"), int):
+            total += meta["tokens"]
+        else:
+            from megatron.core.datasets.indexed_dataset import IndexedDataset
+            total += int(IndexedDataset(p, mmap=True).sequence_lengths.sum())
+    if d.seq_length + 1 > total:
+        raise RecipeError(f"data.seq_length={d.seq_length} is longer than the whole corpus ({total} tokens in "
+                          f"data.path); lower data.seq_length below {total} or add data")
+
+
+# --- NaN / inf -------------------------------------------------------------------------------------------------
+
+def _all_agree_bad(bad: bool) -> bool:
+    """True on every rank when any rank found a problem."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        flag = torch.tensor([1.0 if bad else 0.0], device=dev)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item() > 0)
+    return bad
+
+
+def _grad_buffers(chunks):
+    for c in chunks:
+        for b in list(getattr(c, "buffers", []) or []) + list(getattr(c, "expert_parallel_buffers", []) or []):
+            if getattr(b, "grad_data", None) is not None:
+                yield b.grad_data
+
+
+def _grads_finite(chunks) -> bool:
+    ok = True
+    for g in _grad_buffers(chunks):
+        ok = ok and bool(torch.isfinite(g).all())
+    return ok
+
+
+def nonfinite_step(losses: dict, chunks, t, iteration: int) -> str | None:
+    """Before the optimizer step: why this step's loss or gradients are not finite (None when they are). Under
+    train.nonfinite=stop this raises, before any weight is touched, so NaN weights are never trained or saved.
+    fp16 runs leave gradient overflow to the loss scaler (a skipped step there is normal)."""
+    reasons = [f"loss {k} = {v}" for k, v in losses.items() if isinstance(v, float) and not math.isfinite(v)]
+    grads_bad = t.precision != "fp16" and not _grads_finite(chunks)
+    if _all_agree_bad(grads_bad):
+        reasons.append("gradients hold NaN/inf")
+    if not reasons:
+        return None
+    why = ", ".join(reasons)
+    if t.nonfinite == "stop":
+        raise RunError(f"iteration {iteration}: {why}; the run stops before this update (no NaN weights are "
+                       "trained or saved; the last checkpoint is kept): lower train.lr, set train.clip_grad > 0, "
+                       "or set train.nonfinite=skip to skip such updates")
+    return why
+
+
+def check_weights_finite(chunks, iteration: int) -> None:
+    """Before a checkpoint: every weight finite (on every rank), so no NaN weights are ever saved."""
+    bad = False
+    for c in chunks:
+        for p in c.parameters():
+            if not bool(torch.isfinite(p.data).all()):
+                bad = True
+                break
+    if _all_agree_bad(bad):
+        raise RunError(f"iteration {iteration}: the weights hold NaN/inf, so no checkpoint is written (the last "
+                       "one is kept); lower train.lr or set train.clip_grad > 0 and resume from it")
+
+
+# --- disk space ------------------------------------------------------------------------------------------------
+
+def dir_bytes(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(root, f))
+            except OSError:
+                pass
+    return total
+
+
+def checkpoint_bytes(save: str, chunks, optimizer) -> int:
+    """The size of the next checkpoint: the last one's on disk, else the parameters plus the optimizer state
+    (all ranks' shares; replicas counted once)."""
+    from . import checkpoint as ckpt
+    it = ckpt.latest_iteration(save)
+    if it is not None and os.path.isdir(ckpt.iter_dir(save, it)):
+        return dir_bytes(ckpt.iter_dir(save, it))
+    local = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
+    for o in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = getattr(o, "optimizer", None)
+        for st in getattr(inner, "state", {}).values():
+            local += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
+        if not getattr(inner, "state", None):  # no state yet: fp32 Adam moments and main params
+            local += 12 * sum(p.numel() for c in chunks for p in c.parameters())
+    if dist.is_initialized():
+        from megatron.core import parallel_state as ps
+        local *= ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size()
+    return int(local * 1.05)
+
+
+def check_free_space(save: str, need: int, iteration: int) -> None:
+    free = shutil.disk_usage(save).free
+    if _all_agree_bad(free < need):
+        raise RunError(f"train.save={save} has {free / 2**30:.2f} GiB free, the checkpoint of iteration {iteration} "
+                       f"needs about {need / 2**30:.2f} GiB; free space there or point train.save elsewhere and "
+                       "resume (the last checkpoint is kept)")
+
+
+def _is_enospc(e: BaseException) -> bool:
+    seen = set()
+    stack = [e]
+    while stack:
+        x = stack.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(x)
+        if "No space left on device" in text or "ENOSPC" in text:
+            return True
+        stack += [x.__cause__, x.__context__]
+        for v in (getattr(x, "rank_to_errors", None) or {}).values():  # CheckpointException's per-rank errors
+            stack += [err for err in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(err, BaseException)]
+    return False
+
+
+def disk_full(e: BaseException, path: str, free_floor: int = 64 << 20) -> bool:
+    """A failed write is taken for a full disk when it says so, or when the filesystem has (almost) nothing free
+    (some writers report ENOSPC as a position mismatch)."""
+    if _is_enospc(e):
+        return True
+    try:
+        return shutil.disk_usage(path).free < free_floor
+    except OSError:
+        return False
+
+
+def save_failed(e: BaseException, save: str, iteration: int) -> BaseException:
+    """The error to raise for a checkpoint save that failed: a full disk named as such, else the error itself."""
+    if _is_interrupt(e):
+        return e
+    if disk_full(e, save):
+        return RunError(f"no space left on the device of train.save={save} while writing iteration {iteration}'s "
+                        "checkpoint (the partial one is removed, the last complete one is kept); free space or "
+                        "point train.save elsewhere, then rerun to resume")
+    return e
+
+
+def _is_interrupt(e: BaseException) -> bool:
+    return isinstance(e, (KeyboardInterrupt, SystemExit)) or type(e).__name__ == "Interrupted"
+
+
+# --- signals during a save -------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def signals_deferred():
+    """SIGTERM / SIGINT that arrive while a checkpoint is written are held until it is complete (tracker
+    included), then end the run as they would have: an exception raised inside the writer's threads, queues or
+    finalizers is otherwise swallowed, or tears the checkpoint."""
+    from ..cli import interrupt
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = (signal.SIGTERM, signal.SIGINT)
+    previous = {s: signal.getsignal(s) for s in sigs}
+    held = []
+
+    def hold(signum, frame):
+        held.append(signum)
+        interrupt._received.append(signum)
+
+    for s in sigs:
+        signal.signal(s, hold)
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    if held and any(h is interrupt._on_signal for h in previous.values()):
+        raise interrupt.Interrupted(held[0])
+    if held:
+        for s in held[:1]:
+            os.kill(os.getpid(), s)  # not under `megatron-kd train`: the caller's own handler decides
+
+
+def stop_if_signalled() -> None:
+    """A SIGTERM / SIGINT whose raise was swallowed (it landed in a finalizer) ends the run at the next
+    iteration instead of after the last one."""
+    from ..cli import interrupt
+    if interrupt._received and signal.getsignal(signal.SIGTERM) is interrupt._on_signal:
+        raise interrupt.Interrupted(interrupt._received[0])
+
+
+# --- the call sites' entry points ------------------------------------------------------------------------------
+
+def check_inputs(r, tok) -> None:
+    """preflight: the corpus, and the checkpoints loaded as weights only, before any model is built."""
+    check_corpus(r.data, tok)
+    if r.kd.mode == "online" and r.teacher.load and not r.teacher.hf_path:
+        check_checkpoint_model(r.teacher.load, r.teacher, "teacher.load", "teacher")
+    if r.train.pretrained and not r.model.hf_path:
+        check_checkpoint_model(r.train.pretrained, r.model, "train.pretrained", "model")
+
+
+def check_resume_early(r, load: str) -> None:
+    """Before any model is built: the checkpoint a resume would start from (sizes checked, not yet hashed) must
+    have been trained with this recipe's settings. _resume repeats the comparison on the checkpoint it loads."""
+    from .ckpt_integrity import newest_intact
+    it, _ = newest_intact(load, checksums=False)
+    if it is not None:
+        check_resume(r, load, read_common_at(load, it))
+
+
+def read_common_at(root: str, iteration: int) -> dict:
+    from megatron.core import dist_checkpointing
+    from . import checkpoint as ckpt
+    d = ckpt.iter_dir(root, iteration)
+    try:
+        return dist_checkpointing.load_common_state_dict(d)
+    except BaseException as e:
+        if _is_interrupt(e):
+            raise
+        raise RunError(f"train.load={root}: {d}/common.pt cannot be read ({type(e).__name__}); resume from another "
+                       "save dir (train.load), or start over with another train.save") from None
+
+
+def remove_partial(save: str, iteration: int, rank0: bool) -> None:
+    """After a failed save: its directory, unless the tracker names it (then it is a complete earlier save)."""
+    from . import checkpoint as ckpt
+    d = ckpt.iter_dir(save, iteration)
+    if rank0 and ckpt.latest_iteration(save) != iteration and os.path.isdir(d):
+        shutil.rmtree(d, ignore_errors=True)

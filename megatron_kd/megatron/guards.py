@@ -312,7 +312,9 @@ def check_corpus(d, tok) -> None:
             total += meta["tokens"]
         else:
             from megatron.core.datasets.indexed_dataset import IndexedDataset
-            total += int(IndexedDataset(p, mmap=True).sequence_lengths.sum())
+            ds = IndexedDataset(p, mmap=True)  # held while its memory-mapped lengths are read
+            total += int(ds.sequence_lengths.sum())
+            del ds
     if d.seq_length + 1 > total:
         raise RecipeError(f"data.seq_length={d.seq_length} is longer than the whole corpus ({total} tokens in "
                           f"data.path); lower data.seq_length below {total} or add data")
@@ -541,3 +543,88 @@ def remove_partial(save: str, iteration: int, rank0: bool) -> None:
     d = ckpt.iter_dir(save, iteration)
     if rank0 and ckpt.latest_iteration(save) != iteration and os.path.isdir(d):
         shutil.rmtree(d, ignore_errors=True)
+
+
+# --- recipe files ----------------------------------------------------------------------------------------------
+
+def yaml_file_problem(path: str) -> str | None:
+    """Why the YAML file `path` cannot be read (None: it parses)."""
+    import yaml
+    try:
+        text = open(path, "rb").read().decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"recipe file {path} is not UTF-8 text (byte {e.start} is {e.object[e.start:e.start + 1]!r}: binary " \
+               "content?); restore it from version control or remove it"
+    except OSError as e:
+        return f"recipe file {path} cannot be read ({e.strerror or e})"
+    if "\x00" in text:
+        return f"recipe file {path} holds NUL bytes (binary content?); restore it from version control or remove it"
+    try:
+        yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        return f"recipe file {path}: YAML syntax error{where} ({what}); fix that line"
+    return None
+
+
+def recipe_file_error(name: str, config_path, overrides: list, recipes_dir) -> str | None:
+    """When the recipe does not compose, the first recipe file (the named one, then every YAML file of its
+    directories) that is not valid YAML, as one sentence; None when composing works or fails for another reason
+    (Hydra reports those itself)."""
+    from pathlib import Path
+    from .recipes import compose
+    target = str(Path(config_path) / f"{name}.yaml") if config_path else name
+    try:
+        compose(target, overrides)
+        return None
+    except Exception:  # noqa: BLE001  the reason is looked for below; Hydra reports any other one
+        pass
+    roots = [Path(config_path)] if config_path else []
+    roots.append(Path(recipes_dir))
+    first = [r / f"{name}.yaml" for r in roots]
+    files = [p for p in first if p.is_file()]
+    files += sorted(p for r in roots if r.is_dir() for p in r.rglob("*.y*ml") if p not in files)
+    for p in files:
+        problem = yaml_file_problem(str(p))
+        if problem:
+            return problem
+    return None
+
+
+# --- the checkpoint writer's helper process --------------------------------------------------------------------
+
+_writer_manager = None
+
+
+def _die_with_parent() -> None:
+    """In the writer's Manager process: the kernel kills it when the run's process dies (kill -9 included)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the run ends it; a Ctrl-C to the process group must not
+
+
+def checkpoint_writer_ready() -> None:
+    """megatron-core's async checkpoint writer collects results through a multiprocessing Manager it starts once
+    per process and keeps. Started here instead, so that (a) it dies with the run (a killed run otherwise leaves it
+    and multiprocessing's resource_tracker alive under init), and (b) one ended by an interrupt is replaced before
+    the next save in the same process (a dead one fails that save with BrokenPipeError)."""
+    global _writer_manager
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+    except ImportError:
+        return
+    alive = _writer_manager is not None and _writer_manager._process is not None and \
+        _writer_manager._process.is_alive()
+    if alive and getattr(fa, "_results_queue", None) is not None:
+        return
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+    m = SyncManager(ctx=multiprocessing.get_context("fork"))
+    m.start(initializer=_die_with_parent)
+    _writer_manager = m
+    fa._results_queue = m.Queue()

@@ -304,6 +304,7 @@ class Trainer:
                   "cache_teacher": guards.cache_teacher(self.r.kd)}
         guards.check_weights_finite(self.chunks, it)
         guards.check_free_space(self.save, guards.checkpoint_bytes(self.save, self.chunks, self.optimizer), it)
+        guards.checkpoint_writer_ready()
         with guards.signals_deferred():
             try:
                 ckpt.save_checkpoint(self.save, it, self.chunks, self.optimizer, self.scheduler, common)

@@ -106,7 +106,7 @@ def problems(path: str, checksums: bool = True) -> list:
     if out or not checksums:
         return out
     got = _hashes(path, sorted(want))
-    return [f"{rel} does not match its checksum (damaged)" for rel in sorted(want) if got[rel][1] != want[rel][1]]
+    return [f"{rel} does not match its checksum" for rel in sorted(want) if got[rel][1] != want[rel][1]]
 
 
 def _iterations(root: str) -> list:

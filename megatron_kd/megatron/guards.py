@@ -322,14 +322,17 @@ def check_corpus(d, tok) -> None:
 
 # --- NaN / inf -------------------------------------------------------------------------------------------------
 
-def _all_agree_bad(bad: bool) -> bool:
-    """True on every rank when any rank found a problem."""
+def _device():
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _all_agree_bad(bad) -> bool:
+    """True on every rank when any rank found a problem (bad: a bool, or a 0-d tensor on the device: one host
+    sync for the whole check)."""
+    flag = (bad if torch.is_tensor(bad) else torch.tensor(bool(bad))).to(_device(), torch.float32).reshape(1)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        flag = torch.tensor([1.0 if bad else 0.0], device=dev)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item() > 0)
-    return bad
+    return bool(flag.item() > 0)
 
 
 def _grad_buffers(chunks):
@@ -339,11 +342,10 @@ def _grad_buffers(chunks):
                 yield b.grad_data
 
 
-def _grads_finite(chunks) -> bool:
-    ok = True
-    for g in _grad_buffers(chunks):
-        ok = ok and bool(torch.isfinite(g).all())
-    return ok
+def _grads_nonfinite(chunks):
+    """A 0-d tensor (on the grads' device), nonzero when any gradient is NaN/inf; no host sync."""
+    flags = [(~torch.isfinite(g)).any() for g in _grad_buffers(chunks)]
+    return torch.stack(flags).any() if flags else torch.tensor(False)
 
 
 def nonfinite_step(losses: dict, chunks, t, iteration: int) -> str | None:
@@ -351,7 +353,7 @@ def nonfinite_step(losses: dict, chunks, t, iteration: int) -> str | None:
     train.nonfinite=stop this raises, before any weight is touched, so NaN weights are never trained or saved.
     fp16 runs leave gradient overflow to the loss scaler (a skipped step there is normal)."""
     reasons = [f"loss {k} = {v}" for k, v in losses.items() if isinstance(v, float) and not math.isfinite(v)]
-    grads_bad = t.precision != "fp16" and not _grads_finite(chunks)
+    grads_bad = _grads_nonfinite(chunks) if t.precision != "fp16" else False
     if _all_agree_bad(grads_bad):
         reasons.append("gradients hold NaN/inf")
     if not reasons:
@@ -366,13 +368,8 @@ def nonfinite_step(losses: dict, chunks, t, iteration: int) -> str | None:
 
 def check_weights_finite(chunks, iteration: int) -> None:
     """Before a checkpoint: every weight finite (on every rank), so no NaN weights are ever saved."""
-    bad = False
-    for c in chunks:
-        for p in c.parameters():
-            if not bool(torch.isfinite(p.data).all()):
-                bad = True
-                break
-    if _all_agree_bad(bad):
+    flags = [(~torch.isfinite(p.data)).any() for c in chunks for p in c.parameters()]
+    if _all_agree_bad(torch.stack(flags).any() if flags else False):
         raise RunError(f"iteration {iteration}: the weights hold NaN/inf, so no checkpoint is written (the last "
                        "one is kept); lower train.lr or set train.clip_grad > 0 and resume from it")
 

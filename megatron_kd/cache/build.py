@@ -25,6 +25,7 @@ from .format import MANIFEST, make_settings
 from .hashing import token_hash
 from .progress import Progress
 from .reader import load_manifest
+from .space import check_free_space
 from .writer import CacheWriter
 
 
@@ -155,6 +156,7 @@ def content_id(dataset, n: int) -> str:
 def _build(writer, teacher, dataset, seq, top_k, temperature, chunk_size, micro_batch_size, tp_group, pp_group,
            dp_rank, dp_size, writes, is_root, progress) -> None:
     finished = os.path.exists(os.path.join(writer.path, MANIFEST))  # and nothing pending: the writer checked
+    check_free_space(writer, writer.pending_shards())  # every rank, the same list: one decision
     mine = [j for j in writer.pending_shards() if j % dp_size == dp_rank]
     mine = _broadcast_list(_broadcast_list(mine, tp_group), pp_group)  # stage 0's list on every stage
     _barrier()  # every rank has listed its shards before any rank writes one

@@ -502,3 +502,15 @@ def test_kill_9_leaves_no_process_behind(tmp_path):
     assert children, "expected the checkpoint writer's Manager / resource_tracker"
     _, alive = psutil.wait_procs(children, timeout=300)  # PDEATHSIG acts at once; generous for a loaded machine
     assert not alive, f"left behind: {[(p.pid, p.name(), p.cmdline()[:3]) for p in alive]}"
+
+
+def test_a_cache_build_that_cannot_fit_is_refused_before_the_teacher_runs(tmp_path, monkeypatch):
+    from megatron_kd.cache import space
+
+    class Usage:
+        free = 1024
+    monkeypatch.setattr(space.shutil, "disk_usage", lambda p: Usage)
+    with pytest.raises(RecipeError) as e:
+        train(tmp_path / "s", "train.iters=2")
+    one_sentence(str(e.value))
+    assert "GiB free, the cache's remaining shards need about" in str(e.value)

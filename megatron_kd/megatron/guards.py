@@ -625,3 +625,16 @@ def checkpoint_writer_ready() -> None:
     m.start(initializer=_die_with_parent)
     _writer_manager = m
     fa._results_queue = m.Queue()
+
+
+def load_failed(e: BaseException, load: str, iteration: int) -> BaseException:
+    """The error to raise for a resume whose checkpoint megatron-core could not read (one saved without a checksum
+    manifest, so not verified first): one sentence instead of EOFError / AssertionError / CheckpointException."""
+    if _is_interrupt(e):
+        return e
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    from . import checkpoint as ckpt
+    return RunError(f"train.load={load}: iteration {iteration}'s checkpoint cannot be loaded ({type(e).__name__}: "
+                    f"{first}); it is damaged or incomplete: move {ckpt.iter_dir(load, iteration)} aside and point "
+                    f"{ckpt.TRACKER} at an earlier iteration to resume from there, or start over with another "
+                    "train.save")

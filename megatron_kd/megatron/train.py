@@ -226,7 +226,10 @@ class Trainer:
         self.notes += guards.check_resume(r, self.load, common)
         if guards.schedule_changed(common, r):  # intended (train.resume_changes): the recipe's schedule applies
             self.scheduler.override_opt_param_scheduler = True
-        common = ckpt.load_checkpoint(self.load, self.chunks, self.optimizer, self.scheduler)
+        try:
+            common = ckpt.load_checkpoint(self.load, self.chunks, self.optimizer, self.scheduler)
+        except BaseException as e:  # torch's CheckpointException derives from BaseException
+            raise guards.load_failed(e, self.load, it) from e
         guards.apply_optimizer_settings(self.optimizer, r.train)
         return int(common["iteration"]), int(common["consumed_samples"])
 

@@ -514,3 +514,16 @@ def test_a_cache_build_that_cannot_fit_is_refused_before_the_teacher_runs(tmp_pa
         train(tmp_path / "s", "train.iters=2")
     one_sentence(str(e.value))
     assert "GiB free, the cache's remaining shards need about" in str(e.value)
+
+
+@pytest.mark.slow
+def test_an_unverifiable_damaged_checkpoint_is_one_sentence(finished, tmp_path):
+    d = copy_at(finished, tmp_path / "res")
+    for it in (3, 6):  # a run saved before checksum manifests existed
+        os.remove(os.path.join(ckpt.iter_dir(str(d), it), ckpt_integrity.MANIFEST))
+    f = os.path.join(ckpt.iter_dir(str(d), 6), distcp(d, 6)[0])
+    os.truncate(f, os.path.getsize(f) // 2)
+    with pytest.raises(RecipeError) as e:
+        train(d, "train.iters=6")
+    one_sentence(str(e.value))
+    assert "iteration 6's checkpoint cannot be loaded" in str(e.value) and "move" in str(e.value)

@@ -360,8 +360,9 @@ def nonfinite_step(losses: dict, chunks, t, iteration: int) -> str | None:
         return None
     why = ", ".join(reasons)
     if t.nonfinite == "stop":
+        clip = ", set train.clip_grad > 0 (0: no clipping)" if not t.clip_grad else ""
         raise RunError(f"iteration {iteration}: {why}; the run stops before this update (no NaN weights are "
-                       "trained or saved; the last checkpoint is kept): lower train.lr, set train.clip_grad > 0, "
+                       f"trained or saved; the last checkpoint is kept): lower train.lr (now {t.lr:g}){clip}, "
                        "or set train.nonfinite=skip to skip such updates")
     return why
 

@@ -129,6 +129,9 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, scheduler, com
     sd["layout"] = list(_layout())
     dist_checkpointing.save(sd, path)
     barrier()
+    from .integrity import write_manifest
+    write_manifest(path, iteration, is_rank0())  # after every file, before the tracker: its presence = complete
+    barrier()
     if is_rank0():
         tmp = os.path.join(root, TRACKER + ".tmp")
         with open(tmp, "w") as f:
@@ -215,6 +218,8 @@ def load_checkpoint(root: str, chunks, optimizer, scheduler) -> dict | None:
 def load_weights(path: str, chunks) -> int:
     """Model weights only (teacher, or a pretrained student) from a save dir or an iter_* dir; any layout."""
     from megatron.core import dist_checkpointing
+    from .integrity import require_intact
+    require_intact(path)
     d = resolve(path)
     sd = _model_state(chunks)
     with _dcp_notice_off():

@@ -64,6 +64,11 @@ def main(argv=None) -> int:
         return USAGE_ERROR
     if _flag_value(argv, PRINT_FLAGS) == "job" and "--package" not in argv and "-p" not in argv:
         return print_job(name, config_path, _overrides(argv))
+    from ..recipe.checks import recipe_file_error
+    problem = recipe_file_error(name, config_path, _overrides(argv), recipes_dir())
+    if problem:  # before Hydra, which prints the YAML parser's traceback (and no file name for binary content)
+        print(f"megatron-kd train: error: {problem}", file=sys.stderr)
+        return USAGE_ERROR
     if any(a in PRINT_FLAGS or a.startswith("--cfg=") for a in argv) and "--resolve" not in argv:
         argv.append("--resolve")  # print values, not interpolations
     import hydra

@@ -3,6 +3,7 @@
 check_recipe: the sections alone and across each other (no data, no model). check_run: what needs the tokenizer's
 size and the world size. check_model / check_vocab: one architecture section (student or teacher).
 """
+import math
 import os
 from dataclasses import fields
 
@@ -10,6 +11,7 @@ import torch.distributed as dist
 
 from ..kernels import fused_unavailable
 from ..runtime.features import apex_available, te_available
+from .resume_keys import resume_keys_all
 from .schema import ATTENTION_BACKENDS, MODES, PRECISIONS, ModelConfig, Recipe, RecipeError
 
 
@@ -147,6 +149,7 @@ def _check_data(r: Recipe) -> None:
 def _check_train(r: Recipe) -> None:
     t, p = r.train, r.parallel
     _need(t.iters >= 1, f"train.iters={t.iters} must be >= 1")
+    check_train(t)  # the numbers and policies Megatron would take and fail on later
     _need(t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size} must be >= 1")
     _need(t.precision in PRECISIONS, f"train.precision={t.precision!r}: use one of {PRECISIONS}")
     _need(t.device in ("auto", "cuda", "cpu"), f"train.device={t.device!r}: use auto, cuda or cpu")
@@ -299,3 +302,114 @@ def checked_recipe(cfg):
     if problems:
         raise RecipeError("; ".join(problems))
     return recipe
+
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+
+
+NONFINITE_POLICIES = ("stop", "skip")
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_train(t) -> None:
+    """Numbers of the train section that Megatron would otherwise take and fail on later (or train wrongly with)."""
+    _need(_number(t.lr) and t.lr >= 0, f"train.lr={t.lr} must be a number >= 0 (e.g. train.lr=1e-3)")
+    _need(_number(t.min_lr) and 0 <= t.min_lr <= t.lr,
+          f"train.min_lr={t.min_lr} must be in [0, train.lr={t.lr}] (the schedule decays from lr down to min_lr); "
+          "lower train.min_lr or raise train.lr")
+    _need(t.global_batch_size >= 1, f"train.global_batch_size={t.global_batch_size} must be >= 1 (a multiple of "
+          "train.micro_batch_size x data-parallel size)")
+    _need(t.log_interval >= 1, f"train.log_interval={t.log_interval} must be >= 1 (iterations between log lines)")
+    _need(t.lr_decay_style in LR_DECAY_STYLES,
+          f"train.lr_decay_style={t.lr_decay_style!r}: use one of {', '.join(LR_DECAY_STYLES)}")
+    _need(t.lr_warmup_iters >= 0, f"train.lr_warmup_iters={t.lr_warmup_iters} must be >= 0")
+    _need(t.lr_decay_iters is None or t.lr_decay_iters >= 1,
+          f"train.lr_decay_iters={t.lr_decay_iters} must be >= 1, or null (= train.iters)")
+    for k in ("adam_beta1", "adam_beta2"):
+        v = getattr(t, k)
+        _need(_number(v) and 0 <= v < 1, f"train.{k}={v} must be in [0, 1) (Adam's moment decay; e.g. 0.9 / 0.95)")
+    _need(_number(t.adam_eps) and t.adam_eps > 0, f"train.adam_eps={t.adam_eps} must be > 0 (e.g. 1e-8)")
+    _need(_number(t.weight_decay) and t.weight_decay >= 0, f"train.weight_decay={t.weight_decay} must be >= 0")
+    _need(_number(t.clip_grad) and t.clip_grad >= 0, f"train.clip_grad={t.clip_grad} must be >= 0 (0: no clipping)")
+    for k in ("save_interval", "eval_interval"):
+        v = getattr(t, k)
+        _need(v is None or v >= 1, f"train.{k}={v} must be >= 1, or null (only at the end)")
+    _need(t.eval_iters >= 0, f"train.eval_iters={t.eval_iters} must be >= 0")
+    _need(t.nonfinite in NONFINITE_POLICIES, f"train.nonfinite={t.nonfinite!r}: use stop (end the run at the first "
+          "NaN/inf loss or gradient) or skip (skip that update and say so)")
+    _need(isinstance(t.resume_changes, (list, tuple)) and all(isinstance(k, str) for k in t.resume_changes),
+          f"train.resume_changes={t.resume_changes!r} must be a list of recipe keys, e.g. [train.lr, kd.top_k]")
+    unknown = [k for k in t.resume_changes if k not in resume_keys_all()]
+    _need(not unknown, f"train.resume_changes names {', '.join(unknown)}, which resuming does not compare; it takes "
+          f"any of: {', '.join(resume_keys_all())}")
+
+
+def check_save_dir(save: str) -> None:
+    """train.save must be a directory this process can write (made when missing), before any model is built."""
+    if os.path.exists(save) and not os.path.isdir(save):
+        raise RecipeError(f"train.save={save} is a file, not a directory; point train.save at a directory (it is "
+                          "made when missing)")
+    parent = save
+    while not os.path.exists(parent):
+        parent = os.path.dirname(os.path.abspath(parent))
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise RecipeError(f"train.save={save}: {parent} is not writable (read-only filesystem or permissions); "
+                          "point train.save at a writable directory")
+    try:
+        os.makedirs(save, exist_ok=True)
+        probe = os.path.join(save, f".write-probe-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise RecipeError(f"train.save={save} cannot be written ({e.strerror or e}); point train.save at a "
+                          "writable directory") from None
+
+
+def yaml_file_problem(path: str) -> str | None:
+    """Why the YAML file `path` cannot be read (None: it parses)."""
+    import yaml
+    try:
+        text = open(path, "rb").read().decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"recipe file {path} is not UTF-8 text (byte {e.start} is {e.object[e.start:e.start + 1]!r}: binary " \
+               "content?); restore it from version control or remove it"
+    except OSError as e:
+        return f"recipe file {path} cannot be read ({e.strerror or e})"
+    if "\x00" in text:
+        return f"recipe file {path} holds NUL bytes (binary content?); restore it from version control or remove it"
+    try:
+        yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        return f"recipe file {path}: YAML syntax error{where} ({what}); fix that line"
+    return None
+
+
+def recipe_file_error(name: str, config_path, overrides: list, recipes_dir) -> str | None:
+    """When the recipe does not compose, the first recipe file (the named one, then every YAML file of its
+    directories) that is not valid YAML, as one sentence; None when composing works or fails for another reason
+    (Hydra reports those itself)."""
+    from pathlib import Path
+    from .compose import compose
+    target = str(Path(config_path) / f"{name}.yaml") if config_path else name
+    try:
+        compose(target, overrides)
+        return None
+    except Exception:  # noqa: BLE001  the reason is looked for below; Hydra reports any other one
+        pass
+    roots = [Path(config_path)] if config_path else []
+    roots.append(Path(recipes_dir))
+    first = [r / f"{name}.yaml" for r in roots]
+    files = [p for p in first if p.is_file()]
+    files += sorted(p for r in roots if r.is_dir() for p in r.rglob("*.y*ml") if p not in files)
+    for p in files:
+        problem = yaml_file_problem(str(p))
+        if problem:
+            return problem
+    return None

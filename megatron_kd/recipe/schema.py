@@ -149,6 +149,8 @@ class TrainConfig:
     progress: bool = True                        # console progress bar (rank 0)
     tensorboard: bool = True                     # <save>/tensorboard when tensorboard is installed
     device: str = "auto"                         # auto | cuda | cpu
+    nonfinite: str = "stop"                      # NaN/inf loss or gradients: stop | skip (the update, said on the console)
+    resume_changes: list = field(default_factory=list)  # keys a resume may change on purpose (recipe/resume_keys.py)
 
 
 @dataclass
@@ -163,6 +165,10 @@ class Recipe:
 
 class RecipeError(ValueError):
     """A recipe problem, found before any work; the message names the key and the fix."""
+
+
+class RunError(RecipeError):
+    """A problem met while training (not in the recipe itself), reported like a recipe problem: one sentence."""
 
 
 def _schema_error(e) -> RecipeError:

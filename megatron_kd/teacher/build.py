@@ -10,6 +10,7 @@ checks that the shards an earlier run finished were built from this dataset's to
 everyone is done.
 Micro-batches never cross a shard boundary, so a shard's bytes do not depend on where a previous run died.
 """
+import errno
 import hashlib
 import os
 import sys
@@ -25,6 +26,7 @@ from ..cache.errors import CacheError
 from ..cache.format import is_finished, make_settings
 from ..cache.hashing import token_hash
 from ..cache.reader import load_manifest
+from ..cache.space import check_free_space
 from ..cache.writer import CacheWriter
 from ..data.datasets import build_datasets, dataset_id, load_tokenizer, samples_needed
 from ..recipe.checks import check_model, check_recipe, check_vocab
@@ -141,6 +143,11 @@ def build_cache(teacher, dataset, out_dir, *, top_k: int = 100, encoding: str = 
             writer = CacheWriter(out_dir, settings, lock=False)
         _build(writer, teacher, dataset, seq, top_k, temperature, chunk_size, micro_batch_size, tp_group, pp_group,
                dp_rank, dp_size, writes, is_root, progress)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise CacheError(f"no space left on the device of {out_dir} while writing the cache (finished shards are "
+                         "kept); free space there, then rerun the same command: the build resumes") from None
     finally:
         if writer is not None:
             writer.close()
@@ -158,6 +165,7 @@ def content_id(dataset, n: int) -> str:
 def _build(writer, teacher, dataset, seq, top_k, temperature, chunk_size, micro_batch_size, tp_group, pp_group,
            dp_rank, dp_size, writes, is_root, progress) -> None:
     finished = is_finished(writer.path)  # and nothing pending: the writer checked
+    check_free_space(writer, writer.pending_shards())  # every rank, the same list: one decision
     mine = [j for j in writer.pending_shards() if j % dp_size == dp_rank]
     mine = _broadcast_list(_broadcast_list(mine, tp_group), pp_group)  # stage 0's list on every stage
     _barrier()  # every rank has listed its shards before any rank writes one

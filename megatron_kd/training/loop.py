@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import store as ckpt
+from ..checkpoint import integrity as ckpt_integrity, store as ckpt
 from ..data.datasets import build_datasets, check_cache, load_tokenizer, loader, samples_needed, with_cache
 from ..export.to_hf import export_at_end
 from ..models.builder import build_model_chunks, wrap_float16
@@ -29,11 +29,8 @@ from ..teacher.build import build_teacher_cache
 from ..teacher.megatron import OnlineTeacher, build_teacher
 from .metrics import Sink, forward_flops_per_step, peak_memory_gib, train_flops_per_step
 from .schedule import forward_backward
+from . import guards
 from .step import KDStep
-
-ARCH_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-             "kv_channels", "normalization", "activation", "position_embedding_type", "tie_embeddings",
-             "num_moe_experts", "add_bias_linear", "add_qkv_bias", "qk_layernorm")
 
 
 def recipe_dict(r: Recipe) -> dict:
@@ -46,6 +43,7 @@ def preflight(r: Recipe, world_size: int, cuda: bool):
     check_recipe(r, None, cuda)
     tok = load_tokenizer(r.data)
     check_run(r, world_size, cuda, tok.vocab_size)
+    guards.check_inputs(r, tok)
     return tok
 
 
@@ -60,7 +58,9 @@ def run(r: Recipe, save: str) -> dict:
         raise RecipeError(f"train.save={save} already holds checkpoints of a run (iteration {latest_save}) and "
                           f"train.load={load} points elsewhere: resuming into it would mix two runs. Use another "
                           "train.save, or resume that run (train.load = train.save).")
-    with distributed(r.parallel, r.train.seed, r.train.device) as cuda:
+    guards.check_save_dir(save)
+    guards.check_resume_early(r, load)
+    with guards.save_lock(save, is_rank0()), distributed(r.parallel, r.train.seed, r.train.device) as cuda:
         try:
             summary = Trainer(r, save, load, tok, cuda).fit()
         finally:
@@ -129,19 +129,25 @@ class Trainer:
     def _resume(self):
         """(iteration, consumed samples) to start from."""
         r = self.r
-        if ckpt.latest_iteration(self.load) is None:
+        it, fallback = ckpt_integrity.newest_intact(self.load)
+        if it is None:
             if r.train.pretrained:
                 ckpt.load_weights(r.train.pretrained, self.chunks)
                 self.optimizer.reload_model_params()
             return 0, 0
-        common = ckpt.read_common(self.load)
-        saved = (common.get("recipe") or {}).get("model", {})
-        diff = [k for k in ARCH_KEYS if k in saved and saved[k] != getattr(r.model, k)]
-        if diff:
-            raise RecipeError(f"train.load={self.load} holds a checkpoint of another model ("
-                              + ", ".join(f"model.{k}: {saved[k]} there, {getattr(r.model, k)} here" for k in diff)
-                              + "); use another train.save or the checkpoint's model settings")
-        common = ckpt.load_checkpoint(self.load, self.chunks, self.optimizer, self.scheduler)
+        if fallback and is_rank0():
+            print(f"note: {fallback[0]}", flush=True)
+        if it != ckpt.latest_iteration(self.load):
+            ckpt_integrity.use_iteration(self.load, it, is_rank0())
+        common = guards.read_common_at(self.load, it)
+        self.notes += guards.check_resume(r, self.load, common)
+        if guards.schedule_changed(common, r):  # intended (train.resume_changes): the recipe's schedule applies
+            self.scheduler.override_opt_param_scheduler = True
+        try:
+            common = ckpt.load_checkpoint(self.load, self.chunks, self.optimizer, self.scheduler)
+        except BaseException as e:  # torch's CheckpointException derives from BaseException
+            raise guards.load_failed(e, self.load, it) from e
+        guards.apply_optimizer_settings(self.optimizer, r.train)
         return int(common["iteration"]), int(common["consumed_samples"])
 
     # --- the loop -------------------------------------------------------------------------------------------
@@ -164,17 +170,23 @@ class Trainer:
         times, last_eval, losses = [], {}, {}
         stop = t.stop_at or t.iters
         for it in range(start + 1, stop + 1):
+            guards.stop_if_signalled()
             t0 = time.perf_counter()
             for c in self.chunks:
                 c.zero_grad_buffer()
             self.optimizer.zero_grad()
             reports = forward_backward(self.step_fn, data, self.chunks, self.num_micro, r.data.seq_length,
                                        t.micro_batch_size)
-            ok, grad_norm, _ = self.optimizer.step()
+            losses = reduce_reports(reports)
+            skipped = guards.nonfinite_step(losses, self.chunks, t, it)  # raises under train.nonfinite=stop
+            if skipped:
+                ok, grad_norm = False, None
+                sink.print(f"iteration {it}: {skipped}; update skipped (train.nonfinite=skip)")
+            else:
+                ok, grad_norm, _ = self.optimizer.step()
             if ok:
                 self.scheduler.step(increment=1)
             consumed += t.global_batch_size
-            losses = reduce_reports(reports)
             dt = time.perf_counter() - t0
             times.append(dt)
             tokens = t.global_batch_size * r.data.seq_length
@@ -208,8 +220,17 @@ class Trainer:
         return its[0] if len(its) == 1 else its
 
     def _save(self, it: int, consumed: int) -> None:
-        common = {"consumed_samples": consumed, "recipe": recipe_dict(self.r)}
-        ckpt.save_checkpoint(self.save, it, self.chunks, self.optimizer, self.scheduler, common)
+        common = {"consumed_samples": consumed, "recipe": recipe_dict(self.r),
+                  "cache_teacher": guards.cache_teacher(self.r.kd)}
+        guards.check_weights_finite(self.chunks, it)
+        guards.check_free_space(self.save, guards.checkpoint_bytes(self.save, self.chunks, self.optimizer), it)
+        guards.checkpoint_writer_ready()
+        with guards.signals_deferred():
+            try:
+                ckpt.save_checkpoint(self.save, it, self.chunks, self.optimizer, self.scheduler, common)
+            except BaseException as e:
+                guards.remove_partial(self.save, it, is_rank0())
+                raise guards.save_failed(e, self.save, it) from e
 
     @torch.no_grad()
     def evaluate(self, it: int, sink) -> dict:

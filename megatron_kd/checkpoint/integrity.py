@@ -122,7 +122,7 @@ def newest_intact(root: str, checksums: bool = True) -> tuple:
     intact one before it (notes say why); (None, []) when root holds no tracker. Raises RunError when the tracker
     names checkpoints of which none is intact. A run saved before checksum manifests existed (no iteration has
     one) resumes from the tracker's iteration unverified."""
-    from . import store as ckpt
+    from . import layout as ckpt
     from ..recipe.schema import RunError
     latest = ckpt.latest_iteration(root)
     if latest is None:
@@ -150,7 +150,7 @@ def newest_intact(root: str, checksums: bool = True) -> tuple:
 def use_iteration(root: str, iteration: int, rank0: bool) -> None:
     """Point root's tracker at `iteration` (after a fallback): the run resumes from there and its next saves
     replace the damaged checkpoints instead of taking them for done."""
-    from . import store as ckpt
+    from . import layout as ckpt
     if rank0:
         tmp = os.path.join(root, ckpt.TRACKER + ".tmp")
         with open(tmp, "w") as f:
@@ -162,7 +162,7 @@ def use_iteration(root: str, iteration: int, rank0: bool) -> None:
 
 def require_intact(path: str) -> None:
     """A weights-only load (teacher.load, train.pretrained, export): the directory's checkpoint must be intact."""
-    from . import store as ckpt
+    from . import layout as ckpt
     from ..recipe.schema import RunError
     d = ckpt.resolve(path)
     if not has_manifest(d):

@@ -17,7 +17,7 @@ import torch
 from ..runtime.dist import barrier, is_rank0
 from ..models.builder import unwrap
 
-TRACKER = "latest_checkpointed_iteration.txt"
+from .layout import TRACKER, iter_dir, latest_iteration, resolve  # noqa: F401  (re-exported: ckpt.iter_dir ...)
 
 
 @contextlib.contextmanager
@@ -41,38 +41,6 @@ def _require_psutil():
         import psutil  # noqa: F401
     except ImportError:
         raise RuntimeError("megatron-core's dist_checkpointing writer needs psutil: pip install psutil") from None
-
-
-def iter_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def latest_iteration(root) -> int | None:
-    """The iteration the tracker names, None when `root` holds no complete checkpoint."""
-    if not root:
-        return None
-    p = os.path.join(root, TRACKER)
-    if not os.path.isfile(p):
-        return None
-    text = open(p).read().strip()
-    if text == "release":
-        return 0
-    try:
-        return int(text)
-    except ValueError:
-        raise RuntimeError(f"{p} holds {text!r}, not an iteration number; fix or delete it") from None
-
-
-def resolve(path: str) -> str:
-    """A save dir (uses its tracker) or an iter_* dir -> the dist_checkpointing directory."""
-    it = latest_iteration(path)
-    if it is not None:
-        d = iter_dir(path, it)
-        return d if os.path.isdir(d) else os.path.join(path, "release")
-    if os.path.isfile(os.path.join(path, "metadata.json")):
-        return path
-    raise FileNotFoundError(f"{path} is neither a checkpoint directory ({TRACKER}) nor a dist_checkpointing "
-                            "iteration directory (metadata.json)")
 
 
 def _model_keys(chunks) -> list:
@@ -232,4 +200,3 @@ def load_weights(path: str, chunks) -> int:
 def read_common(path: str) -> dict:
     from megatron.core import dist_checkpointing
     return dist_checkpointing.load_common_state_dict(resolve(path))
-

@@ -6,20 +6,17 @@ arguments) so any model or data pipeline plugs in; `--teacher hf:DIR` loads a lo
 command; the teacher factory sets up Megatron's model parallel groups itself.
 """
 import argparse
-import importlib
 import json
 import os
 import sys
 
 
 def _factory(spec: str):
-    module, sep, name = spec.partition(":")
-    if not sep or not module or not name:
-        raise SystemExit(f"error: {spec!r} is not `module:function` (e.g. mypkg.teachers:make_teacher)")
+    from ..teacher.spec import factory
     try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise SystemExit(f"error: cannot load {spec!r} ({e}); check the module is on PYTHONPATH") from None
+        return factory(spec)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def _json_arg(text: str, flag: str) -> dict:

@@ -110,8 +110,8 @@ def run(h, weight, t, opts, shard, settings: FusedSettings, *, grad_h=None, acc=
         if bad is not None:
             bad_all[s0:s1_] = bad
         if row_kernel:  # one launch for the per-row statistics, coefficients and scale
-            lse, uk, zy, scale, vals, rest = scaled_rows(zg, stat[:, 0], stat[:, 1], bad, slc, t.slice(s0, s1_),
-                                                         opts, g[s0:s1_], e.dtype)
+            lse, uk, zy, scale, vals, rest = _kernel_rows(zg, stat, bad, slc, t.slice(s0, s1_), opts, g[s0:s1_],
+                                                          e.dtype)
             stats.append(ChunkStats(lse=lse, uk=uk, lse1=lse if opts.needs_ce else None, zy=zy, rest_lse=rest))
         else:
             st = combine_stats(zg, stat, slc, opts, shard)
@@ -172,6 +172,15 @@ def run(h, weight, t, opts, shard, settings: FusedSettings, *, grad_h=None, acc=
     if defer_redo:  # the caller queues more GPU work (the loss) before it calls redo and syncs
         return out, redo
     return out if redo is None else redo()
+
+
+def _kernel_rows(zg, stat, bad, slc, t, opts, g, vals_dtype):
+    """kernels.scaled_rows on one chunk, the loss's slots, targets and options unpacked into its tensors and
+    scalars."""
+    return scaled_rows(zg, stat[:, 0], stat[:, 1], bad, slc.col, slc.own, t.logp, t.valid, t.labels, g, vals_dtype,
+                       temperature=opts.temperature, kl_weight=opts.kl_weight, ce_weight=opts.ce_weight,
+                       jsd_beta=opts.jsd_beta, need_kl=opts.needs_kl, need_ce=opts.needs_ce,
+                       divergence=opts.divergence, tail=opts.tail, monitor=opts.monitor)
 
 
 def _redo_rows(rows, h, weight, t, opts, shard, grad_h, acc, wscale, g, st, settings):

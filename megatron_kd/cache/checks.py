@@ -31,116 +31,138 @@ def _rebuild_manifest(path) -> str:
 def manifest_problems(path, m: dict, *, first_only: bool = False) -> list[str]:
     """Problems of the manifest m of the cache at path, each naming the field or file and the fix."""
     out = []
-
-    def bad(msg):
+    for msg in _problems(path, m):
         out.append(f"{path}: {msg}")
-        return first_only
+        if first_only:
+            break
+    return out
 
-    # 1. every settings field present and of the right type
+
+def _problems(path, m):
+    """Every problem, in check order; the checks run lazily, so first_only reads no file past the first problem.
+    A stage returns True when its problems leave the later stages nothing sound to check."""
+    for stage in (_field_problems, _settings_problems, _hash_problems, _encoding_problems, _shard_problems,
+                  _index_problems):
+        if (yield from stage(path, m)):
+            return
+
+
+def _field_problems(path, m):
+    """1. every settings field present and of the right type."""
     missing = [k for k in SETTINGS_KEYS + ("shards", "sample_index", "settings_hash") if k not in m]
     if missing:
-        bad(f"{MANIFEST} lacks the field(s) {', '.join(missing)} (edited, or written by another version); "
-            + _rebuild_manifest(path))
-        return out
+        yield (f"{MANIFEST} lacks the field(s) {', '.join(missing)} (edited, or written by another version); "
+               + _rebuild_manifest(path))
+        return True
+    found = False
     for k in _INT_FIELDS:
         if type(m[k]) is not int or m[k] < 1:
-            if bad(f"{MANIFEST} field {k} = {m[k]!r} is not a positive integer; " + _rebuild_manifest(path)):
-                return out
+            found = True
+            yield f"{MANIFEST} field {k} = {m[k]!r} is not a positive integer; " + _rebuild_manifest(path)
     t = m["temperature"]
     if temperature_problem(t):
-        if bad(f"{MANIFEST} field temperature = {t!r} {temperature_problem(t)}; " + _rebuild_manifest(path)):
-            return out
-    if out:
-        return out
-    # 2. the manifest against settings.json
+        found = True
+        yield f"{MANIFEST} field temperature = {t!r} {temperature_problem(t)}; " + _rebuild_manifest(path)
+    return found
+
+
+def _settings_problems(path, m):
+    """2. the manifest against settings.json."""
     sp = os.path.join(path, SETTINGS)
     try:
         settings = read_json(sp)
     except FileNotFoundError:
-        settings = None
-        if bad(f"{SETTINGS} is missing (it records what the build was asked for); restore it, or delete "
-               f"{MANIFEST} and {rebuild_hint(path)}"):
-            return out
+        yield (f"{SETTINGS} is missing (it records what the build was asked for); restore it, or delete "
+               f"{MANIFEST} and {rebuild_hint(path)}")
+        return
     except ValueError:
-        settings = None
-        if bad(f"{SETTINGS} is not valid JSON; restore it, or " + rebuild_hint(path)):
-            return out
-    if settings is not None:
-        if not isinstance(settings, dict):
-            settings = {}
-        for d in field_diff(m, settings, MANIFEST, SETTINGS):
-            if bad(f"manifest field {d} (one of them was edited); restore it, or rebuild the cache "
-                   f"(`megatron-kd cache build --overwrite --out {path} ...`)"):
-                return out
-    # 3. the settings the shards were built with
+        yield f"{SETTINGS} is not valid JSON; restore it, or " + rebuild_hint(path)
+        return
+    if not isinstance(settings, dict):
+        settings = {}
+    for d in field_diff(m, settings, MANIFEST, SETTINGS):
+        yield (f"manifest field {d} (one of them was edited); restore it, or rebuild the cache "
+               f"(`megatron-kd cache build --overwrite --out {path} ...`)")
+
+
+def _hash_problems(path, m):
+    """3. the settings the shards were built with."""
     h = settings_hash(m)
     if m["settings_hash"] != h:
-        if bad(f"{MANIFEST}'s settings hash to {h}, its field settings_hash says {m['settings_hash']!r}: a field of "
+        yield (f"{MANIFEST}'s settings hash to {h}, its field settings_hash says {m['settings_hash']!r}: a field of "
                f"{MANIFEST} was edited; {_named_from_sidecar(path, m)}restore it or rebuild the cache "
-               f"(`megatron-kd cache build --overwrite --out {path} ...`)"):
-            return out
-    # 4. the encoding's byte sizes
+               f"(`megatron-kd cache build --overwrite --out {path} ...`)")
+
+
+def _encoding_problems(path, m):
+    """4. the encoding's byte sizes."""
     try:
         enc = get_encoding(m["encoding"], m["vocab_size"], m["top_k"], m["seq_length"])
     except ValueError as e:
-        bad(f"{MANIFEST} fields encoding/top_k/vocab_size/seq_length do not describe an encoding ({e}); "
-            + _rebuild_manifest(path))
-        return out
+        yield (f"{MANIFEST} fields encoding/top_k/vocab_size/seq_length do not describe an encoding ({e}); "
+               + _rebuild_manifest(path))
+        return True
     if enc.sample_bytes != m["sample_bytes"]:
-        if bad(f"{MANIFEST} field sample_bytes = {m['sample_bytes']}, but encoding {m['encoding']!r} at K={m['top_k']}, "
-               f"V={m['vocab_size']}, S={m['seq_length']} needs {enc.sample_bytes}; " + _rebuild_manifest(path)):
-            return out
+        yield (f"{MANIFEST} field sample_bytes = {m['sample_bytes']}, but encoding {m['encoding']!r} at K={m['top_k']}, "
+               f"V={m['vocab_size']}, S={m['seq_length']} needs {enc.sample_bytes}; " + _rebuild_manifest(path))
     if m["bytes_per_token"] != enc.bytes_per_token:
-        if bad(f"{MANIFEST} field bytes_per_token = {m['bytes_per_token']!r}, the encoding gives "
-               f"{enc.bytes_per_token}; " + _rebuild_manifest(path)):
-            return out
-    # 5. shards: count, ranges, names, hashes, sizes on disk
+        yield (f"{MANIFEST} field bytes_per_token = {m['bytes_per_token']!r}, the encoding gives "
+               f"{enc.bytes_per_token}; " + _rebuild_manifest(path))
+
+
+def _shard_problems(path, m):
+    """5. shards: count, ranges, names, hashes, sizes on disk."""
     shards = m["shards"]
     if not isinstance(shards, list) or len(shards) != num_shards(m):
         n = len(shards) if isinstance(shards, list) else shards
-        bad(f"{MANIFEST} lists {n} shards, num_samples={m['num_samples']} / samples_per_shard="
-            f"{m['samples_per_shard']} needs {num_shards(m)}; " + _rebuild_manifest(path))
-        return out
+        yield (f"{MANIFEST} lists {n} shards, num_samples={m['num_samples']} / samples_per_shard="
+               f"{m['samples_per_shard']} needs {num_shards(m)}; " + _rebuild_manifest(path))
+        return True
+    h = settings_hash(m)
     for j, s in enumerate(shards):
-        first, stop = shard_range(m, j)
-        want = {"shard": j, "first": first, "count": stop - first, "file": shard_name(j),
-                "bytes": (stop - first) * m["sample_bytes"], "settings_hash": h}
-        if not isinstance(s, dict):
-            s = {}
-        wrong = [k for k, v in want.items() if s.get(k) != v]
-        if wrong:
-            k = wrong[0]
-            if bad(f"{MANIFEST} shard entry {j} field {k} = {s.get(k)!r}, expected {want[k]!r}"
-                   + (" (the shard was built with other settings)" if k == "settings_hash" else "")
-                   + "; " + _rebuild_manifest(path)):
-                return out
-            continue
-        f = os.path.join(path, s["file"])
-        if not os.path.exists(f):
-            if bad(f"shard {s['file']} is missing; {shard_fix(path, j)}"):
-                return out
-            continue
-        size = os.path.getsize(f)
-        if size != s["bytes"]:
-            what = "truncated" if size < s["bytes"] else "too long: overwritten or appended to"
-            if bad(f"shard {s['file']} has {size} bytes, expected {s['bytes']} ({what}); {shard_fix(path, j)}"):
-                return out
-    # 6. samples.idx: size and checksum (16 bytes per sample: cheap)
+        problem = _shard_problem(path, m, h, j, s)
+        if problem:
+            yield problem
+
+
+def _shard_problem(path, m, h, j, s) -> str | None:
+    """Shard entry j's first problem: an entry field, then the file's presence and size."""
+    first, stop = shard_range(m, j)
+    want = {"shard": j, "first": first, "count": stop - first, "file": shard_name(j),
+            "bytes": (stop - first) * m["sample_bytes"], "settings_hash": h}
+    if not isinstance(s, dict):
+        s = {}
+    wrong = [k for k, v in want.items() if s.get(k) != v]
+    if wrong:
+        k = wrong[0]
+        return (f"{MANIFEST} shard entry {j} field {k} = {s.get(k)!r}, expected {want[k]!r}"
+                + (" (the shard was built with other settings)" if k == "settings_hash" else "")
+                + "; " + _rebuild_manifest(path))
+    f = os.path.join(path, s["file"])
+    if not os.path.exists(f):
+        return f"shard {s['file']} is missing; {shard_fix(path, j)}"
+    size = os.path.getsize(f)
+    if size != s["bytes"]:
+        what = "truncated" if size < s["bytes"] else "too long: overwritten or appended to"
+        return f"shard {s['file']} has {size} bytes, expected {s['bytes']} ({what}); {shard_fix(path, j)}"
+    return None
+
+
+def _index_problems(path, m):
+    """6. samples.idx: size and checksum (16 bytes per sample: cheap)."""
     ip = os.path.join(path, SAMPLE_INDEX)
     want_bytes = m["num_samples"] * SAMPLE_INDEX_DTYPE.itemsize
     if not os.path.exists(ip) or os.path.getsize(ip) != want_bytes:
         size = os.path.getsize(ip) if os.path.exists(ip) else None
-        if bad(f"{SAMPLE_INDEX} is {'missing' if size is None else f'{size} bytes'}, expected {want_bytes}; "
-               + _rebuild_manifest(path) + " (no shard is recomputed)"):
-            return out
-    else:
-        with open(ip, "rb") as fh:
-            got = hashlib.sha256(fh.read()).hexdigest()
-        want = m["sample_index"].get(CHECKSUM) if isinstance(m["sample_index"], dict) else None
-        if got != want:
-            bad(f"{SAMPLE_INDEX} fails its {CHECKSUM} check (corrupt, or the manifest's sample_index was edited); "
-                + _rebuild_manifest(path) + " (no shard is recomputed)")
-    return out
+        yield (f"{SAMPLE_INDEX} is {'missing' if size is None else f'{size} bytes'}, expected {want_bytes}; "
+               + _rebuild_manifest(path) + " (no shard is recomputed)")
+        return
+    with open(ip, "rb") as fh:
+        got = hashlib.sha256(fh.read()).hexdigest()
+    want = m["sample_index"].get(CHECKSUM) if isinstance(m["sample_index"], dict) else None
+    if got != want:
+        yield (f"{SAMPLE_INDEX} fails its {CHECKSUM} check (corrupt, or the manifest's sample_index was edited); "
+               + _rebuild_manifest(path) + " (no shard is recomputed)")
 
 
 def _named_from_sidecar(path, m) -> str:

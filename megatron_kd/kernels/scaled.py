@@ -102,36 +102,37 @@ def _scaled_rows_kernel(zg_ptr, a_ptr, se_ptr, ast, bad_ptr, col_ptr, own_ptr, l
     tl.store(vals_ptr + r * K1 + js, vals.to(vals_ptr.dtype.element_ty), mask=jin)
 
 
-def scaled_rows(zg, a, se, bad, sl, t, opts, g, vals_dtype):
-    """zg [C, K1] slot logits (math dtype), a / se [C] (equal row strides), bad [C] bool or None; sl the chunk's
-    Slots (col and own are read; duplicates are found here, so sl.first / sl.cid may be None), t its Targets, g
-    its row weights. Returns (lse, uk, zy or None, scale [C], vals [C, K1] vals_dtype, rest_lse or None); opts
-    reads kl_weight, ce_weight, temperature, tail, divergence, jsd_beta and monitor (rest_lse: log-sum-exp off the
-    teacher's ids, for the bucket-KL monitor)."""
+def scaled_rows(zg, a, se, bad, col, own, logp, valid, labels, g, vals_dtype, *, temperature, kl_weight, ce_weight,
+                jsd_beta, need_kl, need_ce, divergence, tail, monitor):
+    """zg [C, K1] slot logits (math dtype), a / se [C] (equal row strides), bad [C] bool or None; col / own [C, K1]
+    the slots' local columns and ownership (duplicates are found here, so the slots need no dedupe); logp / valid
+    [C, K] the teacher's log-probs and non-empty slots, labels [C] (read only with need_ce), g [C] the row weights.
+    Scalars: temperature, kl_weight, ce_weight, jsd_beta; need_kl / need_ce whether the KL and CE terms count;
+    divergence and tail by name (only tail "none" is covered); monitor: also return rest_lse (log-sum-exp off the
+    teacher's ids, for the bucket-KL monitor). Returns (lse, uk, zy or None, scale [C], vals [C, K1] vals_dtype,
+    rest_lse or None)."""
     c, k1 = zg.shape
-    if k1 > MAX_SLOTS or (opts.needs_ce and opts.temperature != 1.0) or opts.tail != "none" or \
-            opts.divergence not in DIVERGENCE_CODES:
+    if k1 > MAX_SLOTS or (need_ce and temperature != 1.0) or tail != "none" or divergence not in DIVERGENCE_CODES:
         raise ValueError(f"scaled_rows covers tail 'none', CE only at T = 1 and K1 <= {MAX_SLOTS} slots; got "
-                         f"tail={opts.tail!r}, ce_weight={opts.ce_weight}, T={opts.temperature}, K1={k1}")
-    k = sl.k
+                         f"tail={tail!r}, ce_weight={ce_weight}, T={temperature}, K1={k1}")
+    k = logp.shape[1]
     dt = zg.dtype
     lse = torch.empty(c, dtype=dt, device=zg.device)
     uk = torch.empty((c, k), dtype=dt, device=zg.device)
-    zy = torch.empty(c, dtype=dt, device=zg.device) if opts.needs_ce else None
+    zy = torch.empty(c, dtype=dt, device=zg.device) if need_ce else None
     scale = torch.empty(c, dtype=dt, device=zg.device)
-    rest = torch.empty(c, dtype=dt, device=zg.device) if opts.monitor else None
+    rest = torch.empty(c, dtype=dt, device=zg.device) if monitor else None
     vals = torch.empty((c, k1), dtype=_kernel_dtype(vals_dtype), device=zg.device)
     if c:
         assert a.stride(0) == se.stride(0) and zg.is_contiguous()
-        prm = _consts(zg.device, dt, 1.0 / opts.temperature, opts.temperature, opts.kl_weight, opts.ce_weight,
-                      opts.jsd_beta)
-        lab = t.labels if opts.needs_ce else g
+        prm = _consts(zg.device, dt, 1.0 / temperature, temperature, kl_weight, ce_weight, jsd_beta)
+        lab = labels if need_ce else g
         _scaled_rows_kernel[(c,)](
-            zg, a, se, a.stride(0), bad if bad is not None else g, sl.col.contiguous(), sl.own.contiguous(),
-            t.logp.contiguous(), t.valid.contiguous(), g, lab, lse, uk,
+            zg, a, se, a.stride(0), bad if bad is not None else g, col.contiguous(), own.contiguous(),
+            logp.contiguous(), valid.contiguous(), g, lab, lse, uk,
             zy if zy is not None else lse, scale, vals, rest if rest is not None else lse, prm, k, k1,
-            HAS_BAD=bad is not None, NEED_KL=opts.needs_kl, NEED_CE=opts.needs_ce,
-            KP=max(2, triton.next_power_of_2(k1)), ACC=_acc(dt), DIV=DIVERGENCE_CODES[opts.divergence],
+            HAS_BAD=bad is not None, NEED_KL=need_kl, NEED_CE=need_ce,
+            KP=max(2, triton.next_power_of_2(k1)), ACC=_acc(dt), DIV=DIVERGENCE_CODES[divergence],
             NEED_REST=rest is not None)
     return lse, uk, zy, scale, vals.to(vals_dtype), rest
 

@@ -33,7 +33,7 @@ carries that attribute).
 reduction="none" needs per-position upstream grads, unknown in forward: it runs the torch "chunked" impl.
 """
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -82,84 +82,29 @@ def run(h, weight, t, opts, shard, settings: FusedSettings, *, grad_h=None, acc=
     n = h.shape[0]
     v = shard.local_valid
     w = weight[:v]
-    mdt = t.logp.dtype
-    T = float(opts.temperature)
     want = grad_h is not None or acc is not None
     # rows follow the global vocabulary, so a TP rank's buffers shrink with its shard
     plan = chunk_plan(shard.valid_size, h.shape[1], tp=group_size(shard.group), dtype=h.dtype, opts=opts,
                       settings=settings, needs_grad=want)
     scaled, anchored = plan.path != "two_pass", plan.path == "anchored"
-    C, S = plan.sub_rows, plan.super_rows
     k1 = t.ids.shape[1] + int(opts.needs_ce)
     row_kernel = scaled and k1 <= MAX_SLOTS  # above: the torch bookkeeping (sparse.py)
     sl = prepare_slots(t, opts, shard, dedupe=not row_kernel)
     g = row_weights(t, opts) if g is None else g
-    if anchored:
-        logits = AnchoredLogits(h, w, sl, min(S, n), T)
-        bad_all = torch.zeros(n, dtype=torch.bool, device=h.device)
-    else:
-        logits = Fp32Logits(h, w, sl, C, min(S, n), mdt, want, scaled, T, opts.needs_ce and T != 1.0, SLACK,
-                            settings.block)
-    fresh = acc is not None and acc_fresh
+    logits, bad_all = _make_logits(plan, h, w, sl, t.logp.dtype, want, opts, settings)
+    p = _Pass(h, w, t, opts, shard, g, v, t.logp.dtype, want, grad_h, logits,
+              _WeightGrad(acc, v, wscale, acc_fresh) if acc is not None else None)
+    chunk = _row_kernel_chunk if row_kernel else _scaled_chunk if scaled else _two_pass_chunk
     stats = []
-    for s0 in range(0, n, S):
-        s1_ = min(n, s0 + S)
-        slc = sl.rows(s0, s1_)
-        e, zg, stat, bad = logits.sweep(s0, s1_, slc)
+    for s0 in range(0, n, plan.super_rows):
+        s1 = min(n, s0 + plan.super_rows)
+        slc = sl.rows(s0, s1)
+        e, zg, stat, bad = logits.sweep(s0, s1, slc)
         if bad is not None:
-            bad_all[s0:s1_] = bad
-        if row_kernel:  # one launch for the per-row statistics, coefficients and scale
-            lse, uk, zy, scale, vals, rest = scaled_rows(zg, stat[:, 0], stat[:, 1], bad, slc, t.slice(s0, s1_),
-                                                         opts, g[s0:s1_], e.dtype)
-            stats.append(ChunkStats(lse=lse, uk=uk, lse1=lse if opts.needs_ce else None, zy=zy, rest_lse=rest))
-        else:
-            st = combine_stats(zg, stat, slc, opts, shard)
-            stats.append(st)
-            if want:
-                vals, A, B = grad_coefficients(zg, st, t.slice(s0, s1_), slc, opts, g[s0:s1_])
-        if not want:
-            continue
-        if scaled and not row_kernel:
-            scale = A * torch.exp(stat[:, 0] - st.lse)
-            if bad is not None:  # flagged rows add nothing here; they are redone after the loop
-                scale = torch.where(bad, torch.zeros_like(scale), scale)
-            vals = torch.where((scale != 0)[:, None], vals / scale[:, None], torch.zeros_like(vals))
-        elif not scaled and v:
-            lse1 = st.lse1 if B is not None else st.lse
-            coef = torch.stack([A, st.lse, A if B is None else B, lse1], 1).contiguous()
-            logits.dz(e, coef, B is not None)  # two-pass: S == C, one sub-chunk
-        if not v:  # nothing on this shard: no gradient contribution
-            if grad_h is not None:
-                grad_h[s0:s1_].zero_()
-            continue
-        e.scatter_add_(1, slc.col, vals.to(e.dtype))
-        hs = h[s0:s1_]
-        if grad_h is not None:
-            if row_kernel:  # one pass; scale is 0 on flagged rows, whose E may hold huge values (no inf * 0)
-                scale_rows(gemm.mm(e, w, mdt), scale, grad_h[s0:s1_])
-            elif scaled:
-                gh = gemm.mm(e, w, mdt).mul_(scale[:, None])
-                if bad is not None:  # where, not mul: a flagged row's E may hold huge values (inf * 0)
-                    gh = torch.where(bad[:, None], torch.zeros((), dtype=mdt, device=gh.device), gh)
-                grad_h[s0:s1_] = gh
-            else:
-                gemm.mm_into(e, w, grad_h[s0:s1_])
-        if acc is not None:
-            if row_kernel:  # fp32 product, one rounding
-                hs = scale_rows(hs if hs.stride(1) == 1 else hs.contiguous(), scale,
-                                torch.empty(hs.shape, dtype=h.dtype, device=h.device))
-            elif scaled:
-                hs = torch.mul(hs, scale[:, None]).to(h.dtype)  # fp32 product (type promotion), one rounding
-            if fresh:  # first contribution: overwrite (acc came from torch.empty)
-                gemm.mm_into(e.t(), hs, acc[:v])
-                if wscale != 1.0:
-                    acc[:v].mul_(wscale)
-                acc[v:].zero_()
-                fresh = False
-            else:
-                gemm.addmm_(acc[:v], e.t(), hs, alpha=wscale)
-    if fresh:  # nothing was written (no rows on this shard)
-        acc.zero_()
+            bad_all[s0:s1] = bad
+        stats.append(chunk(p, s0, s1, e, zg, stat, bad, slc))
+    if p.wgrad is not None:
+        p.wgrad.finish()
     out = ChunkStats.cat(stats)
     redo = None
     if anchored:  # one host sync per call, after every chunk is queued
@@ -171,6 +116,137 @@ def run(h, weight, t, opts, shard, settings: FusedSettings, *, grad_h=None, acc=
     if defer_redo:  # the caller queues more GPU work (the loss) before it calls redo and syncs
         return out, redo
     return out if redo is None else redo()
+
+
+def _make_logits(plan, h, w, sl, mdt, want, opts, settings):
+    """The plan's logits (AnchoredLogits or Fp32Logits) and, for anchored ones, the flagged-rows mask [N]."""
+    n = h.shape[0]
+    T = float(opts.temperature)
+    scaled = plan.path != "two_pass"
+    if plan.path == "anchored":
+        return AnchoredLogits(h, w, sl, min(plan.super_rows, n), T), \
+            torch.zeros(n, dtype=torch.bool, device=h.device)
+    return Fp32Logits(h, w, sl, plan.sub_rows, min(plan.super_rows, n), mdt, want, scaled, T,
+                      opts.needs_ce and T != 1.0, SLACK, settings.block), None
+
+
+@dataclass
+class _Pass:
+    """What every chunk of one run reads: the inputs, the shard's weight rows w and gradient outputs."""
+    h: torch.Tensor
+    w: torch.Tensor
+    t: object  # Targets
+    opts: object  # LossOptions
+    shard: object  # VocabShard
+    g: torch.Tensor  # row weights [N]
+    v: int  # the shard's valid vocabulary rows (0: nothing on this shard)
+    mdt: torch.dtype  # math dtype
+    want: bool  # some gradient is asked for
+    grad_h: torch.Tensor | None
+    logits: object  # AnchoredLogits or Fp32Logits
+    wgrad: "_WeightGrad | None"
+
+
+class _WeightGrad:
+    """acc[:v] += wscale * E^T @ hs, chunk by chunk. fresh: acc came from torch.empty, so the first chunk
+    overwrites (and zeroes the rows past v), and finish() zeroes acc if no chunk wrote it."""
+
+    def __init__(self, acc, v, wscale, fresh):
+        self.acc, self.v, self.wscale, self.fresh = acc, v, wscale, fresh
+
+    def add(self, e, hs):
+        acc, v = self.acc, self.v
+        if self.fresh:  # first contribution: overwrite (acc came from torch.empty)
+            gemm.mm_into(e.t(), hs, acc[:v])
+            if self.wscale != 1.0:
+                acc[:v].mul_(self.wscale)
+            acc[v:].zero_()
+            self.fresh = False
+        else:
+            gemm.addmm_(acc[:v], e.t(), hs, alpha=self.wscale)
+
+    def finish(self):
+        if self.fresh:  # nothing was written (no rows on this shard)
+            self.acc.zero_()
+
+
+def _kernel_rows(zg, stat, bad, slc, t, opts, g, vals_dtype):
+    """kernels.scaled_rows on one chunk, the loss's slots, targets and options unpacked into its tensors and
+    scalars."""
+    return scaled_rows(zg, stat[:, 0], stat[:, 1], bad, slc.col, slc.own, t.logp, t.valid, t.labels, g, vals_dtype,
+                       temperature=opts.temperature, kl_weight=opts.kl_weight, ce_weight=opts.ce_weight,
+                       jsd_beta=opts.jsd_beta, need_kl=opts.needs_kl, need_ce=opts.needs_ce,
+                       divergence=opts.divergence, tail=opts.tail, monitor=opts.monitor)
+
+
+def _put_slot_values(p, s0, s1, e, slc, vals) -> bool:
+    """Writes the slot columns' finished values into E. False when this shard holds no vocabulary rows: no
+    gradient contribution, and the chunk's grad_h rows are zeroed."""
+    if not p.v:
+        if p.grad_h is not None:
+            p.grad_h[s0:s1].zero_()
+        return False
+    e.scatter_add_(1, slc.col, vals.to(e.dtype))
+    return True
+
+
+def _row_kernel_chunk(p, s0, s1, e, zg, stat, bad, slc):
+    """Scaled path, up to MAX_SLOTS slots: one kernel launch for the per-row statistics, coefficients and
+    scale; the scale is applied to the GEMMs' small side."""
+    lse, uk, zy, scale, vals, rest = _kernel_rows(zg, stat, bad, slc, p.t.slice(s0, s1), p.opts, p.g[s0:s1], e.dtype)
+    st = ChunkStats(lse=lse, uk=uk, lse1=lse if p.opts.needs_ce else None, zy=zy, rest_lse=rest)
+    if not p.want or not _put_slot_values(p, s0, s1, e, slc, vals):
+        return st
+    hs = p.h[s0:s1]
+    if p.grad_h is not None:  # one pass; scale is 0 on flagged rows, whose E may hold huge values (no inf * 0)
+        scale_rows(gemm.mm(e, p.w, p.mdt), scale, p.grad_h[s0:s1])
+    if p.wgrad is not None:  # fp32 product, one rounding
+        hs = scale_rows(hs if hs.stride(1) == 1 else hs.contiguous(), scale,
+                        torch.empty(hs.shape, dtype=p.h.dtype, device=p.h.device))
+        p.wgrad.add(e, hs)
+    return st
+
+
+def _scaled_chunk(p, s0, s1, e, zg, stat, bad, slc):
+    """Scaled path above MAX_SLOTS slots: sparse.py's torch bookkeeping, then the row scale by torch ops."""
+    st = combine_stats(zg, stat, slc, p.opts, p.shard)
+    if not p.want:
+        return st
+    vals, A, B = grad_coefficients(zg, st, p.t.slice(s0, s1), slc, p.opts, p.g[s0:s1])
+    scale = A * torch.exp(stat[:, 0] - st.lse)
+    if bad is not None:  # flagged rows add nothing here; they are redone after the loop
+        scale = torch.where(bad, torch.zeros_like(scale), scale)
+    vals = torch.where((scale != 0)[:, None], vals / scale[:, None], torch.zeros_like(vals))
+    if not _put_slot_values(p, s0, s1, e, slc, vals):
+        return st
+    hs = p.h[s0:s1]
+    if p.grad_h is not None:
+        gh = gemm.mm(e, p.w, p.mdt).mul_(scale[:, None])
+        if bad is not None:  # where, not mul: a flagged row's E may hold huge values (inf * 0)
+            gh = torch.where(bad[:, None], torch.zeros((), dtype=p.mdt, device=gh.device), gh)
+        p.grad_h[s0:s1] = gh
+    if p.wgrad is not None:
+        p.wgrad.add(e, torch.mul(hs, scale[:, None]).to(p.h.dtype))  # fp32 product (type promotion), one rounding
+    return st
+
+
+def _two_pass_chunk(p, s0, s1, e, zg, stat, bad, slc):
+    """Two-pass path: once the chunk's global statistics are known, a second sweep writes dz into E."""
+    st = combine_stats(zg, stat, slc, p.opts, p.shard)
+    if not p.want:
+        return st
+    vals, A, B = grad_coefficients(zg, st, p.t.slice(s0, s1), slc, p.opts, p.g[s0:s1])
+    if p.v:
+        lse1 = st.lse1 if B is not None else st.lse
+        coef = torch.stack([A, st.lse, A if B is None else B, lse1], 1).contiguous()
+        p.logits.dz(e, coef, B is not None)  # two-pass: S == C, one sub-chunk
+    if not _put_slot_values(p, s0, s1, e, slc, vals):
+        return st
+    if p.grad_h is not None:
+        gemm.mm_into(e, p.w, p.grad_h[s0:s1])
+    if p.wgrad is not None:
+        p.wgrad.add(e, p.h[s0:s1])
+    return st
 
 
 def _redo_rows(rows, h, weight, t, opts, shard, grad_h, acc, wscale, g, st, settings):

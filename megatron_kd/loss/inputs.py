@@ -47,34 +47,12 @@ def check_and_flatten(hidden, weight, topk_ids, topk_logprobs, labels, loss_mask
                       seq_shards: int = 1) -> tuple[torch.Tensor, Targets, tuple]:
     """Returns (hidden [N_local, H], targets over all N positions, leading shape of the targets).
     At most one host sync (the value checks, gathered into one tensor)."""
-    if not torch.is_tensor(hidden) or hidden.dim() < 1:
-        raise ValueError("hidden must be a tensor [..., H]")
-    if not hidden.is_floating_point():
-        raise ValueError(f"hidden must be floating point, got {hidden.dtype}")
+    _check_hidden(hidden)
     _check_devices(hidden, weight=weight, topk_ids=topk_ids, topk_logprobs=topk_logprobs, labels=labels,
                    loss_mask=loss_mask)
-    if not torch.is_tensor(weight) or weight.dim() != 2:
-        raise ValueError(f"weight must be [V, H], got shape {tuple(getattr(weight, 'shape', ()))}")
-    if weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight is [V, H] = {tuple(weight.shape)} but hidden's last dim is {hidden.shape[-1]}: "
-                         "H must match (pass the output layer's weight, not its transpose)")
-    if not torch.is_tensor(topk_ids) or topk_ids.dim() < 1:
-        raise ValueError("topk_ids must be a tensor [..., K]")
-    if topk_ids.is_floating_point() or topk_ids.is_complex() or topk_ids.dtype == torch.bool:
-        raise ValueError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
-    if not torch.is_tensor(topk_logprobs) or topk_logprobs.shape != topk_ids.shape:
-        raise ValueError(f"topk_logprobs must have topk_ids' shape {tuple(topk_ids.shape)}, "
-                         f"got {tuple(getattr(topk_logprobs, 'shape', ()))}")
-    lead = tuple(topk_ids.shape[:-1])
-    hidden_lead = tuple(hidden.shape[:-1])
-    expect_hidden = lead if seq_shards == 1 else (lead[0] // seq_shards,) + lead[1:] if lead else lead
-    if seq_shards > 1 and (not lead or lead[0] % seq_shards):
-        raise ValueError(f"sequence_parallel: the sequence dim of topk_ids ({lead[:1]}) must divide by the "
-                         f"TP size {seq_shards}")
-    if hidden_lead != expect_hidden:
-        what = "this rank's sequence shard of " if seq_shards > 1 else ""
-        raise ValueError(f"hidden's leading shape {hidden_lead} must be {what}topk_ids' leading shape {lead}"
-                         f" (expected {expect_hidden})")
+    _check_weight(weight, hidden)
+    _check_teacher_shapes(topk_ids, topk_logprobs)
+    lead = _leading_shape(hidden, topk_ids, seq_shards)
     k = topk_ids.shape[-1]
     if k > vocab_size:
         raise ValueError(f"topk_ids has K={k} slots but the vocabulary has only V={vocab_size} ids")
@@ -92,58 +70,109 @@ def check_and_flatten(hidden, weight, topk_ids, topk_logprobs, labels, loss_mask
         if tuple(loss_mask.shape) != lead:
             raise ValueError(f"loss_mask must have shape {lead}, got {tuple(loss_mask.shape)}")
         w = loss_mask.reshape(n).to(mdt)
-    lab = counted = None
-    if labels is not None:
-        if tuple(labels.shape) != lead:
-            raise ValueError(f"labels must have shape {lead}, got {tuple(labels.shape)}")
-        if labels.is_floating_point():
-            raise ValueError(f"labels must be integer, got {labels.dtype}")
-        lab = labels.reshape(n).long()
-        counted = lab != opts.ignore_index
-    elif opts.needs_ce:
-        raise ValueError("ce_weight != 0 needs labels")
-
-    if n:  # every value check in one tensor, one host sync
-        flags = []
-        if k:
-            real = ids >= 0
-            flags += [ids.min(), ids.max(), (torch.isnan(raw) & real).any(),
-                      ((raw > LOGPROB_TOLERANCE) & real).any()]
-        if loss_mask is not None:
-            flags += [(~torch.isfinite(w)).any(), (w < 0).any()]
-        if lab is not None:
-            shown = lab.masked_fill(~counted, 0)
-            flags += [shown.min(), shown.max()]
-        if flags:
-            vals = torch.stack([f.long() for f in flags]).tolist()
-            if k:
-                lo, hi, nan, pos = vals[:4]
-                vals = vals[4:]
-                if lo < -1 or hi >= vocab_size:
-                    raise ValueError(f"topk_ids must be in [-1, {vocab_size - 1}] (-1 = empty slot), found [{lo}, {hi}]; "
-                                     "was the cache built with another tokenizer or vocabulary?")
-                if nan:
-                    raise ValueError("topk_logprobs has NaN at non-empty slots (ids >= 0): a corrupt cache or teacher "
-                                     "output; rebuild the cache, or mark those slots empty with id -1")
-                if pos:
-                    raise ValueError(f"topk_logprobs has values > {LOGPROB_TOLERANCE:g} (+inf or positive) at non-empty "
-                                     "slots: log-probabilities are <= 0; pass log_softmax(logits / T), not logits, or "
-                                     "rebuild a corrupt cache")
-            if loss_mask is not None:
-                nonfinite, negative = vals[:2]
-                vals = vals[2:]
-                if nonfinite:
-                    raise ValueError("loss_mask has NaN or inf entries: it must be finite and non-negative (0 = not "
-                                     "counted)")
-                if negative:
-                    raise ValueError("loss_mask must be non-negative")
-            if lab is not None:
-                lo, hi = vals
-                if lo < 0 or hi >= vocab_size:
-                    raise ValueError(f"labels must be in [0, {vocab_size - 1}] or ignore_index={opts.ignore_index}, "
-                                     f"found [{lo}, {hi}]")
+    lab, counted = _flat_labels(labels, lead, n, opts)
+    if n:
+        _check_values(ids, raw, w if loss_mask is not None else None, lab, counted, opts, vocab_size)
     if lab is not None:
         w = w * counted.to(mdt)
         lab = lab.masked_fill(~counted, -1)
     h = hidden.reshape(-1, hidden.shape[-1])
     return h, Targets(ids, logp, valid, lab, w), lead
+
+
+def _check_hidden(hidden) -> None:
+    if not torch.is_tensor(hidden) or hidden.dim() < 1:
+        raise ValueError("hidden must be a tensor [..., H]")
+    if not hidden.is_floating_point():
+        raise ValueError(f"hidden must be floating point, got {hidden.dtype}")
+
+
+def _check_weight(weight, hidden) -> None:
+    if not torch.is_tensor(weight) or weight.dim() != 2:
+        raise ValueError(f"weight must be [V, H], got shape {tuple(getattr(weight, 'shape', ()))}")
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight is [V, H] = {tuple(weight.shape)} but hidden's last dim is {hidden.shape[-1]}: "
+                         "H must match (pass the output layer's weight, not its transpose)")
+
+
+def _check_teacher_shapes(topk_ids, topk_logprobs) -> None:
+    if not torch.is_tensor(topk_ids) or topk_ids.dim() < 1:
+        raise ValueError("topk_ids must be a tensor [..., K]")
+    if topk_ids.is_floating_point() or topk_ids.is_complex() or topk_ids.dtype == torch.bool:
+        raise ValueError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    if not torch.is_tensor(topk_logprobs) or topk_logprobs.shape != topk_ids.shape:
+        raise ValueError(f"topk_logprobs must have topk_ids' shape {tuple(topk_ids.shape)}, "
+                         f"got {tuple(getattr(topk_logprobs, 'shape', ()))}")
+
+
+def _leading_shape(hidden, topk_ids, seq_shards: int) -> tuple:
+    """topk_ids' leading shape; hidden's must be it, or this rank's sequence shard of it (sequence parallel)."""
+    lead = tuple(topk_ids.shape[:-1])
+    hidden_lead = tuple(hidden.shape[:-1])
+    expect_hidden = lead if seq_shards == 1 else (lead[0] // seq_shards,) + lead[1:] if lead else lead
+    if seq_shards > 1 and (not lead or lead[0] % seq_shards):
+        raise ValueError(f"sequence_parallel: the sequence dim of topk_ids ({lead[:1]}) must divide by the "
+                         f"TP size {seq_shards}")
+    if hidden_lead != expect_hidden:
+        what = "this rank's sequence shard of " if seq_shards > 1 else ""
+        raise ValueError(f"hidden's leading shape {hidden_lead} must be {what}topk_ids' leading shape {lead}"
+                         f" (expected {expect_hidden})")
+    return lead
+
+
+def _flat_labels(labels, lead: tuple, n: int, opts) -> tuple:
+    """(labels [N] int64, counted [N] bool: not ignore_index), or (None, None) without labels."""
+    if labels is None:
+        if opts.needs_ce:
+            raise ValueError("ce_weight != 0 needs labels")
+        return None, None
+    if tuple(labels.shape) != lead:
+        raise ValueError(f"labels must have shape {lead}, got {tuple(labels.shape)}")
+    if labels.is_floating_point():
+        raise ValueError(f"labels must be integer, got {labels.dtype}")
+    lab = labels.reshape(n).long()
+    return lab, lab != opts.ignore_index
+
+
+def _check_values(ids, raw, mask, lab, counted, opts, vocab_size) -> None:
+    """Every value check in one tensor, one host sync: the teacher's ids and log-probs (when K > 0), the loss mask
+    (mask: None when not given) and the counted labels."""
+    flags = {}
+    if ids.shape[1]:
+        real = ids >= 0
+        flags.update(ids_lo=ids.min(), ids_hi=ids.max(), nan=(torch.isnan(raw) & real).any(),
+                     positive=((raw > LOGPROB_TOLERANCE) & real).any())
+    if mask is not None:
+        flags.update(nonfinite=(~torch.isfinite(mask)).any(), negative=(mask < 0).any())
+    if lab is not None:
+        shown = lab.masked_fill(~counted, 0)
+        flags.update(lab_lo=shown.min(), lab_hi=shown.max())
+    if not flags:
+        return
+    got = dict(zip(flags, torch.stack([f.long() for f in flags.values()]).tolist()))
+    if "ids_lo" in got:
+        _raise_teacher_problem(got["ids_lo"], got["ids_hi"], got["nan"], got["positive"], vocab_size)
+    if "nonfinite" in got:
+        if got["nonfinite"]:
+            raise ValueError("loss_mask has NaN or inf entries: it must be finite and non-negative (0 = not "
+                             "counted)")
+        if got["negative"]:
+            raise ValueError("loss_mask must be non-negative")
+    if "lab_lo" in got:
+        lo, hi = got["lab_lo"], got["lab_hi"]
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"labels must be in [0, {vocab_size - 1}] or ignore_index={opts.ignore_index}, "
+                             f"found [{lo}, {hi}]")
+
+
+def _raise_teacher_problem(lo, hi, nan, positive, vocab_size) -> None:
+    if lo < -1 or hi >= vocab_size:
+        raise ValueError(f"topk_ids must be in [-1, {vocab_size - 1}] (-1 = empty slot), found [{lo}, {hi}]; "
+                         "was the cache built with another tokenizer or vocabulary?")
+    if nan:
+        raise ValueError("topk_logprobs has NaN at non-empty slots (ids >= 0): a corrupt cache or teacher "
+                         "output; rebuild the cache, or mark those slots empty with id -1")
+    if positive:
+        raise ValueError(f"topk_logprobs has values > {LOGPROB_TOLERANCE:g} (+inf or positive) at non-empty "
+                         "slots: log-probabilities are <= 0; pass log_softmax(logits / T), not logits, or "
+                         "rebuild a corrupt cache")

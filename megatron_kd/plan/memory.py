@@ -285,93 +285,12 @@ def plan_stage(shape: ModelShape, lay: Layout, tr: Training, stage: int) -> Plan
     tr.check()
     pc = param_counts(shape, lay, stage)
     T = tokens_per_rank(tr, lay)
-    first, last = stage == 0, stage == lay.pp - 1
     p = Plan(shape, lay, tr, stage, params_local=pc.total, tokens_local=T)
-    add = lambda g, n, b, note="": p.items.append(Item(g, n, float(b), note))  # noqa: E731
-
-    # static
-    add("static", "weights", 2 * pc.total, f"bf16, {pc.total / 1e9:.3f} B params on this rank")
-    lean = tr.optimizer == "lean_adam"
-    grad_fp32 = tr.grad_fp32 and not lean
-    add("static", "grads", (4 if grad_fp32 else 2) * pc.total,
-        "DDP main_grad buffer, " + ("fp32" if grad_fp32 else "bf16"))
-    dsh = lay.dense_shard if tr.distributed_optimizer and not lean else 1
-    esh = lay.expert_dp if tr.distributed_optimizer and not lean else 1
-    if lean:
-        add("static", "optimizer", (2 + sum(tr.moment_bytes)) * pc.total,
-            "lean_adam: int16 master remainder + m, v ({} + {} B), not sharded".format(*tr.moment_bytes))
-    else:
-        add("static", "optimizer", 12 * pc.dense / dsh + 12 * pc.expert / esh,
-            f"fp32 main params + Adam m, v; dense / {dsh}" + (f", experts / {esh}" if pc.expert else ""))
-    if tr.mode == "online":
-        tpc = param_counts(tr.teacher, lay, stage)
-        add("static", "teacher weights", 2 * tpc.total, f"bf16 {tr.teacher.name}, no grads")
-    if tr.mode == "offline" and last:
-        add("static", "cache reader", tr.cache_buffers * T * tr.topk * 12,
-            f"{tr.cache_buffers} x top-{tr.topk} batches (int64 ids + fp32 log-probs)")
-    static = p.group_bytes("static")
-
-    # activations
-    inflight = min(lay.pp - stage, tr.num_microbatches)
-    ts = T // lay.tp if lay.sp else T
-    per_layer, extra = [], []
-    for i in range(stage * pc.layers, (stage + 1) * pc.layers):
-        moe = shape.is_moe and i % shape.moe_layer_freq == 0
-        a = layer_activations(shape, lay, T, moe, micro_batch=tr.micro_batch, swiglu_fusion=tr.swiglu_fusion,
-                              fused_norm=tr.fused_norm)
-        if tr.recompute == "selective":
-            a = {k: v for k, v in a.items() if k != "attention out + lse"}
-        per_layer.append(sum(a.values()))
-        extra.append(sum(layer_backward_extra(shape, lay, T, moe).values()))
-    ckpt = 2 * ts * shape.hidden_size
-    if tr.recompute == "full":
-        n_rc = pc.layers if tr.recompute_layers is None else min(pc.layers, tr.recompute_layers)
-        kept = n_rc * ckpt + sum(per_layer[n_rc:])
-        add("activations", "layer checkpoints", inflight * n_rc * ckpt,
-            f"{inflight} x {n_rc} layers x [T/sp, H] bf16")
-        if n_rc < pc.layers:
-            add("activations", "unrecomputed layers", inflight * sum(per_layer[n_rc:]),
-                f"{inflight} x {pc.layers - n_rc} layers' saved tensors")
-        working = max(per_layer) + max(extra) if n_rc else max(extra)
-    else:
-        kept = sum(per_layer)
-        add("activations", "saved activations", inflight * kept,
-            f"{inflight} x {pc.layers} layers ({tr.recompute} recompute)")
-        working = max(extra)
-    if first:
-        add("activations", "embedding output", 0, "counted as layer 0's input")
-    fin = 2 * ts * shape.hidden_size + 4 * ts if last else 0
-    if last:
-        add("activations", "final norm", inflight * fin, "input + rstd")
-    acts = inflight * (kept + fin)
-
-    # loss and teacher
-    lb = loss_buffers(shape, lay, tr, T) if last else dict(fwd=0, held=0, bwd=0, tail=0)
-    teach = teacher_forward_peak(tr.teacher, lay, tr, T) if tr.mode == "online" else 0.0
-    online_targets = T * tr.topk * 12 if (tr.mode == "online" and tr.teacher_loss == "topk") else 0
-    if last:
-        add("loss", "loss (forward)", lb["fwd"], f"{tr.loss if tr.mode != 'ce' else 'ce'} impl, {T} tokens")
-        add("loss", "loss (held for backward)", lb["held"], "")
-        add("loss", "loss (backward)", lb["bwd"], "")
-    if tr.mode == "online":
-        add("transient", "teacher forward", teach, f"{tr.teacher.name}, no grad, {tr.teacher_loss} targets")
-
-    # transients
-    wgrad = 2 * pc.largest_layer_tensor
-    emb_grad = 2 * (pc.embedding if first else 0)
-    add("transient", "recompute working set" if tr.recompute == "full" else "backward gradients", working,
-        "one layer's activations + gradients in backward" if tr.recompute == "full" else "gradients in flight")
-    add("transient", "bf16 weight grad", wgrad, "largest layer weight's grad before it joins main_grad")
-    if first:
-        add("transient", "embedding grad", emb_grad, "bf16 [V/tp, H] at the end of backward")
-    opt = 0.0
-    if tr.adam_impl == "foreach" and not lean:
-        opt += 4 * max(pc.dense / dsh, pc.expert / esh)
-    if not grad_fp32 and not lean:
-        opt += 4 * (pc.dense / dsh + pc.expert / esh)
-    add("transient", "optimizer step", opt, "lean_adam (in place)" if lean else
-        f"{tr.adam_impl} AdamW" + ("" if grad_fp32 else " + fp32 grad copy"))
-
+    osh = _OptimizerSharding.of(lay, tr)
+    static = _add_static(p, pc, osh)
+    acts, working = _add_activations(p, pc)
+    lb, teach, online_targets = _add_loss_and_teacher(p)
+    wgrad, emb_grad, opt = _add_transients(p, pc, osh, working)
     p.phases = {
         "teacher forward": static + teach if tr.mode == "online" else 0.0,
         "forward end (loss)": static + acts + lb["fwd"] + online_targets,
@@ -382,6 +301,130 @@ def plan_stage(shape: ModelShape, lay: Layout, tr: Training, stage: int) -> Plan
     }
     p.phases = {k: v for k, v in p.phases.items() if v > 0}
     return p
+
+
+@dataclass(frozen=True)
+class _OptimizerSharding:
+    """How the optimizer holds its state: lean_adam, the fp32 main_grad, and the dense / expert shard counts of the
+    distributed optimizer (1: not sharded)."""
+    lean: bool
+    grad_fp32: bool
+    dsh: int
+    esh: int
+
+    @staticmethod
+    def of(lay: Layout, tr: Training) -> "_OptimizerSharding":
+        lean = tr.optimizer == "lean_adam"
+        sharded = tr.distributed_optimizer and not lean
+        return _OptimizerSharding(lean, tr.grad_fp32 and not lean, lay.dense_shard if sharded else 1,
+                                  lay.expert_dp if sharded else 1)
+
+
+def _add(p: Plan, group: str, name: str, b, note: str = "") -> None:
+    p.items.append(Item(group, name, float(b), note))
+
+
+def _add_static(p: Plan, pc, osh: _OptimizerSharding) -> float:
+    """Weights, grads, optimizer state, teacher weights and the cache reader; returns their sum."""
+    tr, T, last = p.training, p.tokens_local, p.stage == p.layout.pp - 1
+    _add(p, "static", "weights", 2 * pc.total, f"bf16, {pc.total / 1e9:.3f} B params on this rank")
+    _add(p, "static", "grads", (4 if osh.grad_fp32 else 2) * pc.total,
+         "DDP main_grad buffer, " + ("fp32" if osh.grad_fp32 else "bf16"))
+    if osh.lean:
+        _add(p, "static", "optimizer", (2 + sum(tr.moment_bytes)) * pc.total,
+             "lean_adam: int16 master remainder + m, v ({} + {} B), not sharded".format(*tr.moment_bytes))
+    else:
+        _add(p, "static", "optimizer", 12 * pc.dense / osh.dsh + 12 * pc.expert / osh.esh,
+             f"fp32 main params + Adam m, v; dense / {osh.dsh}" + (f", experts / {osh.esh}" if pc.expert else ""))
+    if tr.mode == "online":
+        tpc = param_counts(tr.teacher, p.layout, p.stage)
+        _add(p, "static", "teacher weights", 2 * tpc.total, f"bf16 {tr.teacher.name}, no grads")
+    if tr.mode == "offline" and last:
+        _add(p, "static", "cache reader", tr.cache_buffers * T * tr.topk * 12,
+             f"{tr.cache_buffers} x top-{tr.topk} batches (int64 ids + fp32 log-probs)")
+    return p.group_bytes("static")
+
+
+def _stage_layers(p: Plan, pc) -> tuple[list, list]:
+    """Per layer of this stage: the activations saved for backward, and backward's extra working memory."""
+    shape, lay, tr, T = p.shape, p.layout, p.training, p.tokens_local
+    per_layer, extra = [], []
+    for i in range(p.stage * pc.layers, (p.stage + 1) * pc.layers):
+        moe = shape.is_moe and i % shape.moe_layer_freq == 0
+        a = layer_activations(shape, lay, T, moe, micro_batch=tr.micro_batch, swiglu_fusion=tr.swiglu_fusion,
+                              fused_norm=tr.fused_norm)
+        if tr.recompute == "selective":
+            a = {k: v for k, v in a.items() if k != "attention out + lse"}
+        per_layer.append(sum(a.values()))
+        extra.append(sum(layer_backward_extra(shape, lay, T, moe).values()))
+    return per_layer, extra
+
+
+def _add_activations(p: Plan, pc) -> tuple[float, float]:
+    """What the in-flight microbatches keep for backward; returns (their bytes, backward's working set)."""
+    shape, lay, tr, T = p.shape, p.layout, p.training, p.tokens_local
+    first, last = p.stage == 0, p.stage == lay.pp - 1
+    inflight = min(lay.pp - p.stage, tr.num_microbatches)
+    ts = T // lay.tp if lay.sp else T
+    per_layer, extra = _stage_layers(p, pc)
+    ckpt = 2 * ts * shape.hidden_size
+    if tr.recompute == "full":
+        n_rc = pc.layers if tr.recompute_layers is None else min(pc.layers, tr.recompute_layers)
+        kept = n_rc * ckpt + sum(per_layer[n_rc:])
+        _add(p, "activations", "layer checkpoints", inflight * n_rc * ckpt,
+             f"{inflight} x {n_rc} layers x [T/sp, H] bf16")
+        if n_rc < pc.layers:
+            _add(p, "activations", "unrecomputed layers", inflight * sum(per_layer[n_rc:]),
+                 f"{inflight} x {pc.layers - n_rc} layers' saved tensors")
+        working = max(per_layer) + max(extra) if n_rc else max(extra)
+    else:
+        kept = sum(per_layer)
+        _add(p, "activations", "saved activations", inflight * kept,
+             f"{inflight} x {pc.layers} layers ({tr.recompute} recompute)")
+        working = max(extra)
+    if first:
+        _add(p, "activations", "embedding output", 0, "counted as layer 0's input")
+    fin = 2 * ts * shape.hidden_size + 4 * ts if last else 0
+    if last:
+        _add(p, "activations", "final norm", inflight * fin, "input + rstd")
+    return inflight * (kept + fin), working
+
+
+def _add_loss_and_teacher(p: Plan) -> tuple[dict, float, int]:
+    """The loss's buffers (last stage) and the online teacher's forward; returns (loss buffers, teacher forward
+    peak, the online top-K targets' bytes)."""
+    shape, lay, tr, T, last = p.shape, p.layout, p.training, p.tokens_local, p.stage == p.layout.pp - 1
+    lb = loss_buffers(shape, lay, tr, T) if last else dict(fwd=0, held=0, bwd=0, tail=0)
+    teach = teacher_forward_peak(tr.teacher, lay, tr, T) if tr.mode == "online" else 0.0
+    online_targets = T * tr.topk * 12 if (tr.mode == "online" and tr.teacher_loss == "topk") else 0
+    if last:
+        _add(p, "loss", "loss (forward)", lb["fwd"], f"{tr.loss if tr.mode != 'ce' else 'ce'} impl, {T} tokens")
+        _add(p, "loss", "loss (held for backward)", lb["held"], "")
+        _add(p, "loss", "loss (backward)", lb["bwd"], "")
+    if tr.mode == "online":
+        _add(p, "transient", "teacher forward", teach, f"{tr.teacher.name}, no grad, {tr.teacher_loss} targets")
+    return lb, teach, online_targets
+
+
+def _add_transients(p: Plan, pc, osh: _OptimizerSharding, working: float) -> tuple[float, float, float]:
+    """Backward's working set, the bf16 weight and embedding grads, the optimizer step; returns (weight grad,
+    embedding grad, optimizer step) bytes."""
+    tr, first = p.training, p.stage == 0
+    wgrad = 2 * pc.largest_layer_tensor
+    emb_grad = 2 * (pc.embedding if first else 0)
+    _add(p, "transient", "recompute working set" if tr.recompute == "full" else "backward gradients", working,
+         "one layer's activations + gradients in backward" if tr.recompute == "full" else "gradients in flight")
+    _add(p, "transient", "bf16 weight grad", wgrad, "largest layer weight's grad before it joins main_grad")
+    if first:
+        _add(p, "transient", "embedding grad", emb_grad, "bf16 [V/tp, H] at the end of backward")
+    opt = 0.0
+    if tr.adam_impl == "foreach" and not osh.lean:
+        opt += 4 * max(pc.dense / osh.dsh, pc.expert / osh.esh)
+    if not osh.grad_fp32 and not osh.lean:
+        opt += 4 * (pc.dense / osh.dsh + pc.expert / osh.esh)
+    _add(p, "transient", "optimizer step", opt, "lean_adam (in place)" if osh.lean else
+         f"{tr.adam_impl} AdamW" + ("" if osh.grad_fp32 else " + fp32 grad copy"))
+    return wgrad, emb_grad, opt
 
 
 def plan_memory(shape: ModelShape, layout: Layout = Layout(), training: Training = Training(),

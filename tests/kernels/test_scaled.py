@@ -26,6 +26,14 @@ def torch_rows(zg, stat, bad, sl, t, opts, shard, g):
     return st, scale, vals
 
 
+def kernel_rows(zg, stat, bad, sl, t, opts, g, vals_dtype):
+    """kernels.scaled_rows with the chunk's slots, targets and options unpacked, as loss/fused.py calls it."""
+    return scaled_rows(zg, stat[:, 0], stat[:, 1], bad, sl.col, sl.own, t.logp, t.valid, t.labels, g, vals_dtype,
+                       temperature=opts.temperature, kl_weight=opts.kl_weight, ce_weight=opts.ce_weight,
+                       jsd_beta=opts.jsd_beta, need_kl=opts.needs_kl, need_ce=opts.needs_ce,
+                       divergence=opts.divergence, tail=opts.tail, monitor=opts.monitor)
+
+
 def case(seed, dtype, n=45, V=40, K=7, **kw):
     inp = make_inputs(n_shape=(n,), V=V, H=8, K=K, dtype=dtype, seed=seed)
     g = torch.Generator().manual_seed(seed + 100)
@@ -62,7 +70,7 @@ def test_scaled_rows_matches_torch(dtype, kw, with_bad):
     zg, stat, bad, sl, t, opts, shard, g = case(3, dtype, **kw)
     bad = bad if with_bad else None
     st, scale, vals = torch_rows(zg, stat, bad, sl, t, opts, shard, g)
-    lse, uk, zy, scale2, vals2, rest2 = scaled_rows(zg, stat[:, 0], stat[:, 1], bad, sl, t, opts, g, dtype)
+    lse, uk, zy, scale2, vals2, rest2 = kernel_rows(zg, stat, bad, sl, t, opts, g, dtype)
     tol = 1e-12 if dtype == torch.float64 else 2e-6
     assert (rest2 is None) == (not opts.monitor)
     # reverse KL / JSD: A = -sum(H) over mixed-sign terms, so vals = dz / scale amplifies rounding where A is
@@ -106,7 +114,7 @@ def test_run_kernel_rows_equal_torch_rows(monkeypatch, logits, kw):
 def test_scaled_rows_refuses_what_it_does_not_cover():
     zg, stat, bad, sl, t, opts, shard, g = case(1, torch.float32, ce_weight=0.5, temperature=2.0)
     with pytest.raises(ValueError, match="CE only at T = 1"):
-        scaled_rows(zg, stat[:, 0], stat[:, 1], None, sl, t, opts, g, torch.float32)
+        kernel_rows(zg, stat, None, sl, t, opts, g, torch.float32)
 
 
 def test_many_slots_fall_back_to_torch_rows(monkeypatch):

@@ -3,8 +3,7 @@ vocabulary 201088) cut to a few layers, trained at 32K on one GPU through `megat
 against `megatron-kd plan`; then the 8xH200 layout re-planned with the real attention.
 
 Steps (each a subprocess of the real CLI, recipe gpt_oss_20b_32k_8xh200 + overrides, mock data):
-  1. `megatron-kd plan` of this 1-GPU run (+ the sink attention's extra saved bytes, attention_activation_bytes,
-     until the planner counts them itself);
+  1. `megatron-kd plan` of this 1-GPU run (the planner counts the sink attention's saved bytes);
   2. `megatron-kd train` with kd.build_cache=true: a random 2-layer GPT-OSS teacher writes the top-100 cache first,
      then the student trains `--iters` steps (SDPAttention: FlexAttention for sinks/windows, no TE);
   3. `megatron-kd plan` of the 8xH200 recipe (TP=1, EP=8, CP=1: our attention refuses CP) and a projection of the
@@ -83,14 +82,6 @@ def plan(overrides, gpus):
     return json.loads(out.stdout[out.stdout.index("{"):])
 
 
-def sink_extra_gib(layers_saved, seq, heads=64, kv=8, d=64):
-    """What the planner does not count yet: the sink attention's extra saved bytes per non-recomputed layer."""
-    from megatron_kd.models.sink_attention import attention_activation_bytes
-    plain = sum(attention_activation_bytes(seq, heads, kv, d, sink=False, window=None).values())
-    sink = sum(attention_activation_bytes(seq, heads, kv, d, sink=True, window=127).values())
-    return layers_saved * (sink - plain) / 2**30
-
-
 def model_flops_per_token(layers, seq, h=2880, nq=64, nkv=8, d=64, ffn=2880, experts=32, topk=4, vocab=201088,
                           window=128, recompute_layers=0):
     """Training FLOPs per token of GPT-OSS (matmuls only): top-k experts, causal attention on full layers, the
@@ -124,11 +115,7 @@ def main():
 
     p1 = plan(ovr, 1)
     res["plan_1gpu"] = {k: p1.get(k) for k in ("peak_gib", "peak_phase", "phases_gib", "params_local", "error")}
-    extra = 0.0 if a.smoke else sink_extra_gib(a.layers, a.seq)
-    if p1.get("peak_gib"):
-        res["plan_1gpu"]["sink_attention_extra_gib"] = extra
-        res["plan_1gpu"]["peak_with_sinks_gib"] = p1["peak_gib"] + extra
-    print("plan (1 GPU):", res["plan_1gpu"].get("peak_gib"), "GiB + sinks", round(extra, 2), flush=True)
+    print("plan (1 GPU):", res["plan_1gpu"].get("peak_gib"), "GiB (sink attention included)", flush=True)
 
     log = os.path.join(work, "train.log")
     out, wall = cli(["train", "--config-name", RECIPE, *ovr], log, smoke=a.smoke)
@@ -141,7 +128,7 @@ def main():
         if s.get("step_s"):
             f = model_flops_per_token(a.layers, a.seq) * a.seq
             res["train"]["model_tflops_per_gpu"] = f / s["step_s"] / 1e12
-        want = res["plan_1gpu"].get("peak_with_sinks_gib")
+        want = res["plan_1gpu"].get("peak_gib")
         if want and s.get("peak_mem_gib"):
             ratio = s["peak_mem_gib"] / want
             res["train"]["peak_vs_plan"] = dict(measured_gib=s["peak_mem_gib"], planned_gib=want, ratio=ratio,
@@ -153,8 +140,6 @@ def main():
         p8 = plan(node, 8)
         layers, rec = 24, 16
         node_res = {k: p8.get(k) for k in ("peak_gib", "peak_phase", "params_local", "layout", "error")}
-        if p8.get("peak_gib"):
-            node_res["peak_with_sinks_gib"] = p8["peak_gib"] + sink_extra_gib(layers - rec, 32768)
         mt = res["train"].get("model_tflops_per_gpu")
         if mt:  # 64 x 32K tokens over 8 GPUs, 16 of 24 layers recomputed; comms (EP all-to-all) not included
             flops = model_flops_per_token(layers, 32768, recompute_layers=rec) * 64 * 32768 / 8

@@ -7,6 +7,8 @@ every file), TFLOP/s and peak ratios.
 H200 (megatron-core + hydra carried as wheels in .whl, PYTHONPATH=/tmp/site):
   python benchmarks/tree_compare.py --old .old-2f66414 --out benchmarks/results/redesign_train_h200.json
 CPU smoke (tiny_cpu): python benchmarks/tree_compare.py --old .old-2f66414 --smoke --out /tmp/tc.json
+  --nproc 2 parallel.tp=2: the same under torchrun on two gloo ranks (a TP=2 cache build and training);
+  --demo: `megatron-kd demo --small` under each tree instead, comparing its cache's bytes.
 """
 import argparse
 import hashlib
@@ -44,8 +46,14 @@ def sha_tree(path: str) -> dict:
 
 def run_tree(tree: str, name: str, args, work: str) -> dict:
     save, cache = os.path.join(work, f"run_{name}"), os.path.join(work, f"cache_{name}")
-    cmd = [sys.executable, "-m", "megatron_kd", "train", *(SMOKE if args.smoke else GPU),
-           f"train.save={save}", f"hydra.run.dir={save}", f"kd.cache={cache}", *args.overrides]
+    launch = [sys.executable] + (["-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
+                                  "--master-port", str(29500 + os.getpid() % 1000)] if args.nproc > 1 else [])
+    if args.demo:
+        cmd = [*launch, "-m", "megatron_kd", "demo", "--small", "--no-progress", "--out", save]
+        cache = os.path.join(save, "cache")
+    else:
+        cmd = [*launch, "-m", "megatron_kd", "train", *(SMOKE if args.smoke else GPU), f"train.save={save}",
+               f"hydra.run.dir={save}", f"kd.cache={cache}", *args.overrides]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(tree), os.environ.get("PYTHONPATH", "")]))
     t0 = time.time()
     with open(os.path.join(work, f"{name}.log"), "w") as log:
@@ -54,6 +62,10 @@ def run_tree(tree: str, name: str, args, work: str) -> dict:
     rec = {"tree": tree, "rc": rc, "wall_s": wall, "cmd": " ".join(cmd[1:])}
     if rc != 0:
         rec["log_tail"] = open(os.path.join(work, f"{name}.log")).read()[-3000:]
+        return rec
+    if args.demo:
+        rows = json.load(open(os.path.join(save, "results.json")))["rows"]
+        rec.update(cache_sha=sha_tree(cache), results={k: {m: r.get(m) for m in ("ce", "kl")} for k, r in rows.items()})
         return rec
     train = {}
     for line in open(os.path.join(save, "metrics.jsonl")):
@@ -79,6 +91,8 @@ def main():
     p.add_argument("--old", required=True, help="a directory holding an earlier tree (megatron_kd/ and recipes/)")
     p.add_argument("--new", default=ROOT)
     p.add_argument("--smoke", action="store_true", help="tiny_cpu on CPU: checks the script, times mean nothing")
+    p.add_argument("--nproc", type=int, default=1, help="ranks under torchrun (e.g. 2 with parallel.tp=2)")
+    p.add_argument("--demo", action="store_true", help="compare `megatron-kd demo --small` caches (CPU)")
     p.add_argument("--work", default=None, help="scratch directory (default: a fresh one under /tmp)")
     p.add_argument("--out", required=True)
     p.add_argument("overrides", nargs="*")
@@ -91,7 +105,10 @@ def main():
     new = run_tree(args.new, "new", args, work)
     res = {"benchmark": "megatron-kd train, old tree vs new tree, same call", "env": environment(), "old": old,
            "new": new}
-    if old["rc"] == 0 and new["rc"] == 0:
+    if old["rc"] == 0 and new["rc"] == 0 and args.demo:
+        res["checks"] = {"cache_byte_identical": old["cache_sha"] == new["cache_sha"],
+                         "cache_files": len(new["cache_sha"]), "results_equal": old["results"] == new["results"]}
+    elif old["rc"] == 0 and new["rc"] == 0:
         res["checks"] = {
             "losses_equal": old["losses"] == new["losses"],
             "max_loss_rel_diff": max(abs(old["losses"][i] - new["losses"][i]) / max(1e-30, abs(old["losses"][i]))

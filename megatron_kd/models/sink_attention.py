@@ -1,5 +1,5 @@
 """GPT-OSS attention as pure torch ops (no Megatron): causal GQA attention with learned per-head sinks and a left
-sliding window, and the bytes it keeps for backward (for the planner).
+sliding window (what it keeps for backward: plan/attention_bytes.py).
 
 The sink is a softmax column with no value: softmax over [scores, sink] = (attention without the sink) *
 Z / (Z + e^sink) = out * sigmoid(lse - sink), lse the row's log-sum-exp. On CUDA the attention and its lse come
@@ -123,24 +123,3 @@ def sink_attention(q, k, v, sink=None, window=None, scale=None, impl: str = "aut
         return out
     keep = torch.sigmoid(lse - sink.float().view(1, -1, 1))    # Z / (Z + e^sink), fp32
     return out * keep.unsqueeze(-1).to(out.dtype)
-
-
-# --------------------------------------------------------------------------------------------- memory (planner)
-
-def attention_activation_bytes(tokens: int, heads: int, kv_heads: int, head_dim: int, *, sink: bool,
-                               window, micro_batch: int = 1, elem: int = 2) -> dict:
-    """Bytes this core attention keeps for backward in one layer, per rank (heads, kv_heads: this rank's).
-
-    Counts what the attention itself adds beyond its inputs (q and k after RoPE, v: the layer's qkv tensors,
-    which the planner already counts) and the context it returns, reshaped for linear_proj. tokens = tokens of
-    the micro-batch on this rank. SDPA (no sink, no window): output + fp32 log-sum-exp. Sink/window
-    (FlexAttention): the same, plus with a sink the fp32 sigmoid, its copy in the activation dtype and the
-    scaled output (the product linear_proj receives). The window changes time, not saved bytes: FlexAttention
-    keeps no [s, s] tensor. `window` is accepted for the caller's clarity (and future kernels)."""
-    del window, kv_heads
-    b, T, n, d = elem, tokens, heads, head_dim
-    out = {"attention out + lse": b * T * n * d + 4 * T * n}
-    if sink:
-        out["sink scale (fp32 sigmoid + copy)"] = 4 * T * n + b * T * n
-        out["sink-scaled output"] = b * T * n * d
-    return out

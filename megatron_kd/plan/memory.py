@@ -22,6 +22,7 @@ activation terms name the tensors they count (tests/plan/test_plan.py checks the
 from dataclasses import dataclass, field
 
 from ..parallel.vocab import LOGITS_PER_CHUNK
+from .attention_bytes import attention_activation_bytes
 from .shapes import Layout, ModelShape, padded_vocab, param_counts
 
 GIB = float(1 << 30)
@@ -161,7 +162,7 @@ def layer_activations(shape: ModelShape, lay: Layout, T: int, moe: bool, b: int 
         "qkv output (v is a view of it)": b * T * (nq + 2 * nkv) * d,
         "q, k after RoPE": b * T * (nq + nkv) * d,
         "RoPE cos/sin": 4 * b * s * d,
-        "attention out + lse": b * T * nq * d + 4 * T * nq,
+        **attention_activation_bytes(T, nq, nkv, d, sink=shape.attention_sinks, window=None, elem=b),
     }
     if micro_batch > 1:
         a["proj input"] = b * T * nq * d
@@ -354,7 +355,8 @@ def _stage_layers(p: Plan, pc) -> tuple[list, list]:
         a = layer_activations(shape, lay, T, moe, micro_batch=tr.micro_batch, swiglu_fusion=tr.swiglu_fusion,
                               fused_norm=tr.fused_norm)
         if tr.recompute == "selective":
-            a = {k: v for k, v in a.items() if k != "attention out + lse"}
+            core = attention_activation_bytes(T, 1, 1, 1, sink=shape.attention_sinks, window=None)
+            a = {k: v for k, v in a.items() if k not in core}  # the core attention is recomputed
         per_layer.append(sum(a.values()))
         extra.append(sum(layer_backward_extra(shape, lay, T, moe).values()))
     return per_layer, extra

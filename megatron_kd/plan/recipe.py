@@ -115,7 +115,8 @@ def shape_from_config(m, vocab: int, seq_length: int) -> ModelShape:
         moe_ffn_hidden_size=int(m.moe_ffn_hidden_size or ffn) if experts else 0,
         moe_shared_expert_intermediate_size=int(mg.get("moe_shared_expert_intermediate_size") or 0) if experts else 0,
         moe_layer_freq=freq if experts else 1,
-        learned_pos_emb=seq_length if m.position_embedding_type == "learned_absolute" else 0)
+        learned_pos_emb=seq_length if m.position_embedding_type == "learned_absolute" else 0,
+        attention_sinks=m.softmax_type == "learnable")
 
 
 def model_config(shape: ModelShape, layout: Layout = Layout(), recompute: str = "none",
@@ -141,7 +142,8 @@ def model_config(shape: ModelShape, layout: Layout = Layout(), recompute: str = 
         position_embedding_type="learned_absolute" if s.learned_pos_emb else "rope",
         make_vocab_size_divisible_by=layout.vocab_divisible_by,
         num_moe_experts=s.num_moe_experts or None, moe_router_topk=s.moe_router_topk if s.is_moe else 2,
-        moe_ffn_hidden_size=s.moe_ffn_hidden_size if s.is_moe else None, megatron=mg, **rc[recompute], **fields)
+        moe_ffn_hidden_size=s.moe_ffn_hidden_size if s.is_moe else None, megatron=mg,
+        **({'softmax_type': 'learnable'} if s.attention_sinks else {}), **rc[recompute], **fields)
 
 
 def parallel_config(layout: Layout):

@@ -32,6 +32,7 @@ class ModelShape:
     moe_shared_expert_intermediate_size: int = 0  # shared expert width (0: none)
     moe_layer_freq: int = 1      # every k-th layer is MoE (1: all), like Megatron's moe_layer_freq=int
     learned_pos_emb: int = 0     # max positions of learned absolute position embeddings (0: RoPE)
+    attention_sinks: bool = False  # GPT-OSS's learned per-head sinks: its attention keeps more for backward
 
     @property
     def is_moe(self) -> bool:
@@ -60,11 +61,13 @@ PRESETS = {
     "llama-3.2-3b": ModelShape("llama-3.2-3b", 28, 3072, 24, 8, 128, 8192, 128256, tie_embeddings=True),
     "llama-3.1-8b": ModelShape("llama-3.1-8b", 32, 4096, 32, 8, 128, 14336, 128256),
     "llama-3.1-70b": ModelShape("llama-3.1-70b", 80, 8192, 64, 8, 128, 28672, 128256),
-    # GPT-OSS: attention/router/expert biases; sinks and sliding windows are not modelled (64 params a layer)
+    # GPT-OSS: attention/router/expert biases, sink attention (its 64 sink parameters a layer are not counted)
     "gpt-oss-20b": ModelShape("gpt-oss-20b", 24, 2880, 64, 8, 64, 2880, 201088, add_bias_linear=True, activation="quick_geglu",
-                              add_qkv_bias=True, num_moe_experts=32, moe_router_topk=4, moe_ffn_hidden_size=2880),
+                              add_qkv_bias=True, num_moe_experts=32, moe_router_topk=4, moe_ffn_hidden_size=2880,
+                              attention_sinks=True),
     "gpt-oss-120b": ModelShape("gpt-oss-120b", 36, 2880, 64, 8, 64, 2880, 201088, add_bias_linear=True, activation="quick_geglu",
-                               add_qkv_bias=True, num_moe_experts=128, moe_router_topk=4, moe_ffn_hidden_size=2880),
+                               add_qkv_bias=True, num_moe_experts=128, moe_router_topk=4, moe_ffn_hidden_size=2880,
+                               attention_sinks=True),
     "qwen3-30b-a3b": ModelShape("qwen3-30b-a3b", 48, 2048, 32, 4, 128, 6144, 151936, qk_layernorm=True,
                                 num_moe_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768),
 }

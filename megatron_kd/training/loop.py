@@ -20,7 +20,7 @@ from ..data.datasets import build_datasets, check_cache, load_tokenizer, loader,
 from ..export.to_hf import export_at_end
 from ..models.builder import build_model_chunks, wrap_float16
 from ..optim.setup import build_optimizer, build_scheduler, set_model_hooks, wrap_ddp
-from ..recipe.checks import check_recipe, check_run
+from ..recipe.checks import check_recipe, check_run, check_save_dir
 from ..recipe.hf import resolve_hf
 from ..recipe.schema import KDConfig, Recipe, RecipeError
 from ..runtime.dist import barrier, distributed, is_rank0, set_seed, use_cuda
@@ -58,7 +58,7 @@ def run(r: Recipe, save: str) -> dict:
         raise RecipeError(f"train.save={save} already holds checkpoints of a run (iteration {latest_save}) and "
                           f"train.load={load} points elsewhere: resuming into it would mix two runs. Use another "
                           "train.save, or resume that run (train.load = train.save).")
-    guards.check_save_dir(save)
+    check_save_dir(save)
     guards.check_resume_early(r, load)
     with guards.save_lock(save, is_rank0()), distributed(r.parallel, r.train.seed, r.train.device) as cuda:
         try:

@@ -197,7 +197,7 @@ def test_recipe_checks():
 
 
 def test_activation_bytes():
-    from megatron_kd.models.sink_attention import attention_activation_bytes
+    from megatron_kd.plan.attention_bytes import attention_activation_bytes
     plain = attention_activation_bytes(32768, 64, 8, 64, sink=False, window=None)
     sink = attention_activation_bytes(32768, 64, 8, 64, sink=True, window=127)
     assert sum(plain.values()) == 2 * 32768 * 64 * 64 + 4 * 32768 * 64
@@ -209,7 +209,8 @@ def test_activation_bytes():
 def test_gpu_flex_matches_reference_and_saved_bytes():
     """On GPU: compiled FlexAttention path vs the float64 reference (bf16 tolerance), and the bytes autograd saves
     beyond q/k/v equal attention_activation_bytes."""
-    from megatron_kd.models.sink_attention import attention_activation_bytes, sink_attention
+    from megatron_kd.models.sink_attention import sink_attention
+    from megatron_kd.plan.attention_bytes import attention_activation_bytes
     s, h, hk, d = 1024, 8, 2, 64
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)

@@ -323,3 +323,18 @@ def test_e2e_bench_smoke_runs_train_and_records_the_plan(tmp_path):
     run = json.loads(out.read_text())["runs"]["1gpu_offline"]
     assert run["rc"] == 0 and run["summary"]["iteration"] == run["summary"]["iters"] == 12
     assert run["plan"]["predicted_peak_gib"] > 0 and run["plan"]["predicted_over_measured"] is None  # CPU: RSS
+
+
+def test_the_plan_counts_the_sink_attention():
+    """GPT-OSS's sink attention keeps its scaled output and fp32 sigmoid beyond SDPA's (plan/attention_bytes.py,
+    checked against autograd on the GPU in tests/models/test_gpt_oss_attention.py); recipes with
+    softmax_type=learnable plan them."""
+    from dataclasses import replace
+    from megatron_kd.plan.attention_bytes import attention_activation_bytes
+    s = preset("gpt-oss-20b")
+    T = 4096
+    with_sink = sum(layer_activations(s, Layout(), T, True).values())
+    plain = sum(layer_activations(replace(s, attention_sinks=False), Layout(), T, True).values())
+    extra = {k: v for k, v in attention_activation_bytes(T, 64, 8, 64, sink=True, window=None).items()
+             if k != "attention out + lse"}
+    assert with_sink - plain == sum(extra.values()) > 0

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..parallel.vocab import rows_per_chunk
+from ..parallel.limits import rows_per_chunk
 from .options import LossOptions
 
 MIB = 1 << 20

@@ -1,10 +1,14 @@
-"""Tensor- and sequence-parallel pieces: vocab shards and the few collectives the loss needs."""
-from .comm import all_reduce_max, all_reduce_sum, group_size, group_rank
-from .sequence import gather_sequence
-from .topk import topk_from_hidden, vocab_parallel_topk
-from .vocab import VocabShard
+"""Tensor- and sequence-parallel pieces: vocab shards, the few collectives the loss needs, the vocab-parallel
+top-K, and the limits they share (limits.py, importable without torch)."""
+_NAMES = {"VocabShard": "vocab", "all_reduce_max": "comm", "all_reduce_sum": "comm", "group_size": "comm",
+          "group_rank": "comm", "gather_sequence": "sequence", "vocab_parallel_topk": "topk",
+          "topk_from_hidden": "topk"}
+__all__ = list(_NAMES)
 
-__all__ = [
-    "VocabShard", "all_reduce_max", "all_reduce_sum", "group_size", "group_rank",
-    "gather_sequence", "vocab_parallel_topk", "topk_from_hidden",
-]
+
+def __getattr__(name):
+    # the submodules load torch; `megatron_kd.parallel.limits` alone must not
+    if name in _NAMES:
+        import importlib
+        return getattr(importlib.import_module(f"{__name__}.{_NAMES[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

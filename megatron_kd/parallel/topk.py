@@ -7,25 +7,12 @@ Ties are broken by the smaller global id, through one int64 key per logit (value
 so the result does not depend on the TP layout or on torch.topk's tie order: a cache built at TP=1
 and at TP=2 names the same ids whenever the two layouts produce the same logits.
 """
-import math
-
 import torch
 import torch.distributed as dist
 
 from .comm import all_reduce_max, all_reduce_sum, group_size
-from .vocab import VocabShard, rows_per_chunk
-
-# Softmax temperatures that are usable: beyond the range logits / T overflow or the distribution is a one-hot /
-# uniform. The one rule for the loss's temperature and cache_temperature, the teacher's top-K and cache manifests.
-TEMPERATURE_RANGE = (1e-3, 1e3)
-
-
-def temperature_problem(t) -> str | None:
-    """None when t is a usable softmax temperature, else what is wrong with it (a clause for a message)."""
-    lo, hi = TEMPERATURE_RANGE
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and lo <= t <= hi):
-        return f"must be a finite number in [{lo:g}, {hi:g}]"
-    return None
+from .limits import rows_per_chunk, temperature_problem
+from .vocab import VocabShard
 
 _LOW = 1 << 32
 _EMPTY = torch.iinfo(torch.int64).min  # key of a padding candidate (a shard with fewer than K valid ids)

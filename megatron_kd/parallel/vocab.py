@@ -6,17 +6,6 @@ import torch.distributed as dist
 
 from .comm import all_reduce_max, group_rank, group_size
 
-# Logits of one chunk over a vocabulary shard: 2**26 elements (256 MiB in fp32). Big enough for efficient GEMMs,
-# small enough that a chunked pass (the torch loss impls, the teacher's top-K) stays a few hundred MiB above its
-# inputs. The planner counts the same chunk.
-LOGITS_PER_CHUNK = 1 << 26
-
-
-def rows_per_chunk(vocab_local: int) -> int:
-    """Rows of a [rows, vocab_local] logit chunk that hold about LOGITS_PER_CHUNK elements (at least one)."""
-    return max(1, LOGITS_PER_CHUNK // max(1, vocab_local))
-
-
 @dataclass(frozen=True)
 class VocabShard:
     start: int          # global id of this shard's first row

@@ -21,7 +21,7 @@ activation terms name the tensors they count (tests/plan/test_plan.py checks the
 """
 from dataclasses import dataclass, field
 
-from ..parallel.vocab import LOGITS_PER_CHUNK
+from ..parallel.limits import LOGITS_PER_CHUNK
 from .attention_bytes import attention_activation_bytes
 from .shapes import Layout, ModelShape, padded_vocab, param_counts
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..parallel.comm import group_rank, group_size
 from ..parallel.topk import topk_from_hidden, vocab_parallel_topk
-from ..parallel.vocab import rows_per_chunk
+from ..parallel.limits import rows_per_chunk
 from ..cache.dataset import split_sample
 from ..cache.errors import CacheError
 from ..cache.format import is_finished, make_settings

@@ -1,4 +1,4 @@
-"""Each shared rule has one definition, here in parallel/: changing it changes every place that applies it.
+"""Each shared rule has one definition, here in parallel/limits.py: changing it changes every place that applies it.
 The softmax temperature range (loss options, recipe kd section, the teacher's top-K, cache manifests) and the
 logits per chunk (torch loss impls, the teacher's top-K, cache builds, the planner)."""
 import pytest
@@ -8,9 +8,9 @@ from megatron_kd.cache.checks import manifest_problems
 from megatron_kd.cache.format import SETTINGS_KEYS
 from megatron_kd.loss.chunks import default_chunk_size
 from megatron_kd.loss.options import LossOptions
-from megatron_kd.parallel import topk as topk_rules
+from megatron_kd.parallel import limits as rules, topk as topk_ops
 from megatron_kd.plan import memory
-from megatron_kd.parallel import vocab as vocab_rules
+
 from megatron_kd.parallel.topk import topk_from_hidden, vocab_parallel_topk
 from megatron_kd.recipe.compose import compose
 from megatron_kd.recipe.checks import check_recipe
@@ -19,7 +19,7 @@ from megatron_kd.recipe.schema import RecipeError, to_recipe
 
 def test_the_temperature_range_is_defined_once(monkeypatch):
     LossOptions(temperature=3.0)
-    monkeypatch.setattr(topk_rules, "TEMPERATURE_RANGE", (0.5, 2.0))
+    monkeypatch.setattr(rules, "TEMPERATURE_RANGE", (0.5, 2.0))
     with pytest.raises(ValueError, match=r"temperature=3.0 must be a finite number in \[0.5, 2\]"):
         LossOptions(temperature=3.0)
     with pytest.raises(ValueError, match=r"cache_temperature=3.0 must be"):
@@ -38,17 +38,17 @@ def test_the_temperature_range_is_defined_once(monkeypatch):
 def test_the_logits_per_chunk_are_defined_once(monkeypatch):
     v = 1000
     before = default_chunk_size(v)
-    monkeypatch.setattr(vocab_rules, "LOGITS_PER_CHUNK", 64 * v)
+    monkeypatch.setattr(rules, "LOGITS_PER_CHUNK", 64 * v)
     assert default_chunk_size(v) == 64 < before
     calls = []
-    real = topk_rules.vocab_parallel_topk
+    real = topk_ops.vocab_parallel_topk
 
     def spy(logits, *a, **k):
         calls.append(logits.shape[0])
         return real(logits, *a, **k)
 
-    monkeypatch.setattr(topk_rules, "vocab_parallel_topk", spy)
+    monkeypatch.setattr(topk_ops, "vocab_parallel_topk", spy)
     topk_from_hidden(torch.randn(150, 4), torch.randn(v, 4), 3)
     assert calls == [64, 64, 22]
     monkeypatch.undo()
-    assert memory.LOGITS_PER_CHUNK is vocab_rules.LOGITS_PER_CHUNK  # the planner counts the same chunk (imported)
+    assert memory.LOGITS_PER_CHUNK is rules.LOGITS_PER_CHUNK  # the planner counts the same chunk (imported)

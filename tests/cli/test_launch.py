@@ -292,11 +292,12 @@ LARGE_RECIPES = {  # name: (nodes, GPUs per node, overrides for the paths a user
 @pytest.mark.parametrize("name", sorted(LARGE_RECIPES))
 def test_large_recipe_checks_at_its_world_size(name):
     config = pytest.importorskip("megatron_kd.recipe.schema")
+    checks = pytest.importorskip("megatron_kd.recipe.checks")
     recipes = pytest.importorskip("megatron_kd.recipe.compose")
     nodes, gpus, overrides = LARGE_RECIPES[name]
     cfg = recipes.compose(name, overrides, save="/tmp/unused")
     r = config.to_recipe(cfg)
-    config.check_recipe(r, world_size=nodes * gpus, cuda=True)
+    checks.check_recipe(r, world_size=nodes * gpus, cuda=True)
     assert r.data.seq_length == 32768 and r.train.precision == "bf16"
     assert r.kd.top_k == 100 and r.kd.mode == ("online" if "online" in name else "offline")
 

@@ -46,6 +46,8 @@ def sha_tree(path: str) -> dict:
 
 def run_tree(tree: str, name: str, args, work: str) -> dict:
     save, cache = os.path.join(work, f"run_{name}"), os.path.join(work, f"cache_{name}")
+    if args.demo:  # one path for both: a dataset's identity includes its absolute path
+        save = os.path.join(work, "run")
     launch = [sys.executable] + (["-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
                                   "--master-port", str(29500 + os.getpid() % 1000)] if args.nproc > 1 else [])
     if args.demo:
@@ -65,6 +67,8 @@ def run_tree(tree: str, name: str, args, work: str) -> dict:
         return rec
     if args.demo:
         rows = json.load(open(os.path.join(save, "results.json")))["rows"]
+        os.rename(save, os.path.join(work, f"run_{name}"))
+        save, cache = os.path.join(work, f"run_{name}"), os.path.join(work, f"run_{name}", "cache")
         rec.update(cache_sha=sha_tree(cache), results={k: {m: r.get(m) for m in ("ce", "kl")} for k, r in rows.items()})
         return rec
     train = {}

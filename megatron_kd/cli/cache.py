@@ -43,7 +43,11 @@ def _dataset(args):
     if args.tokens:
         import numpy as np
         from ..cache.hashing import file_sha256
-        data = np.load(args.tokens, mmap_mode="r")
+        try:
+            data = np.load(args.tokens, mmap_mode="r")
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"error: --tokens {args.tokens}: {getattr(e, 'strerror', None) or e}; give a .npy "
+                             "file of an int array [num_samples, seq_length + 1]") from None
         if data.ndim != 2 or data.shape[1] < 2:
             raise SystemExit(f"error: {args.tokens} must hold an int array [num_samples, seq_length + 1], "
                              f"got shape {data.shape}")

@@ -354,7 +354,7 @@ def test_nonfinite_step_policy(tmp_path):
 @pytest.mark.slow
 def test_sigterm_during_a_save_ends_the_run_after_the_save(tmp_path, monkeypatch):
     from megatron.core import dist_checkpointing
-    from megatron_kd.cli.interrupt import run_interruptible
+    from megatron_kd.runtime.interrupt import run_interruptible
     real = dist_checkpointing.save
 
     def save_with_signal(*a, **k):

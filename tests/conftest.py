@@ -50,3 +50,20 @@ def pytest_runtest_makereport(item, call):
         if "bridge" in reason.lower():
             rep.outcome = "failed"
             rep.longrepr = f"--require-bridge: skipped: {reason}"
+
+
+# --- the launch environment: a test that starts a one-process group in this process writes MASTER_PORT (and RANK,
+# WORLD_SIZE, ...) into os.environ; a later test's subprocess would inherit it (torchrun.sh then leaves
+# --standalone, a child binds a port still held). Each test gets back the variables it started with.
+LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _launch_env_restored():
+    saved = {k: os.environ.get(k) for k in LAUNCH_ENV}
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

@@ -23,6 +23,29 @@ from .fsio import (commit, fault_point, open_temp, read_json, remove_temp_files,
 from .hashing import CHECKSUM, crc32, file_sha256, hex64, token_hash
 
 
+class EncodedSample:
+    """One sample ready to append: its encoded bytes and what the sidecar records of it."""
+    __slots__ = ("buf", "stats", "token_hash", "crc")
+
+    def __init__(self, buf, stats, token_hash_, crc):
+        self.buf, self.stats, self.token_hash, self.crc = buf, stats, token_hash_, crc
+
+
+def encode_sample(encoding, seq_length: int, ids, logp, tokens) -> EncodedSample:
+    """Encode one sample (ids and log-probs [S, K], tokens [S]) and measure it; touches no file, so the builder
+    runs it on worker threads while the teacher computes the next micro-batch."""
+    buf = encoding.encode(ids, logp)
+    dec_ids, dec_lp = encoding.decode(buf)
+    stats = stats_mod.sample_stats(ids, logp, dec_ids, dec_lp)
+    if tokens.shape != (seq_length,):
+        raise CacheError(f"tokens must be [seq_length={seq_length}], got {tokens.shape}")
+    return EncodedSample(buf, stats, token_hash(tokens), crc32(buf))
+
+
+def _numpy(x):
+    return np.asarray(x.detach().cpu() if hasattr(x, "detach") else x)
+
+
 class ShardWriter:
     """Streams one shard's samples into a fresh temporary file; commit() makes it visible."""
 
@@ -35,23 +58,25 @@ class ShardWriter:
 
     def add(self, topk_ids, topk_logprobs, tokens) -> None:
         """One or more samples: ids [b, S, K] or [S, K], log-probs the same, tokens [b, S] or [S]."""
-        ids, lp, tok = (np.asarray(x.detach().cpu() if hasattr(x, "detach") else x)
-                        for x in (topk_ids, topk_logprobs, tokens))
+        ids, lp, tok = (_numpy(x) for x in (topk_ids, topk_logprobs, tokens))
         if ids.ndim == 2:
             ids, lp, tok = ids[None], lp[None], tok[None]
-        if len(self.hashes) + len(ids) > self.stop - self.first:
-            raise CacheError(f"shard {self.j} holds {self.stop - self.first} samples; got more")
-        enc = self.w.encoding
+        self.check_room(len(ids))
         for i in range(len(ids)):
-            buf = enc.encode(ids[i], lp[i])
-            dec_ids, dec_lp = enc.decode(buf)
-            self.stats = stats_mod.merge(self.stats, stats_mod.sample_stats(ids[i], lp[i], dec_ids, dec_lp))
-            if tok[i].shape != (self.w.settings["seq_length"],):
-                raise CacheError(f"tokens must be [seq_length={self.w.settings['seq_length']}], got {tok[i].shape}")
-            self.f.write(buf.tobytes())
-            self.hashes.append(token_hash(tok[i]))
-            self.crcs.append(crc32(buf))
-            fault_point("sample")
+            self.append(encode_sample(self.w.encoding, self.w.settings["seq_length"], ids[i], lp[i], tok[i]))
+
+    def check_room(self, n: int) -> None:
+        if len(self.hashes) + n > self.stop - self.first:
+            raise CacheError(f"shard {self.j} holds {self.stop - self.first} samples; got more")
+
+    def append(self, e: EncodedSample) -> None:
+        """The next sample of the shard, encoded (in sample order)."""
+        self.check_room(1)
+        self.stats = stats_mod.merge(self.stats, e.stats)
+        self.f.write(e.buf.tobytes())
+        self.hashes.append(e.token_hash)
+        self.crcs.append(e.crc)
+        fault_point("sample")
 
     def commit(self) -> None:
         count = self.stop - self.first

@@ -3,9 +3,16 @@
 Each rank takes its local top-K, all ranks all-gather those K x tp candidates, and every rank picks
 the same global top-K. Log-probs are taken against the TP-global log-sum-exp (all-reduce MAX + SUM).
 
-Ties are broken by the smaller global id, through one int64 key per logit (value bits high, id low),
+Ties are broken by the smaller global id, through one int64 key per candidate (value bits high, id low),
 so the result does not depend on the TP layout or on torch.topk's tie order: a cache built at TP=1
 and at TP=2 names the same ids whenever the two layouts produce the same logits.
+
+The local top-K ranks the logits in their own dtype: torch.topk of K + slack candidates per row (a 16-bit radix
+select on bf16 logits, against a 64-bit one over int64 keys of every logit), then the exact (value, id) keys of
+those candidates only. The candidates hold every logit the exact rule could pick unless the row's K-th value ties
+with its last candidate; such rows are rare, and their chunk is redone with keys over the whole row. The
+log-sum-exp reads the logits once (kernels.sumexp on CUDA). Chunks run without host syncs: the ties and
+non-finite logits are flagged on the device and looked at once, after the last chunk.
 """
 import torch
 import torch.distributed as dist
@@ -18,12 +25,26 @@ _LOW = 1 << 32
 _EMPTY = torch.iinfo(torch.int64).min  # key of a padding candidate (a shard with fewer than K valid ids)
 
 
-def _keys(u: torch.Tensor, start: int) -> torch.Tensor:
-    """Order-preserving int64 keys: larger value first, then smaller global id."""
+def candidates(k: int) -> int:
+    """Candidates per row the local top-K takes before the exact key order: K plus room for ties at the K-th
+    value (ties of more than the slack send the chunk to the whole-row keys)."""
+    return k + max(16, k // 4)
+
+
+def _ordered(u: torch.Tensor) -> torch.Tensor:
     bits = u.contiguous().view(torch.int32)
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+
+
+def _keys(u: torch.Tensor, start: int) -> torch.Tensor:
+    """Order-preserving int64 keys of a whole row block: larger value first, then smaller global id."""
     ids = torch.arange(start, start + u.shape[1], device=u.device, dtype=torch.int64)
-    return ordered * _LOW + (_LOW - 1 - ids)
+    return _ordered(u) * _LOW + (_LOW - 1 - ids)
+
+
+def _keys_of(u: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The same keys for given fp32 values and their global ids."""
+    return _ordered(u) * _LOW + (_LOW - 1 - ids)
 
 
 def _decode_keys(keys: torch.Tensor):
@@ -44,6 +65,134 @@ def _all_gather_cat(t: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
+def _pad(local: torch.Tensor, k: int) -> torch.Tensor:
+    if local.shape[1] < k:
+        local = torch.cat([local, local.new_full((local.shape[0], k - local.shape[1]), _EMPTY)], dim=1)
+    return local
+
+
+def _local_exact(v: torch.Tensor, k: int, start: int):
+    """Keys over every logit of the row block (the reference rule): (local top-K keys, fp32 row max, no ties)."""
+    u = v.float()
+    n, width = u.shape
+    local = _keys(u, start).topk(min(k, width), dim=1).values if width else u.new_empty((n, 0), dtype=torch.int64)
+    m = u.amax(dim=1) if width else u.new_full((n,), float("-inf"))
+    return _pad(local, k), m, torch.zeros(n, dtype=torch.bool, device=u.device)
+
+
+def _local_fast(v: torch.Tensor, k: int, start: int):
+    """The same result from K + slack candidates ranked in v's dtype; the flag marks rows whose K-th value ties
+    with their last candidate (the exact rule may pick a logit the candidates left out)."""
+    n, width = v.shape
+    kk = min(width, candidates(k))
+    if kk == 0:
+        return _local_exact(v, k, start)
+    vals, idx = v.topk(kk, dim=1)
+    u = vals.float()
+    kw = min(k, width)
+    local = _keys_of(u, idx + start).topk(kw, dim=1).values
+    tie = vals[:, kk - 1] == vals[:, kw - 1] if kk < width else torch.zeros(n, dtype=torch.bool, device=v.device)
+    return _pad(local, k), u[:, 0].contiguous(), tie
+
+
+def _sum_exp(v: torch.Tensor, m: torch.Tensor):
+    """(sum_j exp(u_j - m) in fp64, count of non-finite u_j) per row, u = v in fp32."""
+    if v.shape[1] == 0:
+        return m.new_zeros(v.shape[0], dtype=torch.float64), torch.zeros(v.shape[0], dtype=torch.int32,
+                                                                          device=v.device)
+    if v.is_cuda:
+        try:
+            from ..kernels.sumexp import sum_exp_rows
+        except ImportError:  # no Triton: the torch ops below
+            pass
+        else:
+            return sum_exp_rows(v, m)
+    u = v.float()
+    # fp64 sum: the TP-split partial sums then round alike at any TP size.
+    return torch.exp(u - m[:, None]).sum(dim=1, dtype=torch.float64), (~torch.isfinite(u)).sum(dim=1)
+
+
+def _chunk(x, k, shard, group, temperature, exact):
+    """Top-K of one chunk of this rank's logits [n, V_local]: (ids, log-probs, [ties, non-finite] flags)."""
+    v = x[:, :shard.local_valid]
+    if temperature != 1.0:
+        v = v.float() / float(temperature)  # ranked as u itself: fp32 division can merge neighbouring values
+    local, m, tie = (_local_exact if exact else _local_fast)(v, k, shard.start)
+    best = _all_gather_cat(local, group).topk(k, dim=1).values
+    ids, vals = _decode_keys(best)
+    m = all_reduce_max(m.contiguous(), group)
+    s, bad = _sum_exp(v, m)
+    s = all_reduce_sum(s, group)
+    lse = m.double() + torch.log(s)
+    flags = torch.stack([tie.any(), (bad > 0).any()]).to(torch.int32)
+    return ids, (vals.double() - lse[:, None]).float(), flags
+
+
+class PendingTopK:
+    """The top-K of N rows, queued on the device; result() waits for it (one host sync), raises on non-finite
+    logits, and redoes with whole-row keys the chunks whose ties the candidates could not settle."""
+
+    def __init__(self, n, logits_of, k, shard, group, temperature, step, device):
+        self.n, self.logits_of, self.k, self.shard = n, logits_of, k, shard
+        self.group, self.temperature, self.step = group, temperature, step
+        self.ids = torch.empty(n, k, dtype=torch.int64, device=device)
+        self.logp = torch.empty(n, k, dtype=torch.float32, device=device)
+        flags = []
+        for a in range(0, n, step):
+            i, lp, f = _chunk(logits_of(a, min(n, a + step)), k, shard, group, temperature, exact=False)
+            self.ids[a:a + step], self.logp[a:a + step] = i, lp
+            flags.append(f)
+        self.flags = torch.stack(flags) if flags else torch.zeros(0, 2, dtype=torch.int32, device=device)
+
+    def result(self):
+        flags = all_reduce_max(self.flags, self.group).tolist()  # every rank takes the same decisions
+        if any(f[1] for f in flags):
+            raise ValueError("teacher logits contain NaN or inf; check the teacher's dtype and weights")
+        for c, (tie, _) in enumerate(flags):
+            if tie:
+                a = c * self.step
+                b = min(self.n, a + self.step)
+                i, lp, _ = _chunk(self.logits_of(a, b), self.k, self.shard, self.group, self.temperature, exact=True)
+                self.ids[a:b], self.logp[a:b] = i, lp
+        self.logits_of = None  # drop the references to the hidden states / logits
+        return self.ids, self.logp
+
+
+def _shard_and_k(local_rows, k, group, vocab_start_index, temperature, valid_vocab_size):
+    problem = temperature_problem(temperature)
+    if problem:
+        raise ValueError(f"temperature={temperature} {problem}")
+    shard = VocabShard.build(local_rows, group, vocab_start_index, valid_vocab_size)
+    k = int(k)
+    if not 1 <= k <= shard.valid_size:
+        raise ValueError(f"k={k} must be in [1, {shard.valid_size}] (the valid vocabulary size)")
+    return shard, k
+
+
+def start_topk(logits_shard, k, group=None, vocab_start_index=None, temperature=1.0, valid_vocab_size=None,
+               chunk_size=None) -> PendingTopK:
+    """vocab_parallel_topk, queued: logits_shard [N, V_local], chunk_size rows at a time."""
+    if logits_shard.dim() != 2:
+        raise ValueError(f"logits_shard must be [N, V_local], got shape {tuple(logits_shard.shape)}")
+    shard, k = _shard_and_k(logits_shard.shape[1], k, group, vocab_start_index, temperature, valid_vocab_size)
+    n = logits_shard.shape[0]
+    step = max(1, int(chunk_size or rows_per_chunk(logits_shard.shape[1])))
+    return PendingTopK(n, lambda a, b: logits_shard[a:b], k, shard, group, temperature, step, logits_shard.device)
+
+
+def start_topk_from_hidden(hidden, weight_shard, k, group=None, chunk_size=None, temperature=1.0,
+                           vocab_start_index=None, valid_vocab_size=None) -> PendingTopK:
+    """topk_from_hidden, queued (see PendingTopK)."""
+    if hidden.dim() != 2 or weight_shard.dim() != 2 or hidden.shape[1] != weight_shard.shape[1]:
+        raise ValueError(f"hidden must be [N, H] and weight_shard [V_local, H]; got {tuple(hidden.shape)} and "
+                         f"{tuple(weight_shard.shape)} (pass the output layer's weight, not its transpose)")
+    shard, k = _shard_and_k(weight_shard.shape[0], k, group, vocab_start_index, temperature, valid_vocab_size)
+    step = max(1, int(chunk_size or rows_per_chunk(weight_shard.shape[0])))
+    w = weight_shard.to(hidden.dtype)
+    return PendingTopK(hidden.shape[0], lambda a, b: hidden[a:b] @ w.t(), k, shard, group, temperature, step,
+                       hidden.device)
+
+
 def vocab_parallel_topk(logits_shard, k, group=None, vocab_start_index=None, temperature=1.0,
                         valid_vocab_size=None):
     """Global top-K of softmax(logits / temperature) from this rank's vocab shard [N, V_local].
@@ -51,37 +200,9 @@ def vocab_parallel_topk(logits_shard, k, group=None, vocab_start_index=None, tem
     Returns (ids int64 [N, K] global ids, logprobs float32 [N, K]), identical on every rank, sorted by
     log-prob descending (ties: smaller id first). Ids at or above valid_vocab_size (padding) never appear.
     """
-    if logits_shard.dim() != 2:
-        raise ValueError(f"logits_shard must be [N, V_local], got shape {tuple(logits_shard.shape)}")
-    problem = temperature_problem(temperature)
-    if problem:
-        raise ValueError(f"temperature={temperature} {problem}")
-    shard = VocabShard.build(logits_shard.shape[1], group, vocab_start_index, valid_vocab_size)
-    k = int(k)
-    if not 1 <= k <= shard.valid_size:
-        raise ValueError(f"k={k} must be in [1, {shard.valid_size}] (the valid vocabulary size)")
-    u = logits_shard[:, :shard.local_valid].float()
-    if temperature != 1.0:
-        u = u / float(temperature)
-    n, width = u.shape
-    if not torch.isfinite(u).all():
-        raise ValueError("teacher logits contain NaN or inf; check the teacher's dtype and weights")
-
-    keys = _keys(u, shard.start)
-    kk = min(k, width)
-    local = keys.topk(kk, dim=1).values if kk else keys[:, :0]
-    if kk < k:
-        local = torch.cat([local, local.new_full((n, k - kk), _EMPTY)], dim=1)
-    best = _all_gather_cat(local, group).topk(k, dim=1).values
-    ids, vals = _decode_keys(best)
-
-    m = u.amax(dim=1) if width else u.new_full((n,), float("-inf"))
-    m = all_reduce_max(m.contiguous(), group)
-    # fp64 sum: the TP-split partial sums then round alike at any TP size.
-    s = torch.exp(u - m[:, None]).sum(dim=1, dtype=torch.float64) if width else m.new_zeros(n, dtype=torch.float64)
-    s = all_reduce_sum(s, group)
-    lse = m.double() + torch.log(s)
-    return ids, (vals.double() - lse[:, None]).float()
+    n = logits_shard.shape[0] if logits_shard.dim() == 2 else 0
+    return start_topk(logits_shard, k, group, vocab_start_index, temperature, valid_vocab_size,
+                      chunk_size=max(1, n)).result()
 
 
 def topk_from_hidden(hidden, weight_shard, k, group=None, chunk_size=None, temperature=1.0,
@@ -90,20 +211,5 @@ def topk_from_hidden(hidden, weight_shard, k, group=None, chunk_size=None, tempe
 
     Only one [chunk, V_local] logit block exists at a time. Every rank of the group must pass the same N.
     """
-    if hidden.dim() != 2 or weight_shard.dim() != 2 or hidden.shape[1] != weight_shard.shape[1]:
-        raise ValueError(f"hidden must be [N, H] and weight_shard [V_local, H]; got {tuple(hidden.shape)} and "
-                         f"{tuple(weight_shard.shape)} (pass the output layer's weight, not its transpose)")
-    n = hidden.shape[0]
-    step = int(chunk_size or rows_per_chunk(weight_shard.shape[0]))  # plus 2x its bytes in int64 keys
-    ids, logp = [], []
-    w = weight_shard.to(hidden.dtype)
-    for a in range(0, n, step):
-        logits = hidden[a:a + step] @ w.t()
-        i, lp = vocab_parallel_topk(logits, k, group, vocab_start_index, temperature, valid_vocab_size)
-        ids.append(i)
-        logp.append(lp)
-        del logits
-    if not ids:
-        return (torch.empty(0, int(k), dtype=torch.int64, device=hidden.device),
-                torch.empty(0, int(k), dtype=torch.float32, device=hidden.device))
-    return torch.cat(ids), torch.cat(logp)
+    return start_topk_from_hidden(hidden, weight_shard, k, group, chunk_size, temperature, vocab_start_index,
+                                  valid_vocab_size).result()

@@ -19,8 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel.comm import group_rank, group_size
-from ..parallel.topk import topk_from_hidden, vocab_parallel_topk
-from ..parallel.limits import rows_per_chunk
+from ..parallel.topk import start_topk, start_topk_from_hidden
 from ..cache.dataset import split_sample
 from ..cache.errors import CacheError
 from ..cache.format import is_finished, make_settings
@@ -36,6 +35,7 @@ from ..runtime.dist import distributed, is_rank0, use_cuda
 from ..runtime.features import release_memory
 from .megatron import cache_teacher
 from .progress import Progress
+from .sink import SampleSink
 
 
 def _dist_on() -> bool:
@@ -66,22 +66,18 @@ def _tokens(dataset, i) -> torch.Tensor:
     return split_sample(dataset[i])["tokens"].reshape(-1)
 
 
-def _teacher_topk(teacher, tokens, k, temperature, chunk_size, tp_group):
+def _start_teacher_topk(teacher, tokens, k, temperature, chunk_size, tp_group):
+    """Queue the teacher's forward and top-K of one micro-batch (PendingTopK); None on ranks of an earlier
+    pipeline stage (their hidden states went to the next stage)."""
     out = teacher(tokens)
-    if out is None:  # an earlier pipeline stage: its hidden states went to the next stage
-        return None, None
+    if out is None:
+        return None
     b, s = tokens.shape
     if out.logits is not None:
-        logits = out.logits.reshape(b * s, -1)
-        step = int(chunk_size or rows_per_chunk(logits.shape[1]))
-        parts = [vocab_parallel_topk(logits[a:a + step], k, tp_group, out.vocab_start_index, temperature,
-                                     teacher.vocab_size) for a in range(0, b * s, step)]
-        ids, lp = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-    else:
-        hidden = out.hidden.reshape(b * s, -1)
-        ids, lp = topk_from_hidden(hidden, out.weight, k, tp_group, chunk_size, temperature,
-                                   out.vocab_start_index, teacher.vocab_size)
-    return ids.reshape(b, s, k), lp.reshape(b, s, k)
+        return start_topk(out.logits.reshape(b * s, -1), k, tp_group, out.vocab_start_index, temperature,
+                          teacher.vocab_size, chunk_size)
+    return start_topk_from_hidden(out.hidden.reshape(b * s, -1), out.weight, k, tp_group, chunk_size, temperature,
+                                  out.vocab_start_index, teacher.vocab_size)
 
 
 def _broadcast_list(obj: list, group) -> list:
@@ -172,27 +168,45 @@ def _build(writer, teacher, dataset, seq, top_k, temperature, chunk_size, micro_
 
     todo = sum(writer.shard_range(j)[1] - writer.shard_range(j)[0] for j in mine)
     bar = Progress(todo, seq, enabled=progress and is_root, scale=dp_size)
-    for j in mine:
-        first, stop = writer.shard_range(j)
-        sw = writer.begin_shard(j) if writes else None
-        try:
+    sink = SampleSink(writer.encoding, seq) if writes else None
+    prev = None  # the micro-batch queued on the device before this one: handed to the sink while this one runs
+
+    def hand_off(p):
+        pending, tokens, sw, last = p
+        if pending is not None:  # the last pipeline stage
+            ids, lp = pending.result()
+            if sw is not None:
+                k = ids.shape[-1]
+                sink.put(sw, ids.reshape(*tokens.shape, k), lp.reshape(*tokens.shape, k), tokens)
+        if sw is not None and last:
+            sink.commit(sw)
+        bar.update(tokens.shape[0])
+
+    try:
+        for j in mine:
+            first, stop = writer.shard_range(j)
+            sw = writer.begin_shard(j) if writes else None
+            if sw is not None:
+                sink.begin(sw)
             for a in range(first, stop, micro_batch_size):
                 idx = range(a, min(stop, a + micro_batch_size))
                 tokens = torch.stack([_tokens(dataset, i) for i in idx])
                 if tokens.shape[1] != seq:
                     raise CacheError(f"sample {a} has {tokens.shape[1]} tokens, sample 0 has {seq}: the cache needs "
                                      "a dataset of fixed sequence length")
-                # (None, None) on ranks of an earlier pipeline stage; they do not write
-                ids, lp = _teacher_topk(teacher, tokens, top_k, temperature, chunk_size, tp_group)
-                if sw is not None:
-                    sw.add(ids, lp, tokens)
-                bar.update(len(idx))
-            if sw is not None:
-                sw.commit()
-        except BaseException:
-            if sw is not None:
-                sw.abort()
-            raise
+                cur = (_start_teacher_topk(teacher, tokens, top_k, temperature, chunk_size, tp_group), tokens, sw,
+                       idx.stop == stop)
+                if prev is not None:
+                    hand_off(prev)
+                prev = cur
+        if prev is not None:
+            hand_off(prev)
+        if sink is not None:
+            sink.close()
+    except BaseException:
+        if sink is not None:
+            sink.abort()
+        raise
     if hasattr(teacher, "flush"):
         teacher.flush()  # a pipeline stage's last sends
     bar.close()

@@ -226,7 +226,9 @@ class MegatronTeacher:
         tokens = tokens.to(next(self.model.parameters()).device)
         b, s = tokens.shape
         pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
-        mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=tokens.device), diagonal=1)[None, None]
+        # Causal GPT layers take no mask (the SDPA, sink and TE core attentions apply causality themselves): an
+        # [s, s] mask would cost s^2 bytes per call, 16 GiB at 128K tokens.
+        mask = None
         box = []
         if self.pipeline is None:
             with self._hidden_only(box):

@@ -41,13 +41,13 @@ def test_the_logits_per_chunk_are_defined_once(monkeypatch):
     monkeypatch.setattr(rules, "LOGITS_PER_CHUNK", 64 * v)
     assert default_chunk_size(v) == 64 < before
     calls = []
-    real = topk_ops.vocab_parallel_topk
+    real = topk_ops._chunk
 
     def spy(logits, *a, **k):
         calls.append(logits.shape[0])
         return real(logits, *a, **k)
 
-    monkeypatch.setattr(topk_ops, "vocab_parallel_topk", spy)
+    monkeypatch.setattr(topk_ops, "_chunk", spy)
     topk_from_hidden(torch.randn(150, 4), torch.randn(v, 4), 3)
     assert calls == [64, 64, 22]
     monkeypatch.undo()

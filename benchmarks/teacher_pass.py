@@ -54,6 +54,7 @@ def child(a) -> dict:
     from megatron_kd.teacher.build import build_cache
     from megatron_kd.teacher.megatron import start_cache_teacher
     from megatron_kd.parallel.limits import rows_per_chunk
+    from megatron_kd.parallel.topk import topk_from_hidden
 
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -99,7 +100,7 @@ def child(a) -> dict:
 
     res["output_gemm_s"] = timed(gemm, a.reps)
     res["floor_s"] = res["forward_s"] + res["output_gemm_s"]
-    res["topk_s"] = timed(lambda: build_mod.topk_from_hidden(hidden, out.weight, k, None, None, 1.0, None, vocab),
+    res["topk_s"] = timed(lambda: topk_from_hidden(hidden, out.weight, k, None, None, 1.0, None, vocab),
                           a.reps)
     del out, hidden, w, box
     if cuda:
@@ -148,8 +149,15 @@ def profile(a, build, seq) -> dict:
     trace = os.path.join(tempfile.mkdtemp(prefix="tp_trace_"), "trace.json")
     from megatron_kd.cache import writer as writer_mod
     from megatron_kd.teacher import build as build_mod
-    patched = [(build_mod, "_teacher_topk", "kd.teacher_forward_and_topk"), (writer_mod.ShardWriter, "add",
-                                                                           "kd.encode_and_write")]
+    patched = [(build_mod, "_teacher_topk", "kd.teacher_forward_and_topk"),
+               (build_mod, "_start_teacher_topk", "kd.queue_forward_and_topk"),
+               (writer_mod.ShardWriter, "add", "kd.encode_and_write"),
+               (writer_mod.ShardWriter, "append", "kd.write")]
+    try:
+        from megatron_kd.teacher import sink as sink_mod
+        patched.append((sink_mod, "encode_sample", "kd.encode_on_workers"))
+    except ImportError:  # a tree that encodes inline
+        pass
     saved = []
     for owner, attr, label in patched:  # host wall time of the phases, in whichever thread runs them
         fn = getattr(owner, attr, None)

@@ -168,34 +168,36 @@ def _build(writer, teacher, dataset, seq, top_k, temperature, chunk_size, micro_
 
     todo = sum(writer.shard_range(j)[1] - writer.shard_range(j)[0] for j in mine)
     bar = Progress(todo, seq, enabled=progress and is_root, scale=dp_size)
-    sink = SampleSink(writer.encoding, seq) if writes else None
+    sink = SampleSink(writer) if writes else None
     prev = None  # the micro-batch queued on the device before this one: handed to the sink while this one runs
 
+    shard = None  # the sink's handle of the shard being handed off
+
     def hand_off(p):
-        pending, tokens, sw, last = p
+        nonlocal shard
+        pending, tokens, j, first, last = p
+        if sink is not None and first:
+            shard = sink.begin(j)  # queued after the previous shard's commit: its file opens after that commit
         if pending is not None:  # the last pipeline stage
             ids, lp = pending.result()
-            if sw is not None:
+            if sink is not None:
                 k = ids.shape[-1]
-                sink.put(sw, ids.reshape(*tokens.shape, k), lp.reshape(*tokens.shape, k), tokens)
-        if sw is not None and last:
-            sink.commit(sw)
+                sink.put(shard, ids.reshape(*tokens.shape, k), lp.reshape(*tokens.shape, k), tokens)
+        if sink is not None and last:
+            sink.commit(shard)
         bar.update(tokens.shape[0])
 
     try:
         for j in mine:
             first, stop = writer.shard_range(j)
-            sw = writer.begin_shard(j) if writes else None
-            if sw is not None:
-                sink.begin(sw)
             for a in range(first, stop, micro_batch_size):
                 idx = range(a, min(stop, a + micro_batch_size))
                 tokens = torch.stack([_tokens(dataset, i) for i in idx])
                 if tokens.shape[1] != seq:
                     raise CacheError(f"sample {a} has {tokens.shape[1]} tokens, sample 0 has {seq}: the cache needs "
                                      "a dataset of fixed sequence length")
-                cur = (_start_teacher_topk(teacher, tokens, top_k, temperature, chunk_size, tp_group), tokens, sw,
-                       idx.stop == stop)
+                cur = (_start_teacher_topk(teacher, tokens, top_k, temperature, chunk_size, tp_group), tokens, j,
+                       a == first, idx.stop == stop)
                 if prev is not None:
                     hand_off(prev)
                 prev = cur

@@ -179,6 +179,10 @@ class MegatronTeacher:
             raise ValueError("the model is a pipeline stage (pre_process/post_process False) but the pipeline "
                              "group has one rank; initialize Megatron with pipeline_model_parallel_size > 1")
         self.pipeline = PipelineStage(model, self.pp_group) if self.pp_group is not None else None
+        # The SDPA, sink and TE core attentions apply causality themselves and ignore a mask; only megatron-core's
+        # own DotProductAttention reads one. Without it no [s, s] mask is made (16 GiB per call at 128K tokens).
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+        self._needs_mask = any(isinstance(mod, DotProductAttention) for mod in model.modules())
         self.is_last_stage = self.pipeline is None or self.pipeline.is_last
 
     def identity(self) -> dict:
@@ -226,9 +230,9 @@ class MegatronTeacher:
         tokens = tokens.to(next(self.model.parameters()).device)
         b, s = tokens.shape
         pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
-        # Causal GPT layers take no mask (the SDPA, sink and TE core attentions apply causality themselves): an
-        # [s, s] mask would cost s^2 bytes per call, 16 GiB at 128K tokens.
         mask = None
+        if self._needs_mask:
+            mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=tokens.device), diagonal=1)[None, None]
         box = []
         if self.pipeline is None:
             with self._hidden_only(box):

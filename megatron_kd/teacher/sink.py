@@ -21,33 +21,38 @@ def _workers() -> int:
 
 
 class SampleSink:
-    def __init__(self, encoding, seq_length: int, *, workers: int | None = None):
-        self.encoding, self.seq = encoding, int(seq_length)
+    def __init__(self, writer, *, workers: int | None = None):
+        self.writer = writer
+        self.encoding, self.seq = writer.encoding, int(writer.settings["seq_length"])
         n = workers or _workers()
         self.pool = ThreadPoolExecutor(n, thread_name_prefix="kd-encode")
         self.max_pending = 2 * n + 2  # samples held on the host at once
-        self.queue = deque()  # ("sample", shard writer, future) or ("commit", shard writer, None), in order
+        # ("begin" | "sample" | "commit", shard, future or None), in order: a shard's temporary file is opened
+        # after the previous shard's commit, so the disk goes through the states of a sequential build
+        self.queue = deque()
         self.open = []        # shard writers begun and not committed: aborted on failure
         self.copy_stream = None
 
-    def begin(self, sw) -> None:
-        self.open.append(sw)
+    def begin(self, j: int) -> "_Shard":
+        shard = _Shard(j)
+        self.queue.append(("begin", shard, None))
+        return shard
 
-    def put(self, sw, ids: torch.Tensor, logp: torch.Tensor, tokens: torch.Tensor) -> None:
+    def put(self, shard, ids: torch.Tensor, logp: torch.Tensor, tokens: torch.Tensor) -> None:
         """ids / logp [b, S, K] (complete on the current stream), tokens [b, S] on the host."""
         ready = None
         if ids.is_cuda:
             ids, logp, ready = self._to_host(ids.to(torch.int32), logp)  # ids < 2**31: half the copy
         for i in range(ids.shape[0]):
             fut = self.pool.submit(self._encode, ready, ids[i], logp[i], tokens[i])
-            self.queue.append(("sample", sw, fut))
+            self.queue.append(("sample", shard, fut))
         self.drain(block=False)
         while sum(1 for q in self.queue if q[0] == "sample") > self.max_pending:
             self._pop()
 
-    def commit(self, sw) -> None:
-        """Commit shard sw once every sample put before is appended."""
-        self.queue.append(("commit", sw, None))
+    def commit(self, shard) -> None:
+        """Commit the shard once every sample put before is appended."""
+        self.queue.append(("commit", shard, None))
         self.drain(block=False)
 
     def _to_host(self, ids, logp):
@@ -72,16 +77,19 @@ class SampleSink:
         return encode_sample(self.encoding, self.seq, ids.numpy(), logp.numpy(), tokens.numpy())
 
     def _pop(self) -> None:
-        kind, sw, fut = self.queue.popleft()
-        if kind == "sample":
-            sw.append(fut.result())
+        kind, shard, fut = self.queue.popleft()
+        if kind == "begin":
+            shard.sw = self.writer.begin_shard(shard.j)
+            self.open.append(shard.sw)
+        elif kind == "sample":
+            shard.sw.append(fut.result())
         else:
-            sw.commit()
-            self.open.remove(sw)
+            shard.sw.commit()
+            self.open.remove(shard.sw)
 
     def drain(self, block: bool = True) -> None:
-        """Append (and commit) what is ready, in order; block=True: everything queued."""
-        while self.queue and (block or self.queue[0][0] == "commit" or self.queue[0][2].done()):
+        """Begin, append and commit what is ready, in order; block=True: everything queued."""
+        while self.queue and (block or self.queue[0][2] is None or self.queue[0][2].done()):
             self._pop()
 
     def close(self) -> None:
@@ -100,3 +108,11 @@ class SampleSink:
         for sw in self.open:
             sw.abort()
         self.open.clear()
+
+
+class _Shard:
+    """A shard of the queue: its writer exists once the queue reaches its "begin"."""
+    __slots__ = ("j", "sw")
+
+    def __init__(self, j: int):
+        self.j, self.sw = j, None

@@ -15,7 +15,7 @@ after every step, so a run cut short keeps what finished.
     python benchmarks/long_context.py --out benchmarks/results/long_context_h200.json        # one H200, ~8 min
     python benchmarks/long_context.py --smoke --out /tmp/long_context_smoke.json            # CPU, tiny shapes
 --smoke runs the same recipes and steps with tiny_cpu-sized overrides (2-layer student and teacher, vocab 2048,
-256 / 64 tokens, bf16 as the recipes, on CPU).
+256 / 64 tokens, bf16 as the recipes, on CPU, without recompute: megatron-core's checkpointing needs CUDA).
 """
 import argparse
 import json
@@ -40,7 +40,9 @@ def smoke_overrides(seq: int) -> list:
         arch += [f"{s}.num_layers={layers}", f"{s}.hidden_size={hidden}", f"{s}.num_attention_heads={heads}",
                  f"{s}.num_query_groups={groups}", f"{s}.ffn_hidden_size={ffn}", f"{s}.kv_channels={hidden // heads}",
                  f"{s}.attention_backend=sdpa"]
-    return arch + ["model.recompute_num_layers=1", "data.vocab_size=2048", "data.eod_id=2047",
+    # megatron-core's activation checkpointing saves the CUDA RNG state: no recompute on a CPU
+    return arch + ["model.recompute_granularity=null", "model.recompute_method=null",
+                   "model.recompute_num_layers=null", "data.vocab_size=2048", "data.eod_id=2047",
                    f"data.seq_length={seq}", "data.num_workers=0", "train.device=cpu"]
 
 

@@ -15,7 +15,7 @@ after every step, so a run cut short keeps what finished.
     python benchmarks/long_context.py --out benchmarks/results/long_context_h200.json        # one H200, ~8 min
     python benchmarks/long_context.py --smoke --out /tmp/long_context_smoke.json            # CPU, tiny shapes
 --smoke runs the same recipes and steps with tiny_cpu-sized overrides (2-layer student and teacher, vocab 2048,
-256 / 64 tokens, bf16 as the recipes, on CPU, without recompute: megatron-core's checkpointing needs CUDA).
+256 / 64 tokens, bf16 for 128K's lean_adam and fp32 for 32K's Megatron Adam on CPU, without recompute: megatron-core's checkpointing needs CUDA).
 """
 import argparse
 import json
@@ -53,16 +53,17 @@ def run_overrides(cache: str, save: str) -> list:
             "train.tensorboard=false", f"train.save={save}", f"hydra.run.dir={save}"]
 
 
-def cli(args, log, timeout):
-    """`python -m megatron_kd ARGS`, output to `log`; (rc, wall seconds). rc 124: cut at the time budget."""
+def cli(args, log, timeout, err_log=None):
+    """`python -m megatron_kd ARGS`, output to `log` (stderr too, unless err_log); (rc, wall seconds). rc 124: cut
+    at the time budget."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     t = time.time()
-    with open(log, "w") as f:
+    with open(log, "w") as f, open(err_log or os.devnull, "w") as e:
         try:
-            rc = subprocess.call([sys.executable, "-m", "megatron_kd", *args], stdout=f, stderr=subprocess.STDOUT,
-                                 cwd=ROOT, env=env, timeout=max(1, timeout))
+            rc = subprocess.call([sys.executable, "-m", "megatron_kd", *args], stdout=f,
+                                 stderr=e if err_log else subprocess.STDOUT, cwd=ROOT, env=env, timeout=max(1, timeout))
         except subprocess.TimeoutExpired:
             rc = 124
     return rc, time.time() - t
@@ -91,6 +92,8 @@ def one_recipe(key, recipe, seq, a, deadline, out):
     if a.smoke:
         seq = 256 if key == "128k" else 64
     extra = smoke_overrides(seq) if a.smoke else []
+    if a.smoke and key == "32k":  # Megatron's mixed-precision Adam is CUDA-only; lean_adam (128K) runs bf16 on CPU
+        extra.append("train.precision=fp32")
     train_args = ["--config-name", recipe, *run_overrides(cache, save), *extra]
     r = out["runs"][key] = {"recipe": recipe, "seq": seq,
                             "command": "megatron-kd train " + " ".join(train_args)}
@@ -124,7 +127,7 @@ def one_recipe(key, recipe, seq, a, deadline, out):
         plan_args = ["plan", recipe, *[o for o in train_args[2:] if not o.startswith(("hydra.", "train.save="))],
                      "--json"]
         log = os.path.join(logs, f"{key}_plan.json")
-        rc, _ = cli(plan_args, log, deadline - time.time())
+        rc, _ = cli(plan_args, log, deadline - time.time(), err_log=os.path.join(logs, f"{key}_plan.log"))
         if rc == 0:
             p = json.load(open(log))
             r.update(plan_command="megatron-kd " + " ".join(plan_args), plan_peak_gib=p["peak_gib"],

@@ -227,10 +227,18 @@ def main(argv=None) -> int:
     except (ValueError, KeyError, FileNotFoundError, *_config_errors()) as e:
         print(f"megatron-kd plan: {e}", file=sys.stderr)
         return 2
+    fits = p.fits(a.gpu_gib, a.reserve_gib)
+    why = None
+    if not fits:
+        from ..plan.fit import find_fix, refusal
+        fix = find_fix(shape, layout, p.training, a.gpu_gib, a.reserve_gib)
+        why = refusal(p, fix, a.gpu_gib, a.reserve_gib, recipe=recipe_path(a.target) is not None)
     if a.json:
-        print(json.dumps(p.as_dict() | dict(fits=p.fits(a.gpu_gib, a.reserve_gib)), indent=1))
+        print(json.dumps(p.as_dict() | dict(fits=fits, refusal=why), indent=1))
     else:
         print(format_plan(p, a.gpu_gib, a.reserve_gib))
+        if why:
+            print(f"megatron-kd plan: {why}")
     return 0
 
 

@@ -17,6 +17,7 @@ from .checks import HFCheckpointError
 
 # megatron-core's RotaryEmbedding._apply_scaling defaults: the only Llama 3 values its config can express
 MCORE_LLAMA3 = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+MCORE_LLAMA3_FACTOR = 8.0  # RotaryEmbedding's rope_scaling_factor default
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # the architectures whose fields these rules read (each tested: tests/hf/test_exact_config.py)
@@ -82,6 +83,17 @@ def rope_settings(hf_config, where: str) -> tuple[dict, dict]:
     return fields, {}
 
 
+def recipe_rope_scaling(hf_config) -> dict:
+    """config.json's Llama 3 RoPE scaling in the recipe's ModelConfig keys (rope_scaling, rope_scaling_factor,
+    rope_low_freq_factor, ...); off (at megatron-core's values, the keys' defaults) for any other RoPE."""
+    rp = _rope_parameters(hf_config)
+    on = rp.get("rope_type", rp.get("type", "default")) == "llama3"
+    vals = {k: float(rp[k]) for k in MCORE_LLAMA3} if on else dict(MCORE_LLAMA3)
+    return dict(rope_scaling=on, rope_scaling_factor=float(rp["factor"]) if on else MCORE_LLAMA3_FACTOR,
+                rope_low_freq_factor=vals["low_freq_factor"], rope_high_freq_factor=vals["high_freq_factor"],
+                rope_original_max_position_embeddings=int(vals["original_max_position_embeddings"]))
+
+
 def window_settings(hf_config, where: str) -> dict:
     """Provider fields for config.json's per-layer attention (layer_types, sliding_window); empty when the config
     has no layer_types (the architecture's bridge maps its window, e.g. none for Llama)."""
@@ -130,12 +142,23 @@ def apply(prov, s: dict) -> None:
 def fix_model(chunk, s: dict) -> None:
     """Values megatron-core's modules take no config field for, set on a built GPTModel chunk."""
     llama3 = s["model"].get("llama3")
+    if llama3 is not None:
+        set_llama3_rope(chunk, **llama3)
+
+
+def set_llama3_rope(chunk, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings) -> None:
+    """A built GPTModel chunk's RoPE frequencies scaled by Llama 3's rule with these four values: megatron-core's
+    RotaryEmbedding._apply_scaling (transformers' llama3 formula, same operations in fp32) on the unscaled
+    frequencies. GPTModel passes only `factor` on (rope_scaling_factor); the other three stay at MCORE_LLAMA3."""
     rope = getattr(chunk, "rotary_pos_emb", None)
-    if llama3 is None or rope is None:
+    if rope is None:
         return
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-    cfg = chunk.config
-    plain = RotaryEmbedding(kv_channels=cfg.kv_channels, rotary_percent=cfg.rotary_percent,
-                            rotary_base=cfg.rotary_base, use_cpu_initialization=True).inv_freq
-    rope.inv_freq = rope._apply_scaling(plain, **llama3).to(rope.inv_freq.device)
+    # GPTModel's own copies: a recipe's TransformerConfig has no rotary fields (Bridge's provider has)
+    plain = RotaryEmbedding(kv_channels=chunk.config.kv_channels, rotary_percent=chunk.rotary_percent,
+                            rotary_base=chunk.rotary_base, use_cpu_initialization=True).inv_freq
+    rope.inv_freq = rope._apply_scaling(plain, factor=float(factor), low_freq_factor=float(low_freq_factor),
+                                        high_freq_factor=float(high_freq_factor),
+                                        original_max_position_embeddings=int(original_max_position_embeddings)
+                                        ).to(rope.inv_freq.device)
     rope.forward.cache_clear()  # cos/sin of the old frequencies may be cached per sequence length

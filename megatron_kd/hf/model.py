@@ -228,7 +228,7 @@ class HFModel:
             else prov.position_embedding_type,
             rotary_base=int(prov.rotary_base), tie_embeddings=bool(prov.share_embeddings_and_output_weights),
             num_moe_experts=prov.num_moe_experts, moe_router_topk=prov.moe_router_topk,
-            moe_ffn_hidden_size=prov.moe_ffn_hidden_size)
+            moe_ffn_hidden_size=prov.moe_ffn_hidden_size, **exact.recipe_rope_scaling(self.hf_config))
 
 
 _OPEN = {}

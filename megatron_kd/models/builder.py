@@ -104,10 +104,30 @@ def build_gpt(m: ModelConfig, p: ParallelConfig, vocab_size: int, seq_length: in
         config, layer_spec(m), vocab_size=padded_vocab_size(vocab_size, m, p.tp), max_sequence_length=seq_length,
         pre_process=pre_process, post_process=post_process, parallel_output=True,
         share_embeddings_and_output_weights=m.tie_embeddings, position_embedding_type=m.position_embedding_type,
-        rotary_percent=m.rotary_percent, rotary_base=m.rotary_base, **kw)
+        rotary_percent=m.rotary_percent, rotary_base=m.rotary_base, **rope_scaling_kwargs(m), **kw)
+    set_rope_scaling(model, m)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def rope_scaling_kwargs(m: ModelConfig) -> dict:
+    """GPTModel's Llama 3 RoPE scaling arguments (megatron-core's RotaryEmbedding applies `factor`)."""
+    if not m.rope_scaling:
+        return {}
+    return dict(rope_scaling=True, rope_scaling_factor=float(m.rope_scaling_factor))
+
+
+def set_rope_scaling(model, m: ModelConfig) -> None:
+    """The rest of Llama 3's scaling on a built GPTModel: GPTModel takes no argument for the low / high frequency
+    factors and the original length, and uses megatron-core's defaults (Llama-3.1's 1, 4, 8192) for them."""
+    if not m.rope_scaling:
+        return
+    from ..hf.exact import MCORE_LLAMA3, set_llama3_rope
+    rest = dict(low_freq_factor=float(m.rope_low_freq_factor), high_freq_factor=float(m.rope_high_freq_factor),
+                original_max_position_embeddings=int(m.rope_original_max_position_embeddings))
+    if rest != MCORE_LLAMA3:
+        set_llama3_rope(model, factor=m.rope_scaling_factor, **rest)
 
 
 def build_hf_chunks(m: ModelConfig, p: ParallelConfig, seq_length: int, precision: str, load_weights: bool = True):

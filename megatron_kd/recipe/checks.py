@@ -41,6 +41,7 @@ def check_model(m: ModelConfig, section: str, tp: int) -> None:
     _need(m.position_embedding_type in ("rope", "yarn", "learned_absolute", "none"),
           f"{section}.position_embedding_type={m.position_embedding_type!r}: use rope, yarn, learned_absolute or none")
     check_gpt_oss_fields(m, section)
+    check_rope_scaling(m, section)
     _need(m.attention_backend in ATTENTION_BACKENDS,
           f"{section}.attention_backend={m.attention_backend!r}: use one of {ATTENTION_BACKENDS}")
     _need(m.make_vocab_size_divisible_by >= 1, f"{section}.make_vocab_size_divisible_by must be >= 1")
@@ -216,6 +217,32 @@ def check_gpt_oss_fields(m, section: str) -> None:
         raise RecipeError(f"{section}.position_embedding_type=yarn needs {section}.yarn (GPT-OSS: "
                          "{rotary_scaling_factor: 32, original_max_position_embeddings: 4096, beta_fast: 32, "
                          "beta_slow: 1})")
+
+
+ROPE_SCALING_KEYS = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                     "rope_original_max_position_embeddings")
+
+
+def check_rope_scaling(m, section: str) -> None:
+    """Llama 3 RoPE scaling: only on rope, with the values Hugging Face's llama3 formula can use; a scaling key
+    changed while scaling is off would change nothing, so it is refused rather than ignored."""
+    if not m.rope_scaling:
+        defaults = {f.name: f.default for f in fields(ModelConfig)}
+        changed = [k for k in ROPE_SCALING_KEYS if getattr(m, k) != defaults[k]]
+        _need(not changed, f"{section}.{changed[0] if changed else ''}={getattr(m, changed[0]) if changed else ''} "
+              f"has no effect with {section}.rope_scaling=false; set {section}.rope_scaling=true (Llama 3 "
+              "RoPE scaling) or drop the key")
+        return
+    _need(m.position_embedding_type == "rope", f"{section}.rope_scaling=true scales RoPE frequencies, but "
+          f"{section}.position_embedding_type={m.position_embedding_type!r}; set it to rope or rope_scaling=false")
+    _need(m.rope_scaling_factor >= 1, f"{section}.rope_scaling_factor={m.rope_scaling_factor} must be >= 1 "
+          "(Llama-3.1: 8, Llama-3.2: 32)")
+    _need(0 < m.rope_low_freq_factor < m.rope_high_freq_factor,
+          f"{section}.rope_low_freq_factor={m.rope_low_freq_factor} and {section}.rope_high_freq_factor="
+          f"{m.rope_high_freq_factor} need 0 < low < high (Llama 3: 1 and 4)")
+    o = m.rope_original_max_position_embeddings
+    _need(isinstance(o, int) and o >= 1, f"{section}.rope_original_max_position_embeddings={o!r} must be a "
+          "positive integer (Llama 3: 8192)")
 
 
 def check_run(r: Recipe, world_size: int, cuda: bool, vocab_size: int) -> None:

@@ -7,7 +7,14 @@ train.resume_changes names it)."""
 # teacher is compared by the identity its manifest records, not by its path.
 ARCH_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
              "kv_channels", "normalization", "activation", "position_embedding_type", "tie_embeddings",
-             "num_moe_experts", "add_bias_linear", "add_qkv_bias", "qk_layernorm")
+             "num_moe_experts", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "rope_scaling",
+             "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+             "rope_original_max_position_embeddings")
+
+# Architecture keys newer than some checkpoints: a checkpoint whose recipe lacks one was made at the key's schema
+# default (plain RoPE), so it is compared at that default instead of being skipped.
+DEFAULTED_ARCH_KEYS = ("rope_scaling", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                       "rope_original_max_position_embeddings")
 
 
 SCHEDULE_KEYS = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_style", "lr_decay_iters")

@@ -34,6 +34,15 @@ class ModelConfig:
     position_embedding_type: str = "rope"        # rope | learned_absolute | none
     rotary_base: int = 10000
     rotary_percent: float = 1.0
+    # Llama 3.x RoPE frequency scaling: Hugging Face's rope_type "llama3", megatron-core's RotaryEmbedding
+    # rope_scaling (models/builder.py). Wavelengths longer than original / low_freq_factor are stretched by
+    # factor, those shorter than original / high_freq_factor are kept, the ones between are interpolated.
+    # Llama-3.1: factor 8, Llama-3.2: factor 32; both low 1, high 4, original 8192 (recipes/model/llama3*.yaml)
+    rope_scaling: bool = False                   # true: Llama 3 scaling with the four keys below (needs rope)
+    rope_scaling_factor: float = 8.0             # config.json rope_scaling.factor (>= 1)
+    rope_low_freq_factor: float = 1.0            # config.json rope_scaling.low_freq_factor (> 0)
+    rope_high_freq_factor: float = 4.0           # config.json rope_scaling.high_freq_factor (> low_freq_factor)
+    rope_original_max_position_embeddings: int = 8192  # config.json rope_scaling.original_max_position_embeddings
     tie_embeddings: bool = True                  # share the input embedding and output layer weights
     init_method_std: float = 0.02
     make_vocab_size_divisible_by: int = 128      # Megatron pads the vocabulary to a multiple of this x TP

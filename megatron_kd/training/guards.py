@@ -25,7 +25,8 @@ import threading
 import torch
 import torch.distributed as dist
 
-from ..recipe.resume_keys import ARCH_KEYS, CACHE_TEACHER, RESUME_KEYS, SCHEDULE_KEYS, TEACHER_KEYS
+from ..recipe.resume_keys import (ARCH_KEYS, CACHE_TEACHER, DEFAULTED_ARCH_KEYS, RESUME_KEYS, SCHEDULE_KEYS,
+                                  TEACHER_KEYS)
 from ..recipe.schema import RecipeError, RunError
 
 LOCK_NAME = ".megatron-kd-train.lock"
@@ -94,12 +95,22 @@ def _fmt(v) -> str:
     return "null" if v is None else str(v)
 
 
+def _with_defaults(saved_model: dict) -> dict:
+    """A checkpoint's model section with DEFAULTED_ARCH_KEYS it lacks set to their schema defaults."""
+    import dataclasses
+    from ..recipe.schema import ModelConfig
+    if not saved_model:
+        return saved_model
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    return {**{k: defaults[k] for k in DEFAULTED_ARCH_KEYS}, **saved_model}
+
+
 def resume_differences(saved: dict, r, saved_cache_teacher=None) -> list:
     """[(key, checkpoint's value, this recipe's value)] for every compared key that differs."""
     import dataclasses
     now = dataclasses.asdict(r)
     diff = []
-    sm, nm = saved.get("model", {}), now["model"]
+    sm, nm = _with_defaults(saved.get("model", {})), now["model"]
     for k in ARCH_KEYS:
         if k in sm and sm[k] != nm[k]:
             diff.append((f"model.{k}", sm[k], nm[k]))
@@ -112,7 +123,7 @@ def resume_differences(saved: dict, r, saved_cache_teacher=None) -> list:
                 diff.append((f"{section}.{k}", s[k], n[k]))
     sk, nk = saved.get("kd", {}), now["kd"]
     if _uses_teacher(sk) and _uses_teacher(nk):
-        st, nt = saved.get("teacher", {}), now["teacher"]
+        st, nt = _with_defaults(saved.get("teacher", {})), now["teacher"]
         for k in TEACHER_KEYS:
             if k in st and st[k] != nt[k]:
                 diff.append((f"teacher.{k}", st[k], nt[k]))
@@ -180,7 +191,7 @@ def check_checkpoint_model(path: str, m, key: str, section: str) -> None:
         raise RecipeError(f"{key}={path}: its checkpoint cannot be read ({type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else ''}); point {key} at a complete "
                           "`megatron-kd train` save dir") from None
-    saved = (common.get("recipe") or {}).get("model", {})
+    saved = _with_defaults((common.get("recipe") or {}).get("model", {}))
     diff = [(k, saved[k], getattr(m, k)) for k in ARCH_KEYS if k in saved and saved[k] != getattr(m, k)]
     if diff:
         raise RecipeError(f"{key}={path} holds a model of another shape ("

@@ -49,7 +49,8 @@ def smoke_overrides(seq: int) -> list:
 def run_overrides(cache: str, save: str) -> list:
     return ["data.kind=mock", "data.path=null", "kd.build_cache=true", f"kd.cache={cache}", f"train.iters={ITERS}",
             "train.global_batch_size=1", "train.micro_batch_size=1", "train.lr_warmup_iters=0", "train.eval_iters=0",
-            "train.eval_interval=null", "train.save_interval=null", "train.log_interval=1", "train.progress=true",
+            "train.eval_interval=null", "train.save_interval=null", "train.save_at_end=false", "train.log_interval=1",
+            "train.progress=true",
             "train.tensorboard=false", f"train.save={save}", f"hydra.run.dir={save}"]
 
 
@@ -124,7 +125,7 @@ def one_recipe(key, recipe, seq, a, deadline, out):
             r.update(verify_rc=rc, verify_wall_s=dt, verify=text.splitlines()[-1] if text else "",
                      cache_bytes=sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(cache) for f in fs))
             print(f"[{key}] verify rc={rc}: {r['verify']}", flush=True)
-        plan_args = ["plan", recipe, *[o for o in train_args[2:] if not o.startswith(("hydra.", "train.save="))],
+        plan_args = ["plan", recipe, *[o for o in train_args[2:] if not o.startswith(("hydra.", "train.save=", "train.save_at_end"))],
                      "--json"]
         log = os.path.join(logs, f"{key}_plan.json")
         rc, _ = cli(plan_args, log, deadline - time.time(), err_log=os.path.join(logs, f"{key}_plan.log"))

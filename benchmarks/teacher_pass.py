@@ -28,7 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 SHAPES = {  # recipe, overrides of its teacher
     "llama8b": ("llama31_8b_to_3b_32k_1xh200", []),
-    "gpt-oss": ("gpt_oss_20b_32k_8xh200", []),
+    "gpt-oss": ("gpt_oss_20b_32k_8xh200", ["parallel=single", "model.moe_grouped_gemm=false",
+                                           "teacher.moe_grouped_gemm=false"]),  # the teacher alone on one GPU
     "smoke": ("tiny_cpu", ["data=mock", "data.vocab_size=4096", "data.seq_length=256", "train.device=cpu"]),
 }
 

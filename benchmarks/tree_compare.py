@@ -14,7 +14,9 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -56,12 +58,28 @@ def run_tree(tree: str, name: str, args, work: str) -> dict:
     else:
         cmd = [*launch, "-m", "megatron_kd", "train", *(SMOKE if args.smoke else GPU), f"train.save={save}",
                f"hydra.run.dir={save}", f"kd.cache={cache}", *args.overrides]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(tree), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([os.path.abspath(tree), os.environ.get("PYTHONPATH", "")]))
     t0 = time.time()
+    last_iter_s = None
     with open(os.path.join(work, f"{name}.log"), "w") as log:
-        rc = subprocess.run(cmd, cwd=os.path.abspath(tree), env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+        if args.until_iter:  # the wall time to the last iteration's line; the final checkpoint is not waited for
+            p = subprocess.Popen(cmd, cwd=os.path.abspath(tree), env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            pat = re.compile(rf"\biter(?:ation)?\s+{args.until_iter}\b")
+            for line in p.stdout:
+                log.write(line)
+                if pat.search(line) and last_iter_s is None:
+                    last_iter_s = time.time() - t0
+                    time.sleep(2)  # metrics.jsonl is written with the line
+                    os.killpg(p.pid, signal.SIGKILL)
+                    break
+            p.wait()
+            rc = 0 if last_iter_s is not None else p.returncode
+        else:
+            rc = subprocess.run(cmd, cwd=os.path.abspath(tree), env=env, stdout=log,
+                                stderr=subprocess.STDOUT).returncode
     wall = time.time() - t0
-    rec = {"tree": tree, "rc": rc, "wall_s": wall, "cmd": " ".join(cmd[1:])}
+    rec = {"tree": tree, "rc": rc, "wall_s": wall, "wall_to_last_iteration_s": last_iter_s, "cmd": " ".join(cmd[1:])}
     if rc != 0:
         rec["log_tail"] = open(os.path.join(work, f"{name}.log")).read()[-3000:]
         return rec
@@ -78,7 +96,8 @@ def run_tree(tree: str, name: str, args, work: str) -> dict:
             train[r["iteration"]] = r
     its = sorted(train)
     later = [train[i] for i in its[1:]] or [train[i] for i in its]
-    summary = json.load(open(os.path.join(save, "summary.json")))
+    summary_path = os.path.join(save, "summary.json")
+    summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
     manifest = json.load(open(os.path.join(cache, "manifest.json")))
     rec.update(losses={i: train[i]["loss"] for i in its}, kl={i: train[i].get("kl") for i in its},
                tflops=statistics.median(r["tflops_per_gpu"] for r in later),
@@ -98,6 +117,8 @@ def main():
     p.add_argument("--nproc", type=int, default=1, help="ranks under torchrun (e.g. 2 with parallel.tp=2)")
     p.add_argument("--demo", action="store_true", help="compare `megatron-kd demo --small` caches (CPU)")
     p.add_argument("--work", default=None, help="scratch directory (default: a fresh one under /tmp)")
+    p.add_argument("--until-iter", type=int, default=None,
+                   help="stop each run once iteration N is printed (time to that line; no final checkpoint)")
     p.add_argument("--out", required=True)
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
@@ -121,6 +142,9 @@ def main():
             "tflops_new_over_old": new["tflops"] / old["tflops"],
             "peak_diff_gib": new["peak_gib"] - old["peak_gib"],
             "wall_new_over_old": new["wall_s"] / old["wall_s"]}
+        if args.until_iter:
+            res["checks"]["wall_to_last_iteration_new_over_old"] = (new["wall_to_last_iteration_s"]
+                                                                   / old["wall_to_last_iteration_s"])
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1, default=str)

@@ -132,6 +132,7 @@ class PendingTopK:
     """The top-K of N rows, queued on the device; result() waits for it (one host sync), raises on non-finite
     logits, and redoes with whole-row keys the chunks whose ties the candidates could not settle."""
 
+    @torch.no_grad()
     def __init__(self, n, logits_of, k, shard, group, temperature, step, device):
         self.n, self.logits_of, self.k, self.shard = n, logits_of, k, shard
         self.group, self.temperature, self.step = group, temperature, step
@@ -144,6 +145,7 @@ class PendingTopK:
             flags.append(f)
         self.flags = torch.stack(flags) if flags else torch.zeros(0, 2, dtype=torch.int32, device=device)
 
+    @torch.no_grad()
     def result(self):
         flags = all_reduce_max(self.flags, self.group).tolist()  # every rank takes the same decisions
         if any(f[1] for f in flags):

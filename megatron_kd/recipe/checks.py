@@ -361,6 +361,9 @@ def check_train(t) -> None:
     _need(_number(t.adam_eps) and t.adam_eps > 0, f"train.adam_eps={t.adam_eps} must be > 0 (e.g. 1e-8)")
     _need(_number(t.weight_decay) and t.weight_decay >= 0, f"train.weight_decay={t.weight_decay} must be >= 0")
     _need(_number(t.clip_grad) and t.clip_grad >= 0, f"train.clip_grad={t.clip_grad} must be >= 0 (0: no clipping)")
+    _need(isinstance(t.save_at_end, bool), f"train.save_at_end={t.save_at_end!r} must be true or false")
+    _need(t.save_at_end or not (t.export_hf or t.stop_at), "train.save_at_end=false leaves no checkpoint for "
+          "train.export_hf / train.stop_at to use; drop one of them")
     for k in ("save_interval", "eval_interval"):
         v = getattr(t, k)
         _need(v is None or v >= 1, f"train.{k}={v} must be >= 1, or null (only at the end)")

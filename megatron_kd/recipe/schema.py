@@ -150,6 +150,7 @@ class TrainConfig:
     load: Optional[str] = None                   # resume from the latest checkpoint here if any; None: save
     pretrained: Optional[str] = None             # initialize the student's weights (not the optimizer) from here
     save_interval: Optional[int] = None          # None: only at the end
+    save_at_end: bool = True                     # false: no final checkpoint (a speed / memory measurement only)
     export_hf: Optional[str] = None              # at the end, the student as an HF checkpoint here (model.hf_path runs)
     stop_at: Optional[int] = None                # stop (with a checkpoint) after this iteration, keep the schedule
     log_interval: int = 10

@@ -205,7 +205,8 @@ class Trainer:
                 last_eval = self.evaluate(it, sink)
             if t.save_interval and it % t.save_interval == 0 and it < stop:
                 self._save(it, consumed)
-        self._save(stop, consumed)
+        if t.save_at_end:
+            self._save(stop, consumed)
         if stop == t.iters:
             last_eval = self.evaluate(stop, sink)
         sink.close()

@@ -61,6 +61,10 @@ def child(a) -> dict:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     name, over = SHAPES[a.shape]
     over = list(over) + ([f"teacher.num_layers={a.layers}"] if a.layers else []) + [f"data.seq_length={a.seq}"] * bool(a.seq)
+    import dataclasses
+    from megatron_kd.recipe.schema import TeacherConfig
+    if a.plain_rope and "rope_scaling" in {f.name for f in dataclasses.fields(TeacherConfig)}:
+        over.append("teacher.rope_scaling=false")  # the architecture of a tree whose presets predate the scaling
     r = to_recipe(compose(name, over + ["kd.cache=/dev/null"], save="/dev/null"))
     vocab, seq, k = r.data.vocab_size, r.data.seq_length, a.top_k
     res = {"recipe": name, "overrides": over, "seq_length": seq, "vocab_size": vocab, "top_k": k,
@@ -263,6 +267,8 @@ def main():
     p.add_argument("--profile", action="store_true")
     p.add_argument("--profile-samples", type=int, default=2)
     p.add_argument("--hf", action="store_true")
+    p.add_argument("--plain-rope", action="store_true",
+                   help="teacher.rope_scaling=false in trees that have the key: the same teacher as an older tree's")
     p.add_argument("--smoke", action="store_true", help="tiny CPU shape: checks the script only")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out")

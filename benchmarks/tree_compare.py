@@ -57,7 +57,8 @@ def run_tree(tree: str, name: str, args, work: str) -> dict:
         cache = os.path.join(save, "cache")
     else:
         cmd = [*launch, "-m", "megatron_kd", "train", *(SMOKE if args.smoke else GPU), f"train.save={save}",
-               f"hydra.run.dir={save}", f"kd.cache={cache}", *args.overrides]
+               f"hydra.run.dir={save}", f"kd.cache={cache}", *args.overrides,
+               *(args.new_overrides.split() if name == "new" and args.new_overrides else [])]
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([os.path.abspath(tree), os.environ.get("PYTHONPATH", "")]))
     t0 = time.time()
     last_iter_s = None
@@ -117,6 +118,8 @@ def main():
     p.add_argument("--nproc", type=int, default=1, help="ranks under torchrun (e.g. 2 with parallel.tp=2)")
     p.add_argument("--demo", action="store_true", help="compare `megatron-kd demo --small` caches (CPU)")
     p.add_argument("--work", default=None, help="scratch directory (default: a fresh one under /tmp)")
+    p.add_argument("--new-overrides", default="",
+                   help="overrides for the new tree only, e.g. keys the old tree does not know")
     p.add_argument("--until-iter", type=int, default=None,
                    help="stop each run once iteration N is printed (time to that line; no final checkpoint)")
     p.add_argument("--out", required=True)

@@ -121,3 +121,13 @@ def test_a_sweep_run_that_would_rebuild_the_finished_cache_is_refused(sweep):
     # reading it as it is (a smaller K) is what a sweep over kd.top_k does
     check_sweep_run(_recipe(f"train.save={save}", f"kd.cache={cache}", "kd.top_k=4", "kd.build_cache=false"))
     assert os.path.isfile(os.path.join(cache, "manifest.json"))
+
+
+def test_a_sweep_with_the_recipes_per_run_cache_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
+    """tiny_cpu's kd.cache is ${train.save}/teacher_cache: in a sweep, one cache per run. Every run says so in one
+    sentence and trains nothing."""
+    monkeypatch.chdir(tmp_path)
+    assert train_cli.main(["-m", *BASE, "train.iters=1", "kd.divergence=forward_kl,jsd"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("megatron-kd train: error:")]
+    assert len(err) == 2 and all("lies in this sweep run's own directory" in e for e in err), err
+    assert not list(tmp_path.rglob("teacher_cache")) and not list(tmp_path.rglob("iter_*"))

@@ -169,8 +169,8 @@ def run_config(cfg) -> int:
         from ..recipe.checks import check_sweep_run, checked_recipe
         recipe = checked_recipe(cfg)
         if sweep:
-            print(f"megatron-kd train: sweep run {hc.job.num}: {' '.join(o.lstrip('+') for o in hc.overrides.task)} -> {recipe.train.save}",
-                  flush=True)
+            given = " ".join(o.lstrip("+") for o in hc.overrides.task)
+            print(f"megatron-kd train: sweep run {hc.job.num}: {given} -> {recipe.train.save}", flush=True)
             check_sweep_run(recipe)
         from ..training.loop import run
         summary = run(recipe, recipe.train.save)

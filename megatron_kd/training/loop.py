@@ -136,8 +136,8 @@ class Trainer:
                     build_teacher_cache(dataclasses.replace(r, kd=kd), self.tok, source, self.train_n)
                 reader = CacheReader(kd.cache, expected_teacher=kd.teacher_id)
             except CacheError as e:
-                raise RecipeError(f"kd.cache={kd.cache} (the cache of the mixture source {source_name(kd)}): "
-                                  f"{e}") from None
+                raise RecipeError(f"kd.cache={kd.cache} (the mixture source {os.path.basename(kd.cache)}'s "
+                                  f"cache): {e}") from None
             self.notes += check_cache(reader, kd, r.data, source, self.vocab, self.train_n)
             sets.append(with_cache(source, reader, kd))
         if not ps.is_pipeline_last_stage(ignore_virtual=True):
@@ -297,10 +297,6 @@ class Trainer:
                 json.dump(s, f, indent=2)
         barrier()
         return s
-
-
-def source_name(kd) -> str:
-    return os.path.basename(kd.cache.rstrip("/"))
 
 
 def _line(rec: dict) -> str:

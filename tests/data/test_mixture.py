@@ -100,6 +100,12 @@ def test_each_mixture_sample_carries_its_source_samples_cache_rows(sources, coun
                 s = full[i]
                 assert np.array_equal(s["tokens"].numpy(), np.asarray(mix.sources[j][k]["tokens"]))
                 assert np.array_equal(s["topk_ids"].numpy(), readers[j][k]["topk_ids"][:, :8])
+        # a recipe of the source alone trains (and so builds a cache) on the same samples as its mixture source
+        alone = to_recipe(compose("tiny_cpu", [*mixture(d, a, b, 0.5, 0.5), f"data.path={b}", f"train.save={d / 'y'}"]))
+        with distributed(alone.parallel, alone.train.seed, "cpu"):
+            single, _ = build_datasets(alone.data, tok, ITERS * 4, 4)
+            for k in range(len(single)):
+                assert np.array_equal(np.asarray(single[k]["tokens"]), np.asarray(mix.sources[1][k]["tokens"]))
     share = {w: sum(j == 0 for j, _ in p) / len(p) for w, p in pairs.items()}
     assert share[0.5] == pytest.approx(0.5, abs=0.13) and share[0.8] == pytest.approx(0.8, abs=0.13)
     assert pairs[0.5] != pairs[0.8]

@@ -76,9 +76,39 @@ def sweep_modes(ks=SWEEP_K, tails=SWEEP_TAILS, divs=SWEEP_DIVS) -> list:
                                     for div in divs]
 
 
+def split_lr(mode: str):
+    """(mode without its learning rate, the rate or None): `k100_none_jsd_lr0.01` -> (`k100_none_jsd`, 0.01)."""
+    if "_lr" in mode:
+        base, lr = mode.rsplit("_lr", 1)
+        return base, float(lr)
+    return mode, None
+
+
 def sweep_mode(mode: str):
-    k, tail, div = mode.split("_", 2)
+    k, tail, div = split_lr(mode)[0].split("_", 2)
     return int(k[1:]), tail, div
+
+
+# --sweep-add: per divergence, K=100 tail none at each rate of this grid (same steps, samples and seed: equal
+# compute); the online full-vocabulary run of that divergence then trains at the rate its offline run did best at
+SWEEP_LRS = (1e-3, 3e-3, 1e-2)
+SWEEP_LR_K, SWEEP_LR_TAIL = 100, "none"
+
+
+def lr_mode(base: str, lr: float, default_lr: float) -> str:
+    return base if abs(lr - default_lr) < 1e-12 else f"{base}_lr{lr:g}"
+
+
+def online_mode(div: str, lr: float, default_lr: float) -> str:
+    """online_full is forward KL at the default rate (the sweep's reference); other divergences online_{div}."""
+    return lr_mode("online_full" if div == "forward_kl" else f"online_{div}", lr, default_lr)
+
+
+def online_div(mode: str) -> str | None:
+    base = split_lr(mode)[0]
+    if base == "online_full":
+        return "forward_kl"
+    return base[len("online_"):] if base.startswith("online_") else None
 
 
 class Bench(Demo):
@@ -93,9 +123,10 @@ class Bench(Demo):
         teacher = f"teacher.load={os.path.join(self.out, 'teacher')}"
         if mode == "offline":  # the demo's cache stage composes its recipe from this: K = the cache's K
             mode = "offline_k100"
-        o = self.common(f"student_{mode}", s.student_iters, s.student_lr) + [f"train.save_interval={s.eval_interval}"]
+        lr = split_lr(mode)[1] or s.student_lr
+        o = self.common(f"student_{mode}", s.student_iters, lr) + [f"train.save_interval={s.eval_interval}"]
         if self.sweep:  # the fidelity sweep: only the final checkpoint is evaluated
-            o = self.common(f"student_{mode}", s.student_iters, s.student_lr)
+            o = self.common(f"student_{mode}", s.student_iters, lr)
             o = [x.replace(f"train.eval_interval={s.eval_interval}", f"train.eval_interval={s.student_iters}")
                  for x in o]
         if mode.startswith("k") and "_" in mode:  # k{K}_{tail}_{divergence}, all read from the one K=100 cache
@@ -106,8 +137,9 @@ class Bench(Demo):
             k = s.top_k if mode == "offline_k100" else s.small_k
             o += ["kd=offline", f"kd.top_k={k}", "kd.tail=none", teacher, f"kd.cache={self.cache}",
                   "kd.build_cache=false"]
-        elif mode == "online_full":
-            o += ["kd=online", f"kd.top_k={self.vocab}", "kd.tail=none", teacher]
+        elif online_div(mode):  # the whole vocabulary: no truncation, only the divergence
+            o += ["kd=online", f"kd.top_k={self.vocab}", "kd.tail=none", f"kd.divergence={online_div(mode)}",
+                  f"kd.jsd_beta={JSD_BETA}", teacher]
         else:
             o += ["kd=ce"]
         return o
@@ -327,30 +359,50 @@ def retemper_check(bench: Bench, student_dir: str, num_samples: int, ks=(20, 100
     return out
 
 
-def sweep_label(mode: str) -> str:
-    if mode == "online_full":
-        return "online, full vocabulary (forward KL)"
+def div_name(div: str) -> str:
+    return div if div != "jsd" else f"jsd({JSD_BETA})"
+
+
+def sweep_row(mode: str, default_lr: float):
+    """(K, tail, divergence, lr) of a sweep mode, as the table shows them."""
+    lr = split_lr(mode)[1] or default_lr
+    if online_div(mode):
+        return "V (online)", "-", div_name(online_div(mode)), lr
     if mode == "ce":
-        return "CE only (no teacher)"
+        return "-", "-", "CE only", lr
     k, tail, div = sweep_mode(mode)
-    return f"K={k}, tail {tail}, {div if div != 'jsd' else f'JSD({JSD_BETA})'}"
+    return k, tail, div_name(div), lr
 
 
 def sweep_table(res: dict) -> str:
     final, ref = res["final"], res["final"]["online_full"]
-    lines = ["| student | K | tail | divergence | held-out CE | KL to teacher | CE vs online | KL vs online |",
-             "|---|---|---|---|---|---|---|---|"]
+    default_lr = res["settings"]["student_lr"]
+    lines = ["| student | K | tail | divergence | lr | held-out CE | KL to teacher | CE vs online | KL vs online |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for m in res["modes"]:
         f = final[m]
-        if m in ("online_full", "ce"):
-            k, tail, div = ("V", "-", "forward_kl") if m == "online_full" else ("-", "-", "CE only")
-        else:
-            k, tail, div = sweep_mode(m)
-            div = div if div != "jsd" else f"jsd({JSD_BETA})"
+        k, tail, div, lr = sweep_row(m, default_lr)
         cg = (f["ce"] - ref["ce"]) / ref["ce"] * 100
         kg = (f["kl"] - ref["kl"]) / ref["kl"] * 100
-        lines.append(f"| {m} | {k} | {tail} | {div} | {f['ce']:.4f} | {f['kl']:.4f} | {cg:+.2f}% | {kg:+.2f}% |")
-    lines.append(f"| teacher (reference) | | | | {res['teacher_ce']:.4f} | - | | |")
+        lines.append(f"| {m} | {k} | {tail} | {div} | {lr:g} | {f['ce']:.4f} | {f['kl']:.4f} | {cg:+.2f}% | "
+                     f"{kg:+.2f}% |")
+    lines.append(f"| teacher (reference) | | | | | {res['teacher_ce']:.4f} | - | | |")
+    if res.get("per_divergence"):
+        lines += ["", per_divergence_table(res)]
+    return "\n".join(lines)
+
+
+def per_divergence_table(res: dict) -> str:
+    """Per divergence: the rate its offline K=100 (tail none) run did best at, that run, and the online
+    full-vocabulary run of the same divergence at the same rate: offline - online is what truncation costs."""
+    lines = [f"| divergence | lr chosen (of {', '.join(f'{x:g}' for x in res['lr_grid'])}) | offline K={SWEEP_LR_K}, "
+             f"tail {SWEEP_LR_TAIL}: CE / KL | online full vocabulary: CE / KL | offline - online: CE / KL |",
+             "|---|---|---|---|---|"]
+    final = res["final"]
+    for div, d in res["per_divergence"].items():
+        off, on = final[d["offline"]], final[d["online"]]
+        lines.append(f"| {div_name(div)} | {d['lr']:g} | {off['ce']:.4f} / {off['kl']:.4f} | {on['ce']:.4f} / "
+                     f"{on['kl']:.4f} | {off['ce'] - on['ce']:+.4f} / {off['kl'] - on['kl']:+.4f} |")
     return "\n".join(lines)
 
 
@@ -359,9 +411,12 @@ def sweep_plot(res: dict, png: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     final = res["final"]
-    ks = sorted({sweep_mode(m)[0] for m in res["modes"] if m not in ("online_full", "ce")})
-    divs = [d for d in SWEEP_DIVS if any(m.endswith("_" + d) for m in res["modes"])]
-    fig, axes = plt.subplots(2, len(divs), figsize=(5 * len(divs), 8), squeeze=False)
+    grid = [m for m in res["modes"] if m != "ce" and not online_div(m) and split_lr(m)[1] is None]
+    ks = sorted({sweep_mode(m)[0] for m in grid})
+    divs = [d for d in SWEEP_DIVS if any(m.endswith("_" + d) for m in grid)]
+    per_div = res.get("per_divergence") or {}
+    fig, axes = plt.subplots(3 if per_div else 2, len(divs), figsize=(5 * len(divs), 12 if per_div else 8),
+                             squeeze=False)
     colors = {"none": "tab:blue", "renormalize": "tab:purple", "bucket": "tab:red"}
     for j, div in enumerate(divs):
         for i, metric in enumerate(("kl", "ce")):
@@ -375,6 +430,22 @@ def sweep_plot(res: dict, png: str) -> None:
             name = div if div != "jsd" else f"JSD({JSD_BETA})"
             ax.set(xscale="log", xticks=ks, xticklabels=[str(k) for k in ks], xlabel="K (from one K=100 cache)",
                    ylabel="nats/token", title=f"{name}: held-out {'KL(teacher || student)' if metric == 'kl' else 'CE'}")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        if div in per_div:  # the learning-rate sweep of K=100, tail none, and the online run at the chosen rate
+            ax = axes[2][j]
+            lrs = res["lr_grid"]
+            ms = [lr_mode(f"k{SWEEP_LR_K}_{SWEEP_LR_TAIL}_{div}", lr, res["settings"]["student_lr"]) for lr in lrs]
+            ax.plot(lrs, [final[m]["kl"] for m in ms], "o-", color="tab:blue", label=f"offline K={SWEEP_LR_K}, "
+                    f"tail {SWEEP_LR_TAIL}")
+            on = final[per_div[div]["online"]]
+            ax.plot([per_div[div]["lr"]], [on["kl"]], "*", ms=14, color="tab:orange",
+                    label="online, full vocabulary, same divergence (at the chosen lr)")
+            ax.axhline(final["online_full"]["kl"], color="tab:orange", linestyle="--", lw=1,
+                       label="online full, forward KL, lr 0.003")
+            name = div if div != "jsd" else f"JSD({JSD_BETA})"
+            ax.set(xscale="log", xticks=lrs, xticklabels=[f"{x:g}" for x in lrs], xlabel="learning rate (same steps)",
+                   ylabel="nats/token", title=f"{name}: held-out KL(teacher || student) vs learning rate")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
     s = res["settings"]
@@ -441,6 +512,130 @@ def run_sweep(bench: Bench, args, t0: float) -> int:
     print(json.dumps(retemper, indent=1), flush=True)
     bench.say(f"bar ({res['bar']}): {'MET' if res['bar_met'] else 'MISSED'} {gap}; total {res['total_s']:.0f} s")
     return 0 if res["bar_met"] else 1
+
+
+def run_sweep_add(bench: Bench, args, t0: float) -> int:
+    """--sweep-add: per divergence, K=100 tail none at each --sweep-lr rate (same samples, steps and seed: equal
+    compute) and the online full-vocabulary run of that divergence at the rate its offline run did best at, with
+    online_full (forward KL, the default rate) as the reference; every row trained and scored here, on one
+    machine (rows of another machine's run differ by about 0.02 nats: README, how far the figures vary). Writes
+    args.results (default results/divergence_lr_cpu) .json/.md/.png, after the rate sweep and again at the end."""
+    from megatron_kd.training.evaluate import compare
+    from megatron_kd.checkpoint.store import iter_dir
+    from common import environment
+    s = bench.s
+    divs = tuple(args.sweep_div.split(","))
+    grid = tuple(sorted(float(x) for x in args.sweep_lr.split(",")))
+    base = {div: f"k{SWEEP_LR_K}_{SWEEP_LR_TAIL}_{div}" for div in divs}
+    lr_modes = [lr_mode(base[d], lr, s.student_lr) for d in divs for lr in grid]
+    r = bench.recipe("online_full")
+    final, commands = {}, {}
+    res = {"benchmark": "per-divergence learning rates (offline K=100, tail none) and online full-vocabulary KD per "
+                        "divergence", "command": "python benchmarks/offline_vs_online.py --sweep-add"
+           + (" --small" if args.small else ""), "device": "CPU", "cpu_cores": os.cpu_count(),
+           "environment": environment(), "settings": dataclasses.asdict(s), "jsd_beta": JSD_BETA,
+           "lr_grid": list(grid), "final": final, "student_commands": commands,
+           "lr_choice": "lowest held-out KL of offline K=100, tail none (the table's held-out samples: the demo "
+                        "data has no third split to choose on)"}
+
+    def evaluate(modes):
+        if train_students(bench, modes) is None:
+            return None
+        t = time.time()
+        students = {m: (r.model, iter_dir(os.path.join(bench.out, f"student_{m}"), s.student_iters)) for m in modes}
+        met = compare(r, os.path.join(bench.out, "teacher"), students, s.eval_samples,
+                      min(s.micro_batch_size, s.eval_samples))
+        bench.times["evaluate"] = bench.times.get("evaluate", 0.0) + time.time() - t
+        res["teacher_ce"] = met["teacher"]["ce"]
+        commands.update({m: "megatron-kd train " + " ".join(bench.student_overrides(m)) for m in modes})
+        return {m: {k: met[m][k] for k in ("ce", "kl")} for m in modes}
+
+    def write():
+        res["modes"] = list(final)
+        res["stage_s"] = dict(bench.times)
+        res["total_s"] = time.time() - t0
+        os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
+        lr_plot(res, args.results + ".png")
+        table = lr_table(res)
+        with open(args.results + ".json", "w") as f:
+            json.dump(res, f, indent=2)
+        with open(args.results + ".md", "w") as f:
+            f.write(table + "\n")
+        print("\n" + table + "\n", flush=True)
+
+    got = evaluate(["online_full"] + lr_modes)
+    if got is None:
+        return 2
+    final.update(got)
+    stored = os.path.join(HERE, "results", "divergence_sweep_cpu.json")
+    if os.path.exists(stored):
+        with open(stored) as f:
+            old = json.load(f)["final"]
+        res["online_full_here_minus_divergence_sweep"] = {k: got["online_full"][k] - old["online_full"][k]
+                                                          for k in ("ce", "kl")}
+    chosen = {d: min(grid, key=lambda lr: got[lr_mode(base[d], lr, s.student_lr)]["kl"]) for d in divs}
+    res["per_divergence"] = {d: {"lr": chosen[d], "offline": lr_mode(base[d], chosen[d], s.student_lr),
+                                 "online": online_mode(d, chosen[d], s.student_lr)} for d in divs}
+    bench.say("chosen rates: " + ", ".join(f"{d} {lr:g}" for d, lr in chosen.items()))
+    write()
+    todo = [online_mode(d, chosen[d], s.student_lr) for d in divs]
+    got2 = evaluate([m for m in todo if m not in final])
+    if got2 is None:
+        return 2
+    final.update(got2)
+    write()
+    bench.say(f"total {res['total_s']:.0f} s; {args.results}.json, .md, .png")
+    return 0
+
+
+def lr_table(res: dict) -> str:
+    final, default_lr = res["final"], res["settings"]["student_lr"]
+    lines = ["| student | K | tail | divergence | lr | held-out CE | KL to teacher |", "|---|---|---|---|---|---|---|"]
+    for m in res["modes"]:
+        k, tail, div, lr = sweep_row(m, default_lr)
+        lines.append(f"| {m} | {k} | {tail} | {div} | {lr:g} | {final[m]['ce']:.4f} | {final[m]['kl']:.4f} |")
+    lines.append(f"| teacher (reference) | | | | | {res['teacher_ce']:.4f} | - |")
+    per = {d: v for d, v in (res.get("per_divergence") or {}).items() if v["online"] in final}
+    if per:
+        lines += ["", per_divergence_table({**res, "per_divergence": per})]
+    return "\n".join(lines)
+
+
+def lr_plot(res: dict, png: str) -> None:
+    """Per divergence: held-out KL and CE of offline K=100 (tail none) against the learning rate, the online
+    full-vocabulary run of that divergence at the chosen rate (star), online forward KL at the default rate."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    final, per, lrs = res["final"], res.get("per_divergence") or {}, res["lr_grid"]
+    default_lr = res["settings"]["student_lr"]
+    divs = list(per)
+    fig, axes = plt.subplots(2, len(divs), figsize=(5 * len(divs), 8), squeeze=False)
+    for j, div in enumerate(divs):
+        for i, metric in enumerate(("kl", "ce")):
+            ax = axes[i][j]
+            ms = [lr_mode(f"k{SWEEP_LR_K}_{SWEEP_LR_TAIL}_{div}", lr, default_lr) for lr in lrs]
+            ax.plot(lrs, [final[m][metric] for m in ms], "o-", color="tab:blue",
+                    label=f"offline K={SWEEP_LR_K}, tail {SWEEP_LR_TAIL}")
+            if per[div]["online"] in final:
+                ax.plot([per[div]["lr"]], [final[per[div]["online"]][metric]], "*", ms=15, color="tab:orange",
+                        label=f"online, full vocabulary, {div_name(div)}, lr {per[div]['lr']:g}")
+            ax.axhline(final["online_full"][metric], color="tab:orange", linestyle="--", lw=1,
+                       label=f"online, full vocabulary, forward KL, lr {default_lr:g}")
+            if metric == "ce":
+                ax.axhline(res["teacher_ce"], color="gray", linestyle=":", label="teacher")
+            ax.set(xscale="log", xticks=lrs, xticklabels=[f"{x:g}" for x in lrs], xlabel="learning rate (same steps)",
+                   ylabel="nats/token", title=f"{div_name(div)}: held-out "
+                   + ("KL(teacher || student)" if metric == "kl" else "CE"))
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    s = res["settings"]
+    fig.suptitle(f"Per-divergence learning rate at equal compute ({s['student_iters']} steps x "
+                 f"{s['global_batch_size']}x{s['seq_length']} tokens, one seed) and the online run of each divergence",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
 
 
 LEAN_MODES = {"adam_fp32": ["train.precision=fp32"],
@@ -521,7 +716,14 @@ def main(argv=None) -> int:
                    "K=100 cache, against online full KD and CE only (results default: divergence_sweep_cpu)")
     p.add_argument("--sweep-k", default=",".join(map(str, SWEEP_K)), help="--sweep: the K values")
     p.add_argument("--sweep-div", default=",".join(SWEEP_DIVS), help="--sweep: the divergences")
+    p.add_argument("--sweep-add", action="store_true", help=f"per divergence, K={SWEEP_LR_K} tail {SWEEP_LR_TAIL} at "
+                   "each --sweep-lr rate, and the online full-vocabulary run of that divergence at its best rate "
+                   "(results default: divergence_lr_cpu)")
+    p.add_argument("--sweep-lr", default=",".join(f"{x:g}" for x in SWEEP_LRS), help="--sweep-add: the rates")
     args = p.parse_args(argv)
+    args.sweep = args.sweep or args.sweep_add
+    if args.sweep_add and not args.results:
+        args.results = os.path.join(HERE, "results", "divergence_lr_cpu" + ("_small" if args.small else ""))
     if args.sweep and not args.results:
         args.results = os.path.join(HERE, "results", "divergence_sweep_cpu" + ("_small" if args.small else ""))
     args.results = args.results or os.path.join(HERE, "results", "lean_adam_quality_cpu" if args.lean_adam
@@ -540,6 +742,8 @@ def main(argv=None) -> int:
     bench.stage_cache()
     if args.lean_adam:
         return lean_adam_quality(args, s, out, bench, t0)
+    if args.sweep_add:
+        return run_sweep_add(bench, args, t0)
     if args.sweep:
         return run_sweep(bench, args, t0)
     t = time.time()

@@ -109,6 +109,34 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, scheduler, com
     return path
 
 
+def save_weights(root: str, iteration: int, chunks, common: dict) -> str:
+    """A weights-only checkpoint (no optimizer, scheduler or RNG state), as train.pretrained, teacher.load and
+    load_weights read it: a model made outside training (e.g. a pruned teacher). Refuses to replace one."""
+    from megatron.core import dist_checkpointing
+    _require_psutil()
+    if latest_iteration(root) is not None:
+        raise FileExistsError(f"{root} already holds a checkpoint; not replacing it")
+    path = iter_dir(root, iteration)
+    if is_rank0():
+        os.makedirs(path, exist_ok=True)
+    barrier()
+    sd = _model_state(chunks)
+    sd.update(common)
+    sd["iteration"] = iteration
+    sd["layout"] = list(_layout())
+    dist_checkpointing.save(sd, path)
+    barrier()
+    from .integrity import write_manifest
+    write_manifest(path, iteration, is_rank0())
+    if is_rank0():
+        tmp = os.path.join(root, TRACKER + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(str(iteration))
+        os.replace(tmp, os.path.join(root, TRACKER))
+    barrier()
+    return path
+
+
 # Test seam: callables (event, iteration, optimizer) run after each save ("save") and load ("load") of the
 # optimizer state. Tests install one to compare a saved run's optimizer with the resumed one.
 OPTIMIZER_OBSERVERS: list = []

@@ -3,6 +3,7 @@
     megatron-kd demo                    # 2 CPU cores: 3 minutes idle, 10 at load average 8; results in runs/demo
     megatron-kd demo --small            # CI size (2 CPU cores: about 1 minute idle, 6 at load average 8)
     megatron-kd demo --out DIR --overwrite
+    megatron-kd demo --recover          # then prune the teacher and win it back three ways (cli/recover.py)
 
 Seven stages, each printed as [demo i/7 STAGE] with the time so far and an estimate of the rest:
 1. data: tokenizes the documentation CPython ships (pydoc_data) with a byte-level BPE trained on it
@@ -81,7 +82,16 @@ def build_parser():
                    help=f"size of the BPE vocabulary trained on the text (default {d.vocab_size})")
     p.add_argument("--seq-length", type=int, default=None, metavar="S",
                    help=f"tokens per training sample (default {d.seq_length})")
+    p.add_argument("--recover", action="store_true",
+                   help="after the demo (run now, or the finished one in --out): prune its teacher to half its "
+                        "layers and train the pruned model with CE only, offline top-K KD and online KD, "
+                        "each on the students' samples and steps; recover.md in --out")
+    p.add_argument("--recover-lr", type=float, default=RECOVER_LR, metavar="LR",
+                   help=f"--recover: their peak learning rate (default {RECOVER_LR:g})")
     return p
+
+
+RECOVER_LR = 1e-3  # the pruned model starts trained: a third of the students' rate
 
 
 def settings_from(args) -> Settings:
@@ -106,12 +116,26 @@ def main(argv=None) -> int:
     if problem:
         print(f"megatron-kd demo: error: {problem}", file=sys.stderr)
         return 2
-    try:
-        prepare_out_dir(out, s, args.overwrite)
-    except FileExistsError as e:
-        print(f"megatron-kd demo: {e}", file=sys.stderr)
-        return 2
-    return Demo(out, s, progress=not args.no_progress).run()
+    finished = finished_demo(out, s)
+    if not (args.recover and finished and not args.overwrite):
+        try:
+            prepare_out_dir(out, s, args.overwrite)
+        except FileExistsError as e:
+            print(f"megatron-kd demo: {e}", file=sys.stderr)
+            return 2
+    demo = Demo(out, s, progress=not args.no_progress)
+    rc = 0 if args.recover and finished and not args.overwrite else demo.run()
+    if rc or not args.recover:
+        return rc
+    from .recover import run as recover
+    return recover(demo, args.recover_lr)
+
+
+def finished_demo(out: str, s: Settings) -> bool:
+    """`out` holds a finished demo of these settings (its results.json and demo_settings.json)."""
+    path = os.path.join(out, SETTINGS)
+    return os.path.exists(os.path.join(out, RESULTS)) and os.path.exists(path) and \
+        json.load(open(path)) == dataclasses.asdict(s)
 
 
 # the recipe key each flag becomes, so a refusal names the flag the user typed

@@ -5,6 +5,7 @@ import sys
 COMMANDS = {
     "demo": ("megatron_kd.cli.demo", "whole pipeline on CPU with tiny models and real text (the default job)"),
     "train": ("megatron_kd.cli.train", "distill a student from a Hydra recipe (offline / online / ce)"),
+    "compare": ("megatron_kd.cli.compare", "table and loss-curve plot of finished runs (a sweep's: train -m)"),
     "cache": ("megatron_kd.cli.cache", "build, verify or inspect an offline teacher top-K cache"),
     "data": ("megatron_kd.cli.data", "tokenize text into Megatron's indexed .bin/.idx format"),
     "launch": ("megatron_kd.cli.launch", "print or run the torchrun / Slurm commands for a recipe"),

@@ -3,12 +3,20 @@
     megatron-kd train                                           # recipes/tiny_cpu.yaml
     megatron-kd train --config-name tiny_cpu kd=ce train.iters=50
     megatron-kd train --config-name RECIPE --cfg job            # print the full resolved recipe, run nothing
+    megatron-kd train -m kd.cache=runs/tiny_cache kd.divergence=forward_kl,reverse_kl,jsd train.lr=1e-3,3e-3
+                                                                # a sweep: 6 runs, one cache (Hydra multirun)
     NPROC_PER_NODE=2 launch/torchrun.sh train --config-name tiny_cpu parallel=tp2
 
 A Hydra app over recipes/ (or $MEGATRON_KD_RECIPES; --config-path for a recipe elsewhere). Outputs go to
 train.save (default: the Hydra run dir, runs/<recipe>): checkpoints, metrics.jsonl, summary.json. A run that
 finds a checkpoint there resumes from it. `--cfg job` prints every key of the schema, with its default where
 the recipe leaves it out; recipes/README.md documents every key. Hydra's own flags: --hydra-help.
+
+-m (--multirun) runs one training per combination of the comma-separated values, one after the other, each in
+its own directory hydra.sweep.dir/N (default runs/<recipe>_sweep/0, 1, ...; N: hydra.job.num), all reading one
+kd.cache: it must lie outside the runs' directories (the first run builds it under kd.build_cache=true, the
+others find it finished), and a run that would rebuild it is refused. `megatron-kd compare runs/<recipe>_sweep/*`
+tables and plots the runs.
 """
 import sys
 
@@ -77,7 +85,7 @@ def main(argv=None) -> int:
 
     @hydra.main(config_path=str(recipes_dir()), config_name="tiny_cpu", version_base="1.3")
     def app(cfg):
-        box["rc"] = run_config(cfg)
+        box["rc"] = max(box["rc"], run_config(cfg))  # a sweep: the worst of its runs
 
     saved = sys.argv
     sys.argv = ["megatron-kd train"] + schema_overrides(argv)
@@ -147,14 +155,23 @@ def run_config(cfg) -> int:
     """Train from a composed recipe; a recipe problem prints one line naming the key and returns 2."""
     from omegaconf import OmegaConf, open_dict
     from ..recipe.schema import RecipeError
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    hc = HydraConfig.get()
+    sweep = hc.mode == RunMode.MULTIRUN
     try:
-        if cfg.train.get("save") is None:
-            from hydra.core.hydra_config import HydraConfig
+        # a sweep's runs each get their own directory (hydra.sweep.dir/N), also where the recipe's train.save
+        # is the single-run default (hydra.run.dir, one directory for every run)
+        if cfg.train.get("save") is None or (sweep and cfg.train.save == hc.run.dir):
             with open_dict(cfg):
-                cfg.train.save = HydraConfig.get().runtime.output_dir
+                cfg.train.save = hc.runtime.output_dir
         OmegaConf.resolve(cfg)
-        from ..recipe.checks import checked_recipe
+        from ..recipe.checks import check_sweep_run, checked_recipe
         recipe = checked_recipe(cfg)
+        if sweep:
+            given = " ".join(o.lstrip("+") for o in hc.overrides.task)
+            print(f"megatron-kd train: sweep run {hc.job.num}: {given} -> {recipe.train.save}", flush=True)
+            check_sweep_run(recipe)
         from ..training.loop import run
         summary = run(recipe, recipe.train.save)
     except RecipeError as e:

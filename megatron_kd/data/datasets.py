@@ -86,27 +86,109 @@ def _is_number(s) -> bool:
         return False
 
 
+def mixture_sources(d: DataConfig) -> list:
+    """[(weight, prefix)] of a data.path that blends several datasets with weights ([w1, prefix1, w2, prefix2,
+    ...]); [] for one dataset."""
+    if d.kind != "indexed" or isinstance(d.path, str) or d.path is None:
+        return []
+    paths = [str(x) for x in d.path]
+    if len(paths) < 4 or not _is_number(paths[0]):
+        return []
+    return [(float(paths[i]), paths[i + 1]) for i in range(0, len(paths), 2)]
+
+
+def _config(d: DataConfig, tokenizer, blend):
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+    cache = d.index_cache
+    if cache is None and d.kind != "mock":
+        first = d.path if isinstance(d.path, str) else [p for p in d.path if not _is_number(p)][0]
+        cache = os.path.join(os.path.dirname(os.path.abspath(str(first))), "index_cache")
+    return GPTDatasetConfig(
+        random_seed=d.seed, sequence_length=d.seq_length, blend=blend, split=d.split, tokenizer=tokenizer,
+        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=d.eod_mask_loss,
+        create_attention_mask=False, path_to_cache=cache)
+
+
 def build_datasets(d: DataConfig, tokenizer, train_samples: int, valid_samples: int):
-    """(train, valid) Megatron GPTDatasets (valid may be None when the split leaves it no documents)."""
+    """(train, valid) Megatron GPTDatasets (valid may be None when the split leaves it no documents); a
+    weighted data.path gives a Mixture of its sources (build_mixture)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
     mock = d.kind == "mock"
     if mock:  # MockGPTDataset keeps its index in memory and says so once per split
         logging.getLogger("megatron.core.datasets").setLevel(logging.ERROR)
-    cache = d.index_cache
-    if cache is None and not mock:
-        first = d.path if isinstance(d.path, str) else [p for p in d.path if not _is_number(p)][0]
-        cache = os.path.join(os.path.dirname(os.path.abspath(str(first))), "index_cache")
-    cfg = GPTDatasetConfig(
-        random_seed=d.seed, sequence_length=d.seq_length, blend=None if mock else _blend(d.path),
-        split=d.split, tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False,
-        eod_mask_loss=d.eod_mask_loss, create_attention_mask=False, path_to_cache=cache)
+    if mixture_sources(d):
+        return build_mixture(d, tokenizer, train_samples, valid_samples)
+    cfg = _config(d, tokenizer, None if mock else _blend(d.path))
     cls = MockGPTDataset if mock else GPTDataset
     train, valid, _ = BlendedMegatronDatasetBuilder(cls, [train_samples, valid_samples, 0], lambda: True,
                                                     cfg).build()
     if valid is not None and len(valid) >= valid_samples > 0:
         valid = Head(valid, valid_samples)
     return Head(train, train_samples), valid
+
+
+def build_mixture(d: DataConfig, tokenizer, train_samples: int, valid_samples: int):
+    """(train, valid) Mixtures: megatron-core's BlendedDataset over one GPTDataset per source.
+
+    Each source's dataset is built for the run's whole sample count, whatever the weights: its samples, their
+    order and so its teacher cache (kd.cache/<source name>, keyed by the source's own sample index) do not
+    depend on the weights; a weight only changes which source sample each mixture sample is."""
+    from megatron.core.datasets.blended_dataset import BlendedDataset
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+    sources = mixture_sources(d)
+    names = [source_name(p) for _, p in sources]
+    if len(set(names)) != len(names):
+        raise RecipeError(f"data.path blends sources of one name ({', '.join(names)}): each source's cache is "
+                          "kd.cache/<file name>; give the .bin/.idx files distinct names")
+    weights = [w for w, _ in sources]
+    if any(w <= 0 for w in weights):
+        raise RecipeError(f"data.path weights {weights} must be > 0 (a source of weight 0: leave it out)")
+    splits = []
+    for _, prefix in sources:
+        cfg = _config(d, tokenizer, _blend(prefix))
+        splits.append(BlendedMegatronDatasetBuilder(GPTDataset, [train_samples, max(valid_samples, 1), 0],
+                                                    lambda: True, cfg).build())
+    cfg = _config(d, tokenizer, _blend(d.path))
+    out = []
+    for k, n in ((0, train_samples), (1, valid_samples)):
+        parts = [sp[k] for sp in splits]
+        if n <= 0 or any(p is None for p in parts):
+            out.append(None)
+            continue
+        blend = BlendedDataset(parts, weights, n, cfg)  # never draws past sample n - 1 of a source
+        out.append(Mixture(blend, [Head(p, n) for p in parts], names))
+    return out[0], out[1]
+
+
+def source_name(prefix: str) -> str:
+    """A mixture source's name: its .bin/.idx file name (kd.cache/<name> is its teacher cache)."""
+    return os.path.basename(str(prefix).rstrip("/"))
+
+
+class Mixture(torch.utils.data.Dataset):
+    """Sample i of a blend of sources: source `which(i)[0]`'s sample `which(i)[1]` (megatron-core's
+    BlendedDataset decides the pairs from the weights). `with_sources(sets)` reads each source's sample from
+    sets[j] instead (the source with its teacher cache), so sample i carries that cache's rows."""
+
+    def __init__(self, blend, sources: list, names: list, sets: list | None = None):
+        self.blend, self.sources, self.names = blend, sources, names
+        self.sets = sets or sources
+        self.unique_description_hash = getattr(blend, "unique_description_hash", "")
+
+    def __len__(self):
+        return len(self.blend)
+
+    def which(self, i: int) -> tuple:
+        return int(self.blend.dataset_index[i]), int(self.blend.dataset_sample_index[i])
+
+    def with_sources(self, sets: list) -> "Mixture":
+        return Mixture(self.blend, self.sources, self.names, sets)
+
+    def __getitem__(self, i):
+        j, k = self.which(i)
+        return self.sets[j][k]
 
 
 class Head(torch.utils.data.Dataset):
@@ -214,3 +296,9 @@ def _token_hash(tokens) -> str:
 def with_cache(train_ds, reader, kd: KDConfig):
     from ..cache import TopKDataset
     return TopKDataset(train_ds, reader, check_tokens=kd.check_tokens, top_k=kd.top_k)
+
+
+def source_caches(kd: KDConfig, mixture) -> list:
+    """The kd section of each source of a mixture: kd.cache/<source name> its cache."""
+    import dataclasses
+    return [dataclasses.replace(kd, cache=os.path.join(kd.cache, name)) for name in mixture.names]

@@ -377,6 +377,50 @@ def check_train(t) -> None:
           f"any of: {', '.join(resume_keys_all())}")
 
 
+def _inside(path: str, directory: str) -> bool:
+    path, directory = os.path.realpath(path), os.path.realpath(directory)
+    return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
+
+
+# what a finished cache records -> (the recipe key that sets it, its value in a recipe)
+CACHE_BUILD_KEYS = {
+    "top_k": ("kd.top_k", lambda r: r.kd.top_k),
+    "encoding": ("kd.cache_encoding", lambda r: r.kd.cache_encoding),
+    "temperature": ("kd.temperature", lambda r: float(r.kd.capture_temperature)),
+    "seq_length": ("data.seq_length", lambda r: r.data.seq_length),
+    "num_samples": ("train.iters x train.global_batch_size", lambda r: r.train.iters * r.train.global_batch_size),
+}
+
+
+def check_sweep_run(r: Recipe) -> None:
+    """A run of a sweep (Hydra multirun) reads the sweep's one teacher cache and never builds another: refused when
+    kd.cache lies in the run's own directory (each run would build its own, one teacher pass each), or when
+    kd.build_cache=true meets the finished cache built with other settings (this run would rebuild it)."""
+    kd = r.kd
+    if kd.mode != "offline" or not kd.cache:
+        return
+    if _inside(kd.cache, r.train.save):
+        raise RecipeError(f"kd.cache={kd.cache} lies in this sweep run's own directory (train.save={r.train.save}), "
+                          "so every run of the sweep would build its own cache, one teacher pass each; give the "
+                          "sweep one cache outside its runs, e.g. kd.cache=runs/NAME_cache")
+    from ..cache.format import is_finished
+    if not (kd.build_cache and is_finished(kd.cache)):
+        return
+    from ..cache.reader import load_manifest
+    from ..cache import CacheError
+    try:
+        m = load_manifest(kd.cache)
+    except CacheError:
+        return  # the cache checks report it, naming the fix
+    diff = [(key, m.get(field), get(r)) for field, (key, get) in CACHE_BUILD_KEYS.items() if m.get(field) != get(r)]
+    if diff:
+        what = ", ".join(f"{key}={b} (the cache: {a})" for key, a, b in diff)
+        raise RecipeError(f"kd.cache={kd.cache} is the sweep's finished cache and this run asks kd.build_cache=true "
+                          f"with {what}, which would rebuild it; set kd.build_cache=false to read it as it is (any "
+                          f"kd.top_k up to its {m.get('top_k')}, up to its {m.get('num_samples')} samples), or give "
+                          "these values their own kd.cache")
+
+
 def check_save_dir(save: str) -> None:
     """train.save must be a directory this process can write (made when missing), before any model is built."""
     if os.path.exists(save) and not os.path.isdir(save):

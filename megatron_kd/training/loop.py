@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import integrity as ckpt_integrity, store as ckpt
-from ..data.datasets import build_datasets, check_cache, load_tokenizer, loader, samples_needed, with_cache
+from ..data.datasets import (Mixture, build_datasets, check_cache, load_tokenizer, loader, samples_needed,
+                             source_caches, with_cache)
 from ..export.to_hf import export_at_end
 from ..models.builder import build_model_chunks, wrap_float16
 from ..optim.setup import build_optimizer, build_scheduler, set_model_hooks, wrap_ddp
@@ -105,6 +106,8 @@ class Trainer:
     # --- setup pieces ---------------------------------------------------------------------------------------
 
     def _offline_data(self):
+        if isinstance(self.train_ds, Mixture):
+            return self._mixture_data()
         from ..cache import CacheError, CacheReader
         r = self.r
         try:
@@ -120,6 +123,26 @@ class Trainer:
         if not ps.is_pipeline_last_stage(ignore_virtual=True):
             return self.train_ds  # the loss, and so the cache rows, live on the last pipeline stage
         return with_cache(self.train_ds, reader, r.kd)
+
+    def _mixture_data(self):
+        """A blend of sources: each source has its own cache (kd.cache/<source name>) over its own samples, built
+        (kd.build_cache) or checked like a single dataset's; the mixture reads sample i's rows from its source's."""
+        from ..cache import CacheError, CacheReader
+        from megatron.core import parallel_state as ps
+        r, mix, sets = self.r, self.train_ds, []
+        for kd, source in zip(source_caches(r.kd, mix), mix.sources):
+            try:
+                if kd.build_cache:
+                    build_teacher_cache(dataclasses.replace(r, kd=kd), self.tok, source, self.train_n)
+                reader = CacheReader(kd.cache, expected_teacher=kd.teacher_id)
+            except CacheError as e:
+                raise RecipeError(f"kd.cache={kd.cache} (the mixture source {os.path.basename(kd.cache)}'s "
+                                  f"cache): {e}") from None
+            self.notes += check_cache(reader, kd, r.data, source, self.vocab, self.train_n)
+            sets.append(with_cache(source, reader, kd))
+        if not ps.is_pipeline_last_stage(ignore_virtual=True):
+            return self.train_ds
+        return mix.with_sources(sets)
 
     def _online_teacher(self):
         r = self.r

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_kd.cli import data as data_cli, demo, export as export_cli, launch, loss_demo, main as cli_main, plan
+from megatron_kd.cli import compare as compare_cli, data as data_cli, demo, export as export_cli, launch, loss_demo
+from megatron_kd.cli import main as cli_main, plan
 from megatron_kd.cli import train as train_cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,7 +42,8 @@ def test_package_import_is_lazy_but_topk_kl_loss_still_imports():
 
 
 @pytest.mark.parametrize("name,parser", [("demo", demo.build_parser), ("data", None), ("launch", launch.build_parser),
-                                         ("plan", plan.build_parser), ("loss-demo", loss_demo.build_parser)])
+                                         ("plan", plan.build_parser), ("loss-demo", loss_demo.build_parser),
+                                         ("compare", compare_cli.build_parser)])
 def test_every_flag_has_help(name, parser):
     if parser is None:  # data's flags live on its `prepare` sub-parser
         p = data_cli.build_parser()
@@ -50,7 +52,7 @@ def test_every_flag_has_help(name, parser):
     assert actions and all(a.help for a in actions), [a.dest for a in actions if not a.help]
 
 
-@pytest.mark.parametrize("module", [demo, data_cli, launch, loss_demo, plan, export_cli])
+@pytest.mark.parametrize("module", [demo, data_cli, launch, loss_demo, plan, export_cli, compare_cli])
 def test_help_prints_the_description_once(module, capsys):
     with pytest.raises(SystemExit):
         module.build_parser().parse_args(["--help"])

@@ -105,3 +105,43 @@ def test_an_interrupted_training_stage_keeps_its_time(tmp_path):
     assert d.times["student_ce_partial"] > 7.0 and "student_ce" not in d.times
     saved = json.loads((tmp_path / demo_cli.TIMES).read_text())
     assert saved["student_ce_partial"] == d.times["student_ce_partial"]
+
+
+def test_recover_prunes_the_teacher_and_wins_it_back_three_ways(finished):
+    """--recover on a finished demo: the demo is kept as it is; the pruned model holds the teacher's layers 0 and
+    2 (and its embedding, norm and output layer); three short runs from it, the offline one from the demo's cache
+    (not rebuilt); a table of held-out CE and KL."""
+    out, _ = finished
+    manifest = out / "cache" / "manifest.json"
+    before = (manifest.stat().st_mtime_ns, (out / "results.json").stat().st_mtime_ns)
+    p = demo(out, "--recover")
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    assert (manifest.stat().st_mtime_ns, (out / "results.json").stat().st_mtime_ns) == before
+    res = json.loads((out / "recover.json").read_text())
+    rows = res["rows"]
+    assert res["kept_layers"] == [0, 2] and res["teacher_layers"] == 4
+    assert rows["pruned"]["ce"] > rows["teacher"]["ce"] and rows["pruned"]["kl"] > 0
+    for way in ("ce", "offline", "online"):
+        assert rows[way]["ce"] < rows["pruned"]["ce"], (way, rows)
+    table = [line for line in (out / "recover.md").read_text().splitlines() if line.startswith("|")]
+    assert len(table) == 7 and table[3].startswith("| pruned teacher, before training |")
+    import torch
+    from megatron_kd.cli.recover import pruned_layers
+    from megatron_kd.recipe.compose import compose
+    from megatron_kd.recipe.schema import ModelConfig, to_recipe
+    from megatron_kd.data.datasets import load_tokenizer
+    from megatron_kd.runtime.dist import distributed
+    from megatron_kd.training.evaluate import _load
+    d = demo_cli.Demo(str(out), demo_cli.Settings(**demo_cli.SMALL), progress=False)
+    r = to_recipe(compose("tiny_cpu", demo_cli.recipe_overrides(d.student_overrides("online"))))
+    vocab = load_tokenizer(r.data).vocab_size
+    with distributed(r.parallel, r.train.seed, "cpu"):
+        t = _load(r.teacher, str(out / "teacher"), r, vocab).state_dict()
+        small = ModelConfig(**{**{f: getattr(r.teacher, f) for f in ModelConfig.__dataclass_fields__},
+                               "num_layers": 2})
+        s = _load(small, str(out / "pruned"), r, vocab).state_dict()
+    assert pruned_layers(4) == [0, 2]
+    for k, v in s.items():
+        src = k.replace("decoder.layers.1.", "decoder.layers.2.")
+        if torch.is_tensor(v):
+            assert torch.equal(v, t[src]), k

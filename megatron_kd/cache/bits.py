@@ -96,3 +96,49 @@ class EliasFano:
             return high.astype(np.int64)
         low = unpack_uint(low_buf, self.low_bits, rows * self.k, first_row * self.k).reshape(rows, self.k)
         return (high.astype(np.int64) << self.low_bits) | low
+
+
+def pack_var(values: np.ndarray, widths: np.ndarray) -> np.ndarray:
+    """Value j in widths[j] bits (0..57), each right after the one before -> uint8 [ceil(sum(widths) / 8)].
+    The variable-width counterpart of pack_uint (same bit order); zero-width values must be 0."""
+    w = np.ascontiguousarray(widths, dtype=np.uint64).ravel()
+    v = np.ascontiguousarray(values, dtype=np.uint64).ravel()
+    total = int(w.sum())
+    out_bytes = (total + 7) // 8
+    keep = w > 0
+    if not keep.any():
+        return np.zeros(out_bytes, dtype=np.uint8)
+    pos = (np.cumsum(w) - w)[keep]
+    v = v[keep]
+    word, shift = pos >> np.uint64(6), pos & np.uint64(63)
+    lo = v << shift
+    hi = (v >> np.uint64(1)) >> (np.uint64(63) - shift)
+    starts = np.flatnonzero(np.r_[True, word[1:] != word[:-1]])
+    words = np.zeros(int(word[-1]) + 2, dtype="<u8")
+    wi = word[starts].astype(np.int64)
+    words[wi] += np.add.reduceat(lo, starts)
+    words[wi + 1] += np.add.reduceat(hi, starts)
+    return words.view(np.uint8)[:out_bytes].copy()
+
+
+def unpack_var(buf: np.ndarray, bit: np.ndarray, widths: np.ndarray) -> np.ndarray:
+    """The values at stream bits bit[j] of widths[j] bits each (as pack_var wrote them), as int64."""
+    bit = np.asarray(bit, dtype=np.int64)
+    if bit.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    widths = np.asarray(widths)
+    lo, hi = int(bit.min()) >> 3, (int((bit + widths).max()) + 7) >> 3
+    seg = np.zeros(hi - lo + 8, dtype=np.uint8)
+    seg[:hi - lo] = buf[lo:hi]
+    # a 4-byte window holds any value of up to 25 bits at any bit offset: half the gather of an 8-byte one
+    size, dtype = (4, "<u4") if int(widths.max()) <= 25 else (8, "<u8")
+    windows = seg[((bit >> 3) - lo)[:, None] + np.arange(size)]
+    words = windows.view(dtype).ravel()
+    mask = (np.ones(1, dtype) << widths.astype(dtype)) - np.ones(1, dtype)
+    return ((words >> (bit & 7).astype(dtype)) & mask).astype(np.int64)
+
+
+def unpack_narrow(buf: np.ndarray, bits: int, count: int, first: int = 0) -> np.ndarray:
+    """unpack_uint through unpack_var's 4-byte windows (bits <= 25): the same values, less gathering."""
+    bit = (first + np.arange(count, dtype=np.int64)) * bits
+    return unpack_var(buf, bit, np.full(count, bits, dtype=np.int64))

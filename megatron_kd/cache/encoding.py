@@ -248,13 +248,15 @@ class TopPEncoding(CompactEncoding):
         self.refined_of = -(-ks // self.refine_every)
         s = self.seq
         self.header = _Fields([("counts", packed_bytes(s, self.count_bits)), ("log_mass", 4 * s), ("range", 2 * s)])
-        full = np.full(s, self.k, dtype=np.int64)
-        self.max_bytes = self.size_of(full)
-        self.min_bytes = self.size_of(np.ones(s, dtype=np.int64))
+        # bounds of a sample's size: each stream at its largest (smallest) bits per position over k = 1..K (a
+        # stream's bits need not grow with k: at V=2 a single id takes a low bit that two ids do not)
+        per_k = self._stream_bits(np.arange(1, self.k + 1))
+        self.max_bytes = self.header.total + sum(_pad8((s * int(b) + 7) // 8) for b in per_k.max(axis=1))
+        self.min_bytes = self.header.total + sum(_pad8((s * int(b) + 7) // 8) for b in per_k.min(axis=1))
 
     @property
     def sample_bytes(self) -> int:
-        """The largest sample (every position at K): what shard sizes are planned with."""
+        """A bound on the largest sample: what shard sizes are planned with."""
         return self.max_bytes
 
     def select(self, ids, logp):

@@ -128,17 +128,23 @@ def unpack_var(buf: np.ndarray, bit: np.ndarray, widths: np.ndarray) -> np.ndarr
         return np.zeros(0, dtype=np.int64)
     widths = np.asarray(widths)
     lo, hi = int(bit.min()) >> 3, (int((bit + widths).max()) + 7) >> 3
+    if int(widths.max()) <= 25:
+        # the little-endian 32-bit word at every byte of the segment (4 shifted ORs over its bytes), then one
+        # gather per value: a 4-byte word holds any value of up to 25 bits at any bit offset
+        seg = np.zeros(hi - lo + 4, dtype=np.uint32)
+        seg[:hi - lo] = buf[lo:hi]
+        words = seg[:-3] | (seg[1:-2] << 8) | (seg[2:-1] << 16) | (seg[3:] << 24)
+        mask = (np.uint32(1) << widths.astype(np.uint32)) - np.uint32(1)
+        return ((words[(bit >> 3) - lo] >> (bit & 7).astype(np.uint32)) & mask).astype(np.int64)
     seg = np.zeros(hi - lo + 8, dtype=np.uint8)
     seg[:hi - lo] = buf[lo:hi]
-    # a 4-byte window holds any value of up to 25 bits at any bit offset: half the gather of an 8-byte one
-    size, dtype = (4, "<u4") if int(widths.max()) <= 25 else (8, "<u8")
-    windows = seg[((bit >> 3) - lo)[:, None] + np.arange(size)]
-    words = windows.view(dtype).ravel()
-    mask = (np.ones(1, dtype) << widths.astype(dtype)) - np.ones(1, dtype)
-    return ((words >> (bit & 7).astype(dtype)) & mask).astype(np.int64)
+    windows = seg[((bit >> 3) - lo)[:, None] + np.arange(8)]
+    words = windows.view("<u8").ravel()
+    mask = (np.uint64(1) << widths.astype(np.uint64)) - np.uint64(1)
+    return ((words >> (bit & 7).astype(np.uint64)) & mask).astype(np.int64)
 
 
 def unpack_narrow(buf: np.ndarray, bits: int, count: int, first: int = 0) -> np.ndarray:
-    """unpack_uint through unpack_var's 4-byte windows (bits <= 25): the same values, less gathering."""
+    """unpack_uint through unpack_var's 32-bit words (bits <= 25): the same values, less gathering."""
     bit = (first + np.arange(count, dtype=np.int64)) * bits
     return unpack_var(buf, bit, np.full(count, bits, dtype=np.int64))

@@ -132,30 +132,46 @@ def plot(res: dict, png: str) -> None:
     import matplotlib.pyplot as plt
     modes = [m for m in res["modes"] if m in res["caches"]]
     f, ref = res["final"], res["final"]["fp16"]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    x = range(len(modes))
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4.8))
+    x = list(range(len(modes)))
     names = [res["labels"][m].replace(" cache", "").replace(", K=100", "") for m in modes]
-    axes[0].bar(x, [res["caches"][m]["bytes_per_token"] for m in modes], color="tab:blue")
+    vals = [res["caches"][m]["bytes_per_token"] for m in modes]
+    axes[0].bar(x, vals, color="tab:blue")
+    for i, v in zip(x, vals):
+        axes[0].text(i, v, f"{v:.0f}", ha="center", va="bottom", fontsize=7)
     axes[0].axhline(res["caches"]["compact"]["bytes_per_token"] * BAR_BYTES, color="tab:red", linestyle="--",
                     label="half of compact")
-    axes[0].set(title="cache bytes/token (measured)", ylabel="bytes/token")
-    for ax, key, title in ((axes[1], "ce", "held-out CE"), (axes[2], "kl", "held-out KL(teacher || student)")):
-        ax.bar(x, [(f[m][key] - ref[key]) / ref[key] * 100 for m in modes], color="tab:green")
+    axes[0].set(title="cache bytes/token\n(measured from the shards)", ylabel="bytes/token")
+    for ax, key, title in ((axes[1], "ce", "held-out CE"), (axes[2], "kl", "held-out KL")):
+        rel = [(f[m][key] - ref[key]) / ref[key] * 100 for m in modes]
+        ax.bar(x, rel, color="tab:green")
+        for i, v in zip(x, rel):
+            ax.text(i, v, f"{v:+.2f}", ha="center", va="bottom" if v >= 0 else "top", fontsize=7)
         ax.axhline(BAR_REL * 100, color="tab:red", linestyle="--", label="+-0.2%")
         ax.axhline(-BAR_REL * 100, color="tab:red", linestyle="--")
         on = (f["online_full"][key] - ref[key]) / ref[key] * 100
-        ax.axhline(on, color="tab:orange", linestyle=":", label=f"online full-vocabulary KD ({on:+.2f}%)")
-        ax.set(title=f"{title}: change vs the fp16 cache's student", ylabel="%")
-    for ax in axes:
-        ax.set_xticks(list(x))
-        ax.set_xticklabels(names, rotation=20, fontsize=8)
+        ax.set(title=f"{title}: change vs the fp16 cache's student\n(online full-vocabulary KD: {on:+.2f}%)",
+               ylabel="%")
+    for ax in axes[:3]:
+        ax.set_xticks(x)
+        ax.set_xticklabels(names, rotation=25, fontsize=8)
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=7)
+    ts = res["teacher_stats"]
+    for P, row in ts["kept_k_vs_top1"].items():
+        axes[3].plot(range(len(row)), list(row.values()), "o-", label=f"P={P}")
+        axes[3].set_xticks(range(len(row)))
+        axes[3].set_xticklabels(list(row), fontsize=8)
+    axes[3].set(title="mean kept ids per position\nby the teacher's top-1 probability there (fp16 cache)",
+                xlabel="top-1 probability of the position",
+                ylabel="kept ids (of K=100)")
+    axes[3].grid(alpha=0.3)
+    axes[3].legend(fontsize=7)
     s = res["settings"]
     fig.suptitle(f"Top-P caches vs K=100 fp16 / compact (pydoc text, vocab {s['vocab_size']}, {s['student_iters']} "
-                 f"steps x {s['global_batch_size']}x{s['seq_length']} tokens, same seed; teacher top-1 "
-                 f"{res['teacher_stats']['top1_prob_mean']:.2f}, top-K entropy "
-                 f"{res['teacher_stats']['topk_entropy_mean']:.2f} nats)", fontsize=9)
+                 f"steps x {s['global_batch_size']}x{s['seq_length']} tokens, same seed; teacher: top-1 probability "
+                 f"{ts['top1_prob_mean']:.2f}, top-K entropy {ts['topk_entropy_mean']:.2f} nats, top-K mass "
+                 f"{ts['topk_mass_mean']:.3f} on average)", fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
@@ -170,7 +186,14 @@ def main(argv=None) -> int:
     p.add_argument("--top-p", default=",".join(map(str, TOP_PS)), help="the P values, comma-separated")
     p.add_argument("--small", action="store_true", help="smoke-test sizes")
     p.add_argument("--overwrite", action="store_true", help="discard a previous run in --out")
+    p.add_argument("--plot-only", action="store_true", help="redraw the PNG and table from the results JSON")
     args = p.parse_args(argv)
+    if args.plot_only:
+        with open(args.results + ".json") as f:
+            res = json.load(f)
+        plot(res, args.results + ".png")
+        print(table(res))
+        return 0
     from megatron_kd.runtime.quiet import quiet_megatron_warnings
     quiet_megatron_warnings()
     top_ps = [float(x) for x in args.top_p.split(",")]

@@ -100,7 +100,7 @@ def _encoding_args(args):
 def cmd_verify(args) -> int:
     from ..cache import verify_cache
     from ..cache.format import is_finished
-    from ..cache.verify import FULL_CHECKS, QUICK_CHECKS
+    from ..cache.verify import FULL_CHECKS, QUICK_CHECKS, VARIABLE_CHECKS
     problems = verify_cache(args.dir, checksums=not args.quick)
     for p in problems:
         print(f"FAIL {p}", file=sys.stderr)
@@ -112,7 +112,9 @@ def cmd_verify(args) -> int:
             print(f"ok (quick): {args.dir}: checked {QUICK_CHECKS}. Shard contents were NOT read (a corrupt byte "
                   f"passes): run `megatron-kd cache verify {args.dir}` without --quick to checksum every shard")
         else:
-            print(f"ok: {args.dir}: checked {FULL_CHECKS}")
+            from ..cache.reader import load_manifest
+            extra = VARIABLE_CHECKS if load_manifest(args.dir).get("top_p") is not None else ""
+            print(f"ok: {args.dir}: checked {FULL_CHECKS}{extra}")
     return 1 if problems else 0
 
 
@@ -145,7 +147,7 @@ def _kept_lines(info: dict) -> list:
         q = info["kept_k_quantiles"]
         out += [f"top-P           P={info['top_p']}, min_k={info['min_k']}: kept ids per position mean "
                 f"{info['kept_k_mean']:.2f}, p10/p50/p90/p99 {q['p10']}/{q['p50']}/{q['p90']}/{q['p99']} "
-                f"(at most {info['bytes_per_token_max']:.2f} bytes/token at K everywhere)",
+                f"(bound: {info['bytes_per_token_max']:.2f} bytes/token)",
                 f"dropped mass    mean {info['dropped_mass_mean']:.3g}, max {info['dropped_mass_max']:.3g} of the "
                 f"top-K's; tail-none gradient error <= 2 x dropped mass (L1 over the logits, any student): mean "
                 f"{info['grad_error_bound_mean']:.3g}",

@@ -342,3 +342,18 @@ def test_cli_refuses_top_p_with_a_fixed_encoding(tmp_path):
     r = run(build_cmd(tmp_path / "c", tok, "--encoding", "compact", "--top-p", "0.9"))
     assert r.returncode != 0 and "--top-p / --min-k need --encoding topp" in r.stderr
     assert not (tmp_path / "c").exists()
+
+
+def test_inspect_and_verify_print_the_top_p_figures(built, capsys):
+    from megatron_kd.cli.cache import main
+    assert main(["inspect", str(built / "topp")]) == 0
+    out = capsys.readouterr().out
+    assert "encoding        topp:" in out and "top-P           P=0.9, min_k=1: kept ids per position mean" in out
+    assert "dropped mass    mean" in out and "kept histogram  1:" in out
+    assert main(["inspect", str(built / "fp16"), "--top-p", "0.9,0.99"]) == 0
+    out = capsys.readouterr().out
+    assert "top-1 probability mean" in out and "if --top-p 0.9 " in out and "if --top-p 0.99 " in out
+    assert main(["verify", str(built / "topp")]) == 0
+    assert "every sample's per-position counts" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--top-p '2': every P must be in"):
+        main(["inspect", str(built / "fp16"), "--top-p", "2"])

@@ -51,8 +51,8 @@ def llm_rows(samples, S, V, K, seed=0):
     ids, lp = [], []
     for i in range(samples):
         chunk_ids, chunk_lp = [], []
-        for a in range(0, S, 512):
-            x, y, _ = teacher_topk(min(512, S - a), V, K, seed=seed + 1000 * i + a)
+        for a in range(0, S, 128):  # 128 rows of the full vocabulary at a time (about 200 MB in float64)
+            x, y, _ = teacher_topk(min(128, S - a), V, K, seed=seed + 100000 * i + a)
             chunk_ids.append(x)
             chunk_lp.append(y)
         ids.append(np.concatenate(chunk_ids))

@@ -246,7 +246,8 @@ def main(argv=None) -> int:
         verdict[m]["meets_bar"] = verdict[m]["within_0.2pct"] and verdict[m]["at_most_half_compact"]
     from common import environment
     res = {"benchmark": "students from fp16 / compact / top-P caches of one teacher vs online full-vocabulary KD",
-           "command": "python benchmarks/topp_fidelity.py" + (" --small" if args.small else ""), "device": "CPU",
+           "command": "python benchmarks/topp_fidelity.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "device": "CPU",
            "cpu_cores": os.cpu_count(), "environment": environment(), "settings": dataclasses.asdict(s),
            "top_ps": top_ps, "modes": modes, "labels": labels, "student_commands": commands,
            "teacher_ce": metrics["teacher"]["ce"], "final": final, "caches": info,

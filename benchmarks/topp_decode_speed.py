@@ -5,7 +5,7 @@ Two row sets: LLM-like rows at the GPT-OSS vocabulary (V=201,088, K=100, S=4,096
 the demo teacher's real rows (a K=100 fp16 cache, e.g. runs/topp_fidelity/cache from topp_fidelity.py). Each
 sample is encoded once per encoding; decoding a whole sample is timed, the encodings interleaved, the median of
 --reps rounds. --baseline TREE also times compact's decode from another checkout (e.g. /work/main: today's
-compact) in a subprocess, on the bytes that tree encodes, and checks they equal this tree's compact bytes.
+compact), loaded in this process and interleaved with the others, and checks its bytes equal this tree's compact's.
 
     python benchmarks/topp_decode_speed.py --demo-cache runs/topp_fidelity/cache --baseline /work/main
 
@@ -14,9 +14,7 @@ Writes benchmarks/results/topp_decode_speed_cpu.json; prints a table.
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -25,24 +23,21 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 TOP_PS = (0.9, 0.99, 0.999, 0.9999)
 
-BASELINE = r"""
-import json, sys, time
-import numpy as np
-from megatron_kd.cache.encoding import get_encoding
-d = np.load(sys.argv[1])
-ids, lp, reps = d["ids"], d["lp"], int(sys.argv[3])
-V, K, S = int(d["V"]), ids.shape[2], ids.shape[1]
-enc = get_encoding("compact", V, K, S)
-bufs = [enc.encode(ids[i], lp[i]) for i in range(len(ids))]
-np.save(sys.argv[2], np.stack(bufs))
-times = []
-for _ in range(reps):
-    t = time.perf_counter()
-    for b in bufs:
-        enc.decode(b)
-    times.append(time.perf_counter() - t)
-print(json.dumps({"tokens_per_s": len(bufs) * S / float(np.median(times))}))
-"""
+def baseline_encoding_module(tree: str):
+    """The encoding module of another checkout, loaded beside this tree's under another package name (its
+    encoding.py imports only its own bits.py and topp.py), so both are timed in one process, interleaved."""
+    import importlib
+    import shutil
+    import tempfile
+    src = os.path.join(os.path.abspath(tree), "megatron_kd", "cache")
+    pkg = os.path.join(tempfile.mkdtemp(), "kd_baseline_cache")
+    os.makedirs(pkg)
+    open(os.path.join(pkg, "__init__.py"), "w").close()
+    for name in ("bits.py", "encoding.py", "topp.py"):
+        if os.path.exists(os.path.join(src, name)):
+            shutil.copy(os.path.join(src, name), pkg)
+    sys.path.insert(0, os.path.dirname(pkg))
+    return importlib.import_module("kd_baseline_cache.encoding")
 
 
 def llm_rows(samples, S, V, K, seed=0):
@@ -72,6 +67,8 @@ def measure(ids, lp, V, reps, top_ps, baseline=None) -> dict:
     from megatron_kd.cache.encoding import get_encoding
     n, S, K = ids.shape
     encs = {"compact": get_encoding("compact", V, K, S)}
+    if baseline:
+        encs["baseline_compact"] = baseline_encoding_module(baseline).get_encoding("compact", V, K, S)
     encs.update({f"topp_{P}": get_encoding("topp", V, K, S, top_p=P) for P in top_ps})
     bufs = {name: [e.encode(ids[i], lp[i]) for i in range(n)] for name, e in encs.items()}
     times = {name: [] for name in encs}
@@ -85,8 +82,9 @@ def measure(ids, lp, V, reps, top_ps, baseline=None) -> dict:
     for name, e in encs.items():
         nbytes = sum(b.size for b in bufs[name])
         row = {"bytes_per_token": nbytes / (n * S), "tokens_per_s": n * S / float(np.median(times[name])),
+               "tokens_per_s_rounds": [n * S / t for t in times[name]],
                "tokens_per_s_best": n * S / float(np.min(times[name]))}
-        if name != "compact":
+        if name.startswith("topp"):
             row["kept_k_mean"] = float(np.mean([e.counts(b).mean() for b in bufs[name]]))
             row["bytes_per_token_with_offsets"] = (nbytes + 8 * n) / (n * S)
         out["rows"][name] = row
@@ -94,20 +92,11 @@ def measure(ids, lp, V, reps, top_ps, baseline=None) -> dict:
     for row in out["rows"].values():
         row["speed_vs_compact"] = row["tokens_per_s"] / base
     if baseline:
-        with tempfile.TemporaryDirectory() as d:
-            np.savez(os.path.join(d, "rows.npz"), ids=ids, lp=lp, V=V)
-            script = os.path.join(d, "baseline.py")
-            with open(script, "w") as f:
-                f.write(BASELINE)
-            env = dict(os.environ, PYTHONPATH=os.path.abspath(baseline))
-            r = subprocess.run([sys.executable, script, os.path.join(d, "rows.npz"), os.path.join(d, "bufs.npy"),
-                                str(reps)], env=env, capture_output=True, text=True, cwd=d, check=True)
-            res = json.loads(r.stdout.strip().splitlines()[-1])
-            same = np.array_equal(np.load(os.path.join(d, "bufs.npy")), np.stack(bufs["compact"]))
-        out["baseline"] = {"tree": os.path.abspath(baseline), "compact_tokens_per_s": res["tokens_per_s"],
-                           "compact_bytes_identical": bool(same)}
+        same = all(np.array_equal(a, b) for a, b in zip(bufs["compact"], bufs["baseline_compact"]))
+        out["baseline"] = {"tree": os.path.abspath(baseline), "compact_tokens_per_s":
+                           out["rows"]["baseline_compact"]["tokens_per_s"], "compact_bytes_identical": bool(same)}
         for row in out["rows"].values():
-            row["speed_vs_baseline_compact"] = row["tokens_per_s"] / res["tokens_per_s"]
+            row["speed_vs_baseline_compact"] = row["tokens_per_s"] / out["baseline"]["compact_tokens_per_s"]
     return out
 
 
@@ -134,7 +123,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq-length", type=int, default=4096)
     p.add_argument("--demo-cache", default=None, help="a K=100 fp16 cache of the demo teacher to read rows from")
     p.add_argument("--demo-samples", type=int, default=64)
-    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--rows-dir", default="runs/topp_decode_speed", help="where the generated rows are kept")
     p.add_argument("--baseline", default=None, help="another checkout whose compact decode is timed too")
     p.add_argument("--results", default=os.path.join(HERE, "results", "topp_decode_speed_cpu.json"))
     a = p.parse_args(argv)
@@ -142,7 +132,14 @@ def main(argv=None) -> int:
     res = {"benchmark": "decode speed and size: topp vs compact", "device": "CPU", "cpu_cores": os.cpu_count(),
            "command": "python benchmarks/topp_decode_speed.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "environment": environment(), "load_average": os.getloadavg(), "sets": {}}
-    ids, lp = llm_rows(a.samples, a.seq_length, 201088, 100)
+    rows = os.path.join(a.rows_dir, f"llm_rows_{a.samples}x{a.seq_length}.npz")
+    if os.path.exists(rows):
+        d = np.load(rows)
+        ids, lp = d["ids"], d["lp"]
+    else:
+        ids, lp = llm_rows(a.samples, a.seq_length, 201088, 100)
+        os.makedirs(a.rows_dir, exist_ok=True)
+        np.savez(rows, ids=ids, lp=lp)
     res["sets"]["llm_like_v201088"] = measure(ids, lp, 201088, a.reps, TOP_PS, a.baseline)
     print(table("LLM-like rows", res["sets"]["llm_like_v201088"]), flush=True)
     if a.demo_cache:

@@ -344,7 +344,7 @@ class TopPEncoding(CompactEncoding):
         c = counts[start:stop]
         rows = np.repeat(np.arange(n), c)
         e0 = entry[start]
-        rank = np.arange(rows.size) + e0 - entry[start:stop][rows]
+        rank = np.arange(rows.size) + e0 - np.repeat(entry[start:stop], c)  # repeat: cheaper than a gather
         log_mass = np.asarray(self.header.view(buf, "log_mass")[4 * start:4 * stop]).view(np.float32)
         rng16 = np.asarray(self.header.view(buf, "range")[2 * start:2 * stop]).view(np.float16)
 
@@ -353,12 +353,12 @@ class TopPEncoding(CompactEncoding):
         ones = np.flatnonzero(unpack_bool(buf[starts[0]:], up0, begin[0, stop] - up0))
         if ones.size != rows.size:
             raise self._corrupt(f"the Elias-Fano bitmaps hold {ones.size} ids, the counts say {rows.size}")
-        in_row = ones + up0 - begin[0, start:stop][rows]
+        in_row = ones + up0 - np.repeat(begin[0, start:stop], c)
         high = in_row - rank
-        if rows.size and (in_row.min() < 0 or (in_row >= self.upper_bits_of[c][rows]).any()):
+        if rows.size and (in_row.min() < 0 or (in_row >= np.repeat(self.upper_bits_of[c], c)).any()):
             raise self._corrupt("a count disagrees with the ids stored for its position")
-        low_w = self.low_bits_of[c][rows]
-        low = unpack_var(buf[starts[1]:], begin[1, start:stop][rows] + rank * low_w, low_w)
+        low_w = np.repeat(self.low_bits_of[c], c)
+        low = unpack_var(buf[starts[1]:], np.repeat(begin[1, start:stop], c) + rank * low_w, low_w)
         flat_ids = (high << low_w) | low
         if rows.size > 1 and ((np.diff(flat_ids) <= 0) & (np.diff(rows) == 0)).any():
             raise self._corrupt("a position's ids repeat")

@@ -96,3 +96,55 @@ class EliasFano:
             return high.astype(np.int64)
         low = unpack_uint(low_buf, self.low_bits, rows * self.k, first_row * self.k).reshape(rows, self.k)
         return (high.astype(np.int64) << self.low_bits) | low
+
+
+def pack_var(values: np.ndarray, widths: np.ndarray) -> np.ndarray:
+    """Value j in widths[j] bits (0..57), each right after the one before -> uint8 [ceil(sum(widths) / 8)].
+    The variable-width counterpart of pack_uint (same bit order); zero-width values must be 0."""
+    w = np.ascontiguousarray(widths, dtype=np.uint64).ravel()
+    v = np.ascontiguousarray(values, dtype=np.uint64).ravel()
+    total = int(w.sum())
+    out_bytes = (total + 7) // 8
+    keep = w > 0
+    if not keep.any():
+        return np.zeros(out_bytes, dtype=np.uint8)
+    pos = (np.cumsum(w) - w)[keep]
+    v = v[keep]
+    word, shift = pos >> np.uint64(6), pos & np.uint64(63)
+    lo = v << shift
+    hi = (v >> np.uint64(1)) >> (np.uint64(63) - shift)
+    starts = np.flatnonzero(np.r_[True, word[1:] != word[:-1]])
+    words = np.zeros(int(word[-1]) + 2, dtype="<u8")
+    wi = word[starts].astype(np.int64)
+    words[wi] += np.add.reduceat(lo, starts)
+    words[wi + 1] += np.add.reduceat(hi, starts)
+    return words.view(np.uint8)[:out_bytes].copy()
+
+
+def unpack_var(buf: np.ndarray, bit: np.ndarray, widths: np.ndarray) -> np.ndarray:
+    """The values at stream bits bit[j] of widths[j] bits each (as pack_var wrote them), as int64."""
+    bit = np.asarray(bit, dtype=np.int64)
+    if bit.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    widths = np.asarray(widths)
+    lo, hi = int(bit.min()) >> 3, (int((bit + widths).max()) + 7) >> 3
+    if int(widths.max()) <= 25:
+        # the little-endian 32-bit word at every byte of the segment (4 shifted ORs over its bytes), then one
+        # gather per value: a 4-byte word holds any value of up to 25 bits at any bit offset
+        seg = np.zeros(hi - lo + 4, dtype=np.uint32)
+        seg[:hi - lo] = buf[lo:hi]
+        words = seg[:-3] | (seg[1:-2] << 8) | (seg[2:-1] << 16) | (seg[3:] << 24)
+        mask = (np.uint32(1) << widths.astype(np.uint32)) - np.uint32(1)
+        return ((words[(bit >> 3) - lo] >> (bit & 7).astype(np.uint32)) & mask).astype(np.int64)
+    seg = np.zeros(hi - lo + 8, dtype=np.uint8)
+    seg[:hi - lo] = buf[lo:hi]
+    windows = seg[((bit >> 3) - lo)[:, None] + np.arange(8)]
+    words = windows.view("<u8").ravel()
+    mask = (np.uint64(1) << widths.astype(np.uint64)) - np.uint64(1)
+    return ((words >> (bit & 7).astype(np.uint64)) & mask).astype(np.int64)
+
+
+def unpack_narrow(buf: np.ndarray, bits: int, count: int, first: int = 0) -> np.ndarray:
+    """unpack_uint through unpack_var's 32-bit words (bits <= 25): the same values, less gathering."""
+    bit = (first + np.arange(count, dtype=np.int64)) * bits
+    return unpack_var(buf, bit, np.full(count, bits, dtype=np.int64))

@@ -5,9 +5,9 @@ import hashlib
 import os
 
 from ..parallel.limits import temperature_problem
-from .encoding import get_encoding
-from .format import (MANIFEST, SAMPLE_INDEX, SAMPLE_INDEX_DTYPE, SETTINGS, SETTINGS_KEYS, field_diff, num_shards,
-                     settings_hash, settings_of, shard_name, shard_range, sidecar_name)
+from .encoding import encoding_of
+from .format import (MANIFEST, OFFSETS_DTYPE, SAMPLE_INDEX, SAMPLE_INDEX_DTYPE, SETTINGS, SETTINGS_KEYS, field_diff,
+                     num_shards, settings_hash, settings_of, shard_name, shard_range, sidecar_name)
 from .fsio import read_json
 from .hashing import CHECKSUM
 
@@ -97,9 +97,9 @@ def _hash_problems(path, m):
 def _encoding_problems(path, m):
     """4. the encoding's byte sizes."""
     try:
-        enc = get_encoding(m["encoding"], m["vocab_size"], m["top_k"], m["seq_length"])
-    except ValueError as e:
-        yield (f"{MANIFEST} fields encoding/top_k/vocab_size/seq_length do not describe an encoding ({e}); "
+        enc = encoding_of(m)
+    except (ValueError, TypeError) as e:
+        yield (f"{MANIFEST} fields encoding/top_k/vocab_size/seq_length/top_p/min_k do not describe an encoding ({e}); "
                + _rebuild_manifest(path))
         return True
     if enc.sample_bytes != m["sample_bytes"]:
@@ -119,19 +119,31 @@ def _shard_problems(path, m):
                f"{m['samples_per_shard']} needs {num_shards(m)}; " + _rebuild_manifest(path))
         return True
     h = settings_hash(m)
+    variable = encoding_of(m).variable
     for j, s in enumerate(shards):
-        problem = _shard_problem(path, m, h, j, s)
+        problem = _shard_problem(path, m, h, j, s, variable)
         if problem:
             yield problem
 
 
-def _shard_problem(path, m, h, j, s) -> str | None:
-    """Shard entry j's first problem: an entry field, then the file's presence and size."""
+def _shard_problem(path, m, h, j, s, variable=False) -> str | None:
+    """Shard entry j's first problem: an entry field, then the file's presence and size. A variable-size
+    encoding's shard size is recorded, not implied: it must lie between count smallest and count largest samples
+    plus the offset table."""
     first, stop = shard_range(m, j)
     want = {"shard": j, "first": first, "count": stop - first, "file": shard_name(j),
             "bytes": (stop - first) * m["sample_bytes"], "settings_hash": h}
     if not isinstance(s, dict):
         s = {}
+    if variable:
+        enc, count = encoding_of(m), stop - first
+        table = (count + 1) * OFFSETS_DTYPE.itemsize
+        lo, hi = count * enc.min_bytes + table, count * enc.max_bytes + table
+        if type(s.get("bytes")) is int and lo <= s["bytes"] <= hi:
+            want["bytes"] = s["bytes"]
+        else:
+            return (f"{MANIFEST} shard entry {j} field bytes = {s.get('bytes')!r}, expected an integer in "
+                    f"[{lo}, {hi}]; " + _rebuild_manifest(path))
     wrong = [k for k, v in want.items() if s.get(k) != v]
     if wrong:
         k = wrong[0]

@@ -2,7 +2,8 @@
 
 DIR/build.lock           held (flock) by the one builder of the directory; empty
 DIR/settings.json        what the build was asked for; written first, compared on every restart
-DIR/shards/NNNNNN.bin    samples [first, first + count): count x sample_bytes, no header
+DIR/shards/NNNNNN.bin    samples [first, first + count): count x sample_bytes, no header; a variable-size
+                         encoding (topp) writes the samples back to back, then count + 1 uint64 offsets
 DIR/shards/NNNNNN.json   the shard's sidecar: the settings (and their hash) it was built with, checksum,
                          per-sample token hash + crc32, statistics; its presence with this build's settings
                          hash (and a .bin of the right size) marks the shard as done
@@ -32,10 +33,18 @@ DEFAULT_SHARD_BYTES = 256 << 20
 SETTINGS_KEYS = ("format", "format_version", "encoding", "top_k", "vocab_size", "temperature", "seq_length",
                  "num_samples", "samples_per_shard", "sample_bytes", "bytes_per_token", "teacher", "tokenizer",
                  "dataset", "token_hash", "alignment")
+# Keys only some encodings have (topp: top_p, min_k); absent from the settings (and their hash) of the others, so
+# the caches built before them keep their bytes and hashes.
+OPTIONAL_KEYS = ("top_p", "min_k")
+OFFSETS_DTYPE = np.dtype("<u8")
+
+
+def _keys(meta: dict) -> tuple:
+    return SETTINGS_KEYS + tuple(k for k in OPTIONAL_KEYS if k in meta)
 
 def settings_of(meta: dict) -> dict:
     """The settings part of a manifest, settings.json or sidecar "settings" entry."""
-    return {k: meta.get(k) for k in SETTINGS_KEYS}
+    return {k: meta.get(k) for k in _keys(meta)}
 
 
 def is_finished(path) -> bool:
@@ -49,7 +58,7 @@ def settings_hash(meta: dict) -> str:
 
 def field_diff(a: dict, b: dict, a_name: str, b_name: str) -> list[str]:
     """'FIELD: A_NAME has x, B_NAME has y' for every settings field that differs."""
-    return [f"{k}: {a_name} has {a.get(k)!r}, {b_name} has {b.get(k)!r}" for k in SETTINGS_KEYS
+    return [f"{k}: {a_name} has {a.get(k)!r}, {b_name} has {b.get(k)!r}" for k in SETTINGS_KEYS + OPTIONAL_KEYS
             if a.get(k) != b.get(k)]
 
 
@@ -62,21 +71,31 @@ def sidecar_name(j: int) -> str:
 
 
 def make_settings(*, encoding, top_k, vocab_size, temperature, seq_length, num_samples, teacher, tokenizer="",
-                  dataset="", samples_per_shard=None) -> dict:
+                  dataset="", samples_per_shard=None, top_p=None, min_k=None) -> dict:
     if encoding not in ENCODINGS:
         raise CacheError(f"unknown encoding {encoding!r}; use one of {', '.join(ENCODINGS)}")
+    if encoding == "topp" and top_p is None:
+        raise CacheError("encoding 'topp' keeps the fewest ids holding a mass P per position: give top_p "
+                         "(--top-p, e.g. 0.999)")
+    if encoding != "topp" and (top_p is not None or min_k is not None):
+        raise CacheError(f"top_p / min_k select a variable number of ids per position, which the encoding "
+                         f"{encoding!r} does not store: use encoding 'topp' (--encoding topp), or drop top_p / min_k")
     if not (isinstance(temperature, (int, float)) and 1e-3 <= float(temperature) <= 1e3):
         raise CacheError(f"temperature={temperature!r}: the capture temperature must be a finite number in "
                          "[0.001, 1000] (1.0 = the teacher's own distribution)")
     if num_samples < 1:
         raise CacheError("the dataset has no samples; pass a non-empty dataset or --num-samples >= 1")
-    enc = get_encoding(encoding, vocab_size, top_k, seq_length)
+    try:
+        enc = get_encoding(encoding, vocab_size, top_k, seq_length, top_p, min_k)
+    except ValueError as e:
+        raise CacheError(f"{e}") from None
     if samples_per_shard is None:
         samples_per_shard = max(1, min(num_samples, DEFAULT_SHARD_BYTES // enc.sample_bytes))
     if samples_per_shard < 1:
         raise CacheError(f"samples_per_shard must be >= 1, got {samples_per_shard}")
+    extra = {"top_p": enc.top_p, "min_k": enc.min_k} if enc.variable else {}
     return {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "encoding": encoding, "top_k": int(top_k),
+        "format": FORMAT, "format_version": FORMAT_VERSION, "encoding": encoding, "top_k": int(top_k), **extra,
         "vocab_size": int(vocab_size), "temperature": float(temperature), "seq_length": int(seq_length),
         "num_samples": int(num_samples), "samples_per_shard": int(samples_per_shard),
         "sample_bytes": enc.sample_bytes, "bytes_per_token": enc.bytes_per_token,
@@ -97,7 +116,7 @@ def shard_range(settings: dict, j: int) -> tuple[int, int]:
 
 def settings_diff(old: dict, new: dict) -> list[str]:
     return [f"{k}: cache has {old.get(k)!r}, this build asks for {new.get(k)!r}"
-            for k in SETTINGS_KEYS if old.get(k) != new.get(k)]
+            for k in SETTINGS_KEYS + OPTIONAL_KEYS if old.get(k) != new.get(k)]
 
 
 def check_format(meta: dict, path) -> None:
@@ -107,3 +126,19 @@ def check_format(meta: dict, path) -> None:
     if meta.get("format_version") != FORMAT_VERSION:
         raise CacheError(f"{path} has format_version {meta.get('format_version')} (the cache format), this megatron-kd reads "
                          f"version {FORMAT_VERSION}; rebuild the cache with this version or use the matching release")
+
+
+def offsets_footer(sizes) -> bytes:
+    """The end of a variable-size shard: count + 1 uint64 offsets of its samples (0 first, the data size last)."""
+    return np.concatenate([[0], np.cumsum(np.asarray(sizes, dtype=np.int64))]).astype(OFFSETS_DTYPE).tobytes()
+
+
+def offsets_problem(offsets: np.ndarray, file_bytes: int, max_sample: int, min_sample: int) -> str | None:
+    """None when a shard's offset table is consistent with its size and the encoding's sample sizes."""
+    footer = offsets.size * OFFSETS_DTYPE.itemsize
+    sizes = np.diff(offsets.astype(np.int64))
+    if offsets[0] != 0 or int(offsets[-1]) + footer != file_bytes:
+        return f"its offset table does not span its {file_bytes} bytes"
+    if sizes.size and (sizes.min() < min_sample or sizes.max() > max_sample):
+        return f"its offset table gives a sample outside [{min_sample}, {max_sample}] bytes"
+    return None

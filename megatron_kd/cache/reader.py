@@ -11,9 +11,10 @@ import os
 import numpy as np
 
 from .checks import manifest_problems, rebuild_hint, shard_fix
-from .encoding import get_encoding
+from .encoding import encoding_of
 from .errors import CacheError
-from .format import MANIFEST, SAMPLE_INDEX, SAMPLE_INDEX_DTYPE, SETTINGS, check_format, num_shards, sidecar_name
+from .format import (MANIFEST, OFFSETS_DTYPE, SAMPLE_INDEX, SAMPLE_INDEX_DTYPE, SETTINGS, check_format, num_shards,
+                     offsets_problem, sidecar_name)
 from .fsio import read_json
 from .hashing import crc32, hex64, token_hash
 
@@ -76,8 +77,9 @@ class CacheReader:
         self.top_k, self.vocab_size, self.seq_length = m["top_k"], m["vocab_size"], m["seq_length"]
         self.temperature, self.encoding = m["temperature"], m["encoding"]
         self.samples_per_shard, self.sample_bytes = m["samples_per_shard"], m["sample_bytes"]
-        self._enc = get_encoding(self.encoding, self.vocab_size, self.top_k, self.seq_length)
-        self._maps = {}
+        self._enc = encoding_of(m)
+        self.top_p = m.get("top_p")  # None: every position holds K entries
+        self._maps, self._offsets = {}, {}
         self._index = None
 
     def check_teacher(self, expected) -> None:
@@ -90,7 +92,7 @@ class CacheReader:
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        state["_maps"], state["_index"] = {}, None
+        state["_maps"], state["_index"], state["_offsets"] = {}, None, {}
         return state
 
     def __len__(self) -> int:
@@ -116,11 +118,32 @@ class CacheReader:
             raise IndexError(f"sample {i} out of range: the cache holds {n} samples")
         return int(i) % n
 
+    def shard_offsets(self, j: int) -> np.ndarray:
+        """Byte offsets of shard j's samples (count + 1 values; a variable-size encoding's table at the shard's end,
+        else multiples of sample_bytes)."""
+        off = self._offsets.get(j)
+        if off is None:
+            count = self.manifest["shards"][j]["count"]
+            if not self._enc.variable:
+                off = np.arange(count + 1, dtype=np.int64) * self.sample_bytes
+            else:
+                mm = self._shard(j)
+                n = (count + 1) * OFFSETS_DTYPE.itemsize
+                off = np.frombuffer(mm[max(0, mm.size - n):].tobytes(), dtype=OFFSETS_DTYPE).astype(np.int64)
+                problem = (offsets_problem(off, mm.size, self._enc.max_bytes, self._enc.min_bytes) if mm.size >= n
+                           else f"{mm.size} bytes cannot hold its offset table")
+                if problem:
+                    name = os.path.join(self.path, self.manifest["shards"][j]["file"])
+                    raise CacheError(f"{name}: {problem} (the shard is corrupt); fix: {shard_fix(self.path, j)}")
+            self._offsets[j] = off
+        return off
+
     def raw(self, i: int) -> np.ndarray:
         """The sample's encoded bytes (a read-only memmap slice)."""
         i = self._check_index(i)
         j, r = divmod(i, self.samples_per_shard)
-        buf = self._shard(j)[r * self.sample_bytes:(r + 1) * self.sample_bytes]
+        off = self.shard_offsets(j)
+        buf = self._shard(j)[off[r]:off[r + 1]]
         if self.verify_reads and crc32(buf) != int(self._sample_index()["crc32"][i]):
             raise CacheError(self._corrupt(i, j))
         return buf
@@ -136,11 +159,11 @@ class CacheReader:
         stop = len(self) if stop is None else min(int(stop), len(self))
         want = self._sample_index()["crc32"]
         for j in range(-(-stop // self.samples_per_shard)):
-            mm = self._shard(j)
+            mm, off = self._shard(j), self.shard_offsets(j)
             first = j * self.samples_per_shard
             for i in range(first, min(stop, first + self.samples_per_shard)):
                 r = i - first
-                if crc32(mm[r * self.sample_bytes:(r + 1) * self.sample_bytes]) != int(want[i]):
+                if crc32(mm[off[r]:off[r + 1]]) != int(want[i]):
                     raise CacheError(self._corrupt(i, j))
 
     def read(self, i: int, start: int = 0, stop: int | None = None) -> dict:
@@ -149,7 +172,12 @@ class CacheReader:
         stop = self.seq_length if stop is None else stop
         if not 0 <= start <= stop <= self.seq_length:
             raise IndexError(f"positions [{start}, {stop}) outside [0, {self.seq_length})")
-        ids, lp = self._enc.decode(self.raw(i), start, stop)
+        try:
+            ids, lp = self._enc.decode(self.raw(i), start, stop)
+        except ValueError as e:  # a variable-size sample whose counts and streams disagree
+            j = i // self.samples_per_shard
+            raise CacheError(f"{self.path}: sample {i} of {self.manifest['shards'][j]['file']} does not decode "
+                             f"({e}); fix: {shard_fix(self.path, j)}") from None
         if ids.size and ids.max() >= self.vocab_size:
             j = i // self.samples_per_shard
             raise CacheError(f"{self.path}: sample {i} decodes to ids >= vocab_size {self.vocab_size} (corrupt shard "

@@ -14,10 +14,11 @@ import shutil
 import numpy as np
 
 from . import stats as stats_mod
-from .encoding import get_encoding
+from .encoding import encoding_of
 from .errors import CacheError
 from .format import (LOCK, MANIFEST, SAMPLE_INDEX, SAMPLE_INDEX_DTYPE, SETTINGS, SHARD_DIR, check_format,
-                     num_shards, settings_diff, settings_hash, settings_of, shard_name, shard_range, sidecar_name)
+                     num_shards, offsets_footer, settings_diff, settings_hash, settings_of, shard_name, shard_range,
+                     sidecar_name)
 from .fsio import (commit, fault_point, open_temp, read_json, remove_temp_files, write_bytes_atomic,
                    write_json_atomic)
 from .hashing import CHECKSUM, crc32, file_sha256, hex64, token_hash
@@ -36,7 +37,7 @@ def encode_sample(encoding, seq_length: int, ids, logp, tokens) -> EncodedSample
     runs it on worker threads while the teacher computes the next micro-batch."""
     buf = encoding.encode(ids, logp)
     dec_ids, dec_lp = encoding.decode(buf)
-    stats = stats_mod.sample_stats(ids, logp, dec_ids, dec_lp)
+    stats = stats_mod.sample_stats(ids, logp, dec_ids, dec_lp, encoding.select)
     if tokens.shape != (seq_length,):
         raise CacheError(f"tokens must be [seq_length={seq_length}], got {tokens.shape}")
     return EncodedSample(buf, stats, token_hash(tokens), crc32(buf))
@@ -55,6 +56,7 @@ class ShardWriter:
         self.path = os.path.join(writer.path, shard_name(j))
         self.f, self.tmp = open_temp(self.path)  # a new file: nothing a killed run left is reused
         self.hashes, self.crcs, self.stats = [], [], stats_mod.empty_stats()
+        self.sizes = []  # each sample's bytes (they differ under a variable-size encoding)
 
     def add(self, topk_ids, topk_logprobs, tokens) -> None:
         """One or more samples: ids [b, S, K] or [S, K], log-probs the same, tokens [b, S] or [S]."""
@@ -74,6 +76,7 @@ class ShardWriter:
         self.check_room(1)
         self.stats = stats_mod.merge(self.stats, e.stats)
         self.f.write(e.buf.tobytes())
+        self.sizes.append(e.buf.size)
         self.hashes.append(e.token_hash)
         self.crcs.append(e.crc)
         fault_point("sample")
@@ -82,6 +85,11 @@ class ShardWriter:
         count = self.stop - self.first
         if len(self.hashes) != count:
             raise CacheError(f"shard {self.j} got {len(self.hashes)} samples, needs {count}")
+        nbytes = count * self.w.settings["sample_bytes"]
+        if self.w.encoding.variable:  # the samples' offsets close the shard: sample i is found without a scan
+            footer = offsets_footer(self.sizes)
+            self.f.write(footer)
+            nbytes = sum(self.sizes) + len(footer)
         self.f.flush()
         os.fsync(self.f.fileno())
         self.f.close()
@@ -89,7 +97,7 @@ class ShardWriter:
         commit(self.tmp, self.path)
         fault_point("shard:committed")
         side = {"shard": self.j, "first": self.first, "count": count, "file": shard_name(self.j),
-                "bytes": count * self.w.settings["sample_bytes"], CHECKSUM: file_sha256(self.path),
+                "bytes": nbytes, CHECKSUM: file_sha256(self.path),
                 "settings_hash": self.w.settings_hash, "settings": self.w.settings,
                 "token_hashes": [hex64(h) for h in self.hashes], "crc32": self.crcs, "stats": self.stats}
         write_json_atomic(os.path.join(self.w.path, sidecar_name(self.j)), side, "sidecar")
@@ -109,8 +117,7 @@ class CacheWriter:
         self.path = os.fspath(path)
         self.settings = settings
         self.settings_hash = settings_hash(settings)
-        self.encoding = get_encoding(settings["encoding"], settings["vocab_size"], settings["top_k"],
-                                     settings["seq_length"])
+        self.encoding = encoding_of(settings)
         self._lock_fd = None
         os.makedirs(os.path.join(self.path, SHARD_DIR), exist_ok=True)
         if not lock:
@@ -205,8 +212,9 @@ class CacheWriter:
         """Shard j's sidecar if it is done with this build's settings, else None."""
         first, stop = self.shard_range(j)
         data, side = (os.path.join(self.path, f) for f in (shard_name(j), sidecar_name(j)))
+        variable = self.encoding.variable  # its shard's size is in the sidecar, not in the settings
         if not (os.path.exists(side) and os.path.exists(data)
-                and os.path.getsize(data) == (stop - first) * self.settings["sample_bytes"]):
+                and (variable or os.path.getsize(data) == (stop - first) * self.settings["sample_bytes"])):
             return None
         try:
             meta = read_json(side)
@@ -214,6 +222,8 @@ class CacheWriter:
             return None  # unreadable: recomputed
         if not isinstance(meta, dict) or meta.get("settings_hash") != self.settings_hash:
             return None  # built with other settings (another teacher, data, K, ...): never adopted
+        if variable and os.path.getsize(data) != meta.get("bytes"):
+            return None
         if (meta.get("first"), meta.get("count")) != (first, stop - first):
             return None
         return meta

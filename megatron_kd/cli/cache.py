@@ -66,26 +66,41 @@ def _build(args) -> int:
     import torch
     from ..runtime.dist import init_process_group
     from ..teacher.build import build_cache
+    encoding, top_p, min_k = _encoding_args(args)
     init_process_group(torch.cuda.is_available(), launched_only=True)
     # the dataset's arguments first: loading a teacher is the slow part, and the one that may need a package
     dataset, dataset_id = _dataset(args)
     teacher = _teacher(args)
-    m = build_cache(teacher, dataset, args.out, top_k=args.top_k, encoding=args.encoding,
+    m = build_cache(teacher, dataset, args.out, top_k=args.top_k, encoding=encoding, top_p=top_p, min_k=min_k,
                     temperature=args.temperature, num_samples=args.num_samples,
                     samples_per_shard=args.samples_per_shard, micro_batch_size=args.micro_batch_size,
                     chunk_size=args.chunk_size, teacher_id=args.teacher_id, tokenizer_id=args.tokenizer_id,
                     dataset_id=dataset_id, overwrite=args.overwrite, progress=not args.no_progress)
     import torch.distributed as dist
     if not dist.is_initialized() or dist.get_rank() == 0:
+        written = sum(s["bytes"] for s in m["shards"]) / (m["num_samples"] * m["seq_length"])
+        kept = (f" (top-P {m['top_p']}: {m['stats']['kept_sum'] / max(1, m['stats']['tokens']):.1f} ids kept per "
+                "position on average)" if m.get("top_p") is not None else "")
         print(f"cache complete: {args.out}: {m['num_samples']} samples x {m['seq_length']} positions x "
-              f"K={m['top_k']}, {m['encoding']}, {m['bytes_per_token']:.1f} bytes/token")
+              f"K={m['top_k']}, {m['encoding']}, {written:.1f} bytes/token{kept}")
     return 0
+
+
+def _encoding_args(args):
+    """(encoding, top_p, min_k) from --encoding / --top-p / --min-k: --top-p alone means the topp encoding."""
+    encoding = args.encoding or ("topp" if args.top_p is not None else "fp16")
+    if encoding == "topp" and args.top_p is None:
+        raise SystemExit("error: --encoding topp keeps the fewest ids holding a mass P: add --top-p P (e.g. 0.999)")
+    if encoding != "topp" and (args.top_p is not None or args.min_k is not None):
+        raise SystemExit(f"error: --top-p / --min-k need --encoding topp (the {encoding} encoding stores K ids at "
+                         "every position); drop --encoding, or drop --top-p / --min-k")
+    return encoding, args.top_p, args.min_k
 
 
 def cmd_verify(args) -> int:
     from ..cache import verify_cache
     from ..cache.format import is_finished
-    from ..cache.verify import FULL_CHECKS, QUICK_CHECKS
+    from ..cache.verify import FULL_CHECKS, QUICK_CHECKS, VARIABLE_CHECKS
     problems = verify_cache(args.dir, checksums=not args.quick)
     for p in problems:
         print(f"FAIL {p}", file=sys.stderr)
@@ -97,7 +112,9 @@ def cmd_verify(args) -> int:
             print(f"ok (quick): {args.dir}: checked {QUICK_CHECKS}. Shard contents were NOT read (a corrupt byte "
                   f"passes): run `megatron-kd cache verify {args.dir}` without --quick to checksum every shard")
         else:
-            print(f"ok: {args.dir}: checked {FULL_CHECKS}")
+            from ..cache.reader import load_manifest
+            extra = VARIABLE_CHECKS if load_manifest(args.dir).get("top_p") is not None else ""
+            print(f"ok: {args.dir}: checked {FULL_CHECKS}{extra}")
     return 1 if problems else 0
 
 
@@ -111,6 +128,7 @@ def _fmt(info: dict) -> str:
         f"top-K           K={info['top_k']}, vocabulary {info['vocab_size']}, temperature {info['temperature']}",
         f"encoding        {info['encoding']}: {info['bytes_per_token']:.2f} bytes/token "
         f"({info['bytes_per_entry']:.3f} bytes/entry), {info['total_bytes'] / 2**20:.2f} MiB in {info['shards']} shards",
+        *_kept_lines(info),
         f"kl error        mean {info['kl_error_mean']:.3g} nats/token, max {info['kl_error_max']:.3g} (vs fp32 top-K)",
         f"mass covered    mean {info['mean_mass_covered']:.4f}; quantiles (bin upper edge) "
         + ", ".join(f"{k}<={v:.2f}" for k, v in info["mass_covered_quantiles_upper_bound"].items()),
@@ -123,9 +141,42 @@ def _fmt(info: dict) -> str:
     return "\n".join(lines)
 
 
+def _kept_lines(info: dict) -> list:
+    out = []
+    if info.get("top_p") is not None:
+        q = info["kept_k_quantiles"]
+        out += [f"top-P           P={info['top_p']}, min_k={info['min_k']}: kept ids per position mean "
+                f"{info['kept_k_mean']:.2f}, p10/p50/p90/p99 {q['p10']}/{q['p50']}/{q['p90']}/{q['p99']} "
+                f"(bound: {info['bytes_per_token_max']:.2f} bytes/token)",
+                f"dropped mass    mean {info['dropped_mass_mean']:.3g}, max {info['dropped_mass_max']:.3g} of the "
+                f"top-K's; tail-none gradient error <= 2 x dropped mass (L1 over the logits, any student): mean "
+                f"{info['grad_error_bound_mean']:.3g}",
+                "kept histogram  " + " ".join(f"{k}:{v}" for k, v in info["kept_k_histogram"].items())]
+    pv = info.get("top_p_preview")
+    if pv:
+        out.append(f"teacher         on {pv['positions']} positions: top-1 probability mean {pv['top1_prob_mean']:.4f}, "
+                   f"top-K entropy mean {pv['topk_entropy_mean']:.4f} nats, top-K mass mean {pv['topk_mass_mean']:.4f}")
+        for P, row in pv["per_top_p"].items():
+            out.append(f"if --top-p {P:<7} kept ids mean {row['kept_k_mean']:.2f} (p90 {row['kept_k_quantiles']['p90']}),"
+                       f" dropped mass mean {row['dropped_mass_mean']:.3g}, {row['bytes_per_token']:.2f} bytes/token")
+    return out
+
+
+def _top_ps(text):
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"error: --top-p {text!r}: give numbers in (0, 1] separated by commas, e.g. 0.99,0.999")
+    if not all(0 < v <= 1 for v in vals):
+        raise SystemExit(f"error: --top-p {text!r}: every P must be in (0, 1], e.g. 0.99,0.999")
+    return vals
+
+
 def cmd_inspect(args) -> int:
     from ..cache import inspect_cache
-    info = inspect_cache(args.dir, max_samples=args.max_samples)
+    if args.min_k < 1:
+        raise SystemExit(f"error: --min-k {args.min_k} must be >= 1")
+    info = inspect_cache(args.dir, max_samples=args.max_samples, top_p=_top_ps(args.top_p or ""), min_k=args.min_k)
     print(json.dumps(info, indent=1, sort_keys=True) if args.json else _fmt(info))
     return 0
 
@@ -141,7 +192,12 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--dataset", help="module:function returning a token dataset (len and [i])")
     b.add_argument("--dataset-args", default="{}", help="JSON keyword arguments for the dataset factory")
     b.add_argument("--top-k", type=int, default=100)
-    b.add_argument("--encoding", choices=["fp16", "compact"], default="fp16")
+    b.add_argument("--encoding", choices=["fp16", "compact", "topp"], default=None,
+                   help="default fp16; topp when --top-p is given")
+    b.add_argument("--top-p", type=float, default=None, metavar="P",
+                   help="keep per position the fewest ids (at most --top-k) whose teacher mass reaches P (encoding "
+                        "topp); `cache inspect --top-p P` on a K cache previews the size")
+    b.add_argument("--min-k", type=int, default=None, help="with --top-p: keep at least this many ids (default 1)")
     b.add_argument("--temperature", type=float, default=1.0, help="capture temperature: softmax(logits / T)")
     b.add_argument("--num-samples", type=int, help="first N samples of the dataset (default: all)")
     b.add_argument("--samples-per-shard", type=int, help="default: about 256 MiB per shard")
@@ -162,6 +218,9 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("dir")
     i.add_argument("--json", action="store_true")
     i.add_argument("--max-samples", type=int, default=64, help="samples read to time the reader")
+    i.add_argument("--top-p", default=None, metavar="P[,P...]",
+                   help="preview on those samples what --top-p P would keep: kept ids, dropped mass, bytes/token")
+    i.add_argument("--min-k", type=int, default=1, help="with --top-p: the --min-k of the preview")
     i.set_defaults(fn=cmd_inspect)
     return p
 

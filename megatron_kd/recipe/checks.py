@@ -117,6 +117,7 @@ def _check_kd(r: Recipe) -> None:
         _need(kd.top_k >= 1, f"kd.top_k={kd.top_k} must be >= 1")
     if kd.mode == "online" or (kd.mode == "offline" and kd.build_cache):
         check_model(r.teacher, "teacher", p.tp)
+    _check_cache_encoding(kd)
     if kd.mode == "offline":
         _need(bool(kd.cache), "kd.cache is required in offline mode: the teacher top-K cache directory "
               "(build one with `megatron-kd cache build`, or set kd.build_cache=true)")
@@ -128,6 +129,23 @@ def _check_kd(r: Recipe) -> None:
         kd.loss_options()
     except ValueError as e:
         raise RecipeError(f"kd: {e}") from None
+
+
+def _check_cache_encoding(kd) -> None:
+    """kd.cache_encoding / cache_top_p / cache_min_k: what a cache build would be asked for."""
+    from ..cache.encoding import ENCODINGS
+    from ..cache.topp import check_top_p
+    _need(kd.cache_encoding in ENCODINGS, f"kd.cache_encoding={kd.cache_encoding!r}: use one of {ENCODINGS}")
+    if kd.cache_encoding == "topp":
+        _need(kd.cache_top_p is not None, "kd.cache_encoding=topp keeps per position the fewest ids holding a mass "
+              "P: set kd.cache_top_p (e.g. 0.999)")
+        problem = check_top_p(kd.cache_top_p, 1 if kd.cache_min_k is None else kd.cache_min_k,
+                              kd.top_k if kd.top_k is not None else 1 << 30)
+        _need(problem is None, f"kd.cache_{problem}" if problem else "")
+    else:
+        _need(kd.cache_top_p is None and kd.cache_min_k is None, f"kd.cache_top_p / kd.cache_min_k need "
+              f"kd.cache_encoding=topp (kd.cache_encoding={kd.cache_encoding} stores K ids at every position); set "
+              "kd.cache_encoding=topp or drop them")
 
 
 def _check_data(r: Recipe) -> None:

@@ -102,13 +102,15 @@ def build_cache(teacher, dataset, out_dir, *, top_k: int = 100, encoding: str = 
                 num_samples: int | None = None, samples_per_shard: int | None = None, micro_batch_size: int = 1,
                 chunk_size: int | None = None, teacher_id=None, tokenizer_id: str = "", dataset_id: str | None = None,
                 overwrite: bool = False, progress: bool = True, tp_group=None, dp_rank: int | None = None,
-                dp_size: int | None = None) -> dict:
+                dp_size: int | None = None, top_p: float | None = None, min_k: int | None = None) -> dict:
     """Build (or finish) the cache in out_dir; returns the manifest. Call on every rank with the same arguments.
 
     teacher: a Teacher (megatron_kd.teacher.protocol: CallableTeacher, HFTeacher;
              megatron_kd.teacher.megatron: MegatronTeacher).
     dataset: len() + [i] -> Megatron GPT dict (tokens, labels, ...) or seq_length + 1 token ids.
     teacher_id: overrides teacher.identity() (a dict, or a string used as the name).
+    top_p, min_k: with encoding "topp", keep per position the fewest of the top_k ids whose mass reaches top_p
+    (at least min_k); the selection is applied to each sample's top-K by the encoding (cache/topp.py).
     """
     tp_group = tp_group if tp_group is not None else getattr(teacher, "tp_group", None)
     pp_group = getattr(teacher, "pp_group", None)
@@ -127,7 +129,8 @@ def build_cache(teacher, dataset, out_dir, *, top_k: int = 100, encoding: str = 
         dataset_id = content_id(dataset, n)
     settings = make_settings(encoding=encoding, top_k=top_k, vocab_size=teacher.vocab_size, temperature=temperature,
                              seq_length=seq, num_samples=n, teacher=_teacher_identity(teacher, teacher_id),
-                             tokenizer=tokenizer_id, dataset=dataset_id, samples_per_shard=samples_per_shard)
+                             tokenizer=tokenizer_id, dataset=dataset_id, samples_per_shard=samples_per_shard,
+                             top_p=top_p, min_k=min_k)
 
     writer = None
     try:
@@ -230,6 +233,7 @@ def build_teacher_cache(r: Recipe, tok, train_ds, num_samples: int) -> dict:
               "check, not a distillation); set teacher.load to a trained teacher's save dir", flush=True)
     teacher = cache_teacher(r, tok.vocab_size)
     manifest = build_cache(teacher, train_ds, r.kd.cache, top_k=r.kd.top_k, encoding=r.kd.cache_encoding,
+                           top_p=r.kd.cache_top_p, min_k=r.kd.cache_min_k,
                            temperature=r.kd.capture_temperature,
                            num_samples=num_samples,
                            micro_batch_size=r.train.micro_batch_size, chunk_size=r.kd.chunk_size,

@@ -6,6 +6,8 @@ import torch
 
 from megatron_kd.cache.bits import EliasFano, pack_uint, unpack_uint
 from megatron_kd.cache.encoding import ENCODINGS, get_encoding, id_bits
+
+FIXED = tuple(e for e in ENCODINGS if e != "topp")  # K ids at every position; topp: test_cache_topp.py
 from megatron_kd.cache.stats import kl_error
 
 V_OSS = 201088
@@ -52,7 +54,7 @@ def oss_rows():
 EXPECT = {"fp16": (425.0, 2e-4, 5e-4), "compact": (248.125, 1e-3, 1e-3)}
 
 
-@pytest.mark.parametrize("name", ENCODINGS)
+@pytest.mark.parametrize("name", FIXED)
 def test_round_trip_gpt_oss_vocab(name, oss_rows):
     ids, lp, student = oss_rows
     s = ids.shape[0]
@@ -94,7 +96,7 @@ def test_sizes_per_vocabulary():
     assert get_encoding("compact", 128256, 100, 4096).bytes_per_token < 250
 
 
-@pytest.mark.parametrize("name", ENCODINGS)
+@pytest.mark.parametrize("name", FIXED)
 @pytest.mark.parametrize("vocab,k", [(2, 1), (3, 3), (5, 2), (16, 16), (17, 4), (300, 7), (128256, 100)])
 def test_round_trip_small_and_odd_shapes(name, vocab, k):
     ids, lp, _ = teacher_topk(9, vocab, k, seed=vocab + k)

@@ -150,3 +150,19 @@ def test_top_k_null_takes_the_caches_k_where_a_cache_is_read():
     for extra, mode in ((["kd=online"], "online"), (["kd.cache=/c", "kd.build_cache=true"], "offline with")):
         with pytest.raises(RecipeError, match=rf"^kd.top_k=null takes a cache's K; kd.mode={mode}.*set kd.top_k"):
             check_recipe(to_recipe(compose("tiny_cpu", [*base, *extra])), None, False)
+
+
+def test_cache_top_p_keys_are_checked_by_name():
+    """kd.cache_encoding=topp needs kd.cache_top_p, and kd.cache_top_p / kd.cache_min_k need topp: refused by name
+    before any work; a good pair passes."""
+    from megatron_kd.recipe.checks import check_recipe
+    base = ["data=mock", "data.vocab_size=64", "kd.cache=/c", "kd.build_cache=true", "kd.top_k=16"]
+    check_recipe(to_recipe(compose("tiny_cpu", [*base, "kd.cache_encoding=topp", "kd.cache_top_p=0.99"])), None, False)
+    for extra, match in ((["kd.cache_encoding=topp"], r"^kd.cache_encoding=topp .* set kd.cache_top_p"),
+                         (["kd.cache_top_p=0.9"], r"^kd.cache_top_p / kd.cache_min_k need kd.cache_encoding=topp"),
+                         (["kd.cache_encoding=topp", "kd.cache_top_p=1.5"], r"^kd.cache_top_p=1.5 must be a number"),
+                         (["kd.cache_encoding=topp", "kd.cache_top_p=0.9", "kd.cache_min_k=17"],
+                          r"^kd.cache_min_k=17 must be an integer in \[1, top_k=16\]"),
+                         (["kd.cache_encoding=fp8"], r"^kd.cache_encoding='fp8': use one of")):
+        with pytest.raises(RecipeError, match=match):
+            check_recipe(to_recipe(compose("tiny_cpu", [*base, *extra])), None, False)

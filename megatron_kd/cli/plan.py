@@ -72,6 +72,7 @@ def resolve(a):
     if recipe_path(a.target) is not None:
         rp = from_recipe(load_recipe(a.target, a.overrides))
         shape, layout, tr, teacher = rp.shape, rp.layout, rp.training, rp.teacher
+        a.cache_teacher = rp.cache_teacher
         for n in rp.notes:
             print(f"megatron-kd plan: note: {n}", file=sys.stderr)
     else:
@@ -233,12 +234,20 @@ def main(argv=None) -> int:
         from ..plan.fit import find_fix, refusal
         fix = find_fix(shape, layout, p.training, a.gpu_gib, a.reserve_gib)
         why = refusal(p, fix, a.gpu_gib, a.reserve_gib, recipe=recipe_path(a.target) is not None)
+    build = None
+    if getattr(a, "cache_teacher", None) is not None:
+        from ..plan.memory import GIB, cache_build_peak
+        build = {k: v / GIB for k, v in cache_build_peak(a.cache_teacher, layout, p.training,
+                                                         p.training.seq_len * p.training.micro_batch).items()}
     if a.json:
-        print(json.dumps(p.as_dict() | dict(fits=fits, refusal=why), indent=1))
+        print(json.dumps(p.as_dict() | dict(fits=fits, refusal=why, cache_build_gib=build), indent=1))
     else:
         print(format_plan(p, a.gpu_gib, a.reserve_gib))
         if why:
             print(f"megatron-kd plan: {why}")
+        if build:
+            print(f"cache build first (kd.build_cache): {build['total']:.2f} GiB per GPU = {a.cache_teacher.name} "
+                  f"weights {build['weights']:.2f} + one micro-batch's forward and top-K {build['forward']:.2f}")
     return 0
 
 

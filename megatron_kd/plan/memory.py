@@ -19,7 +19,7 @@ The peak is the largest of four phases: end of forward (loss), backward (recompu
 (embedding gradient) and optimizer step. Every term is a closed formula of the shape and layout; the
 activation terms name the tensors they count (tests/plan/test_plan.py checks them against autograd on CPU).
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..parallel.limits import LOGITS_PER_CHUNK
 from .attention_bytes import attention_activation_bytes
@@ -274,9 +274,18 @@ def teacher_forward_peak(teacher: ModelShape, lay: Layout, tr: Training, T: int)
     if tr.teacher_loss == "dense":
         out = T * vloc * (2 + 4 + 4)                    # bf16 logits, fp32 copy, log-softmax
     else:
-        c = max(16, LOGITS_PER_CHUNK // vloc)  # teacher top-K on the fly: logits of one chunk
-        out = min(T, c) * vloc * (2 + 4 + 8 + 4) + T * tr.topk * 12   # logits, fp32, int64 keys; result
+        c = max(16, LOGITS_PER_CHUNK // vloc)  # teacher top-K on the fly: bf16 logits of one chunk
+        out = min(T, c) * vloc * 2 + 2 * T * tr.topk * 12   # results of two micro-batches (one queued behind)
     return max(layer, out) + 2 * T * h
+
+
+def cache_build_peak(teacher: ModelShape, lay: Layout, tr: Training, T: int) -> dict:
+    """Bytes per GPU of a cache build (kd.build_cache, `megatron-kd cache build`): the teacher's bf16 weights on
+    its TP shard (unpipelined) and one micro-batch's no-grad forward with the top-K of teacher_forward_peak."""
+    lay = replace(lay, pp=1, cp=1)
+    weights = 2 * param_counts(teacher, lay, 0).total
+    forward = teacher_forward_peak(teacher, lay, replace(tr, teacher_loss="topk"), T)
+    return {"weights": weights, "forward": forward, "total": weights + forward}
 
 
 # ------------------------------------------------------------------------------------------------ the plan

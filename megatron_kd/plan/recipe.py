@@ -182,6 +182,7 @@ class RecipePlan:
     precision: str
     vpp: int | None = None
     notes: list = field(default_factory=list)
+    cache_teacher: ModelShape | None = None  # offline with kd.build_cache: the teacher whose cache the run builds
 
     def min_world(self) -> int:
         """The smallest world size the layout runs on: a multiple of tp*pp*cp and of etp*ep*pp."""
@@ -223,5 +224,8 @@ def from_recipe(r) -> RecipePlan:
                      "and no separate main params)")
     if p.vpp:
         notes.append(f"parallel.vpp={p.vpp}: interleaved pipeline stages are not modelled (1F1B counted)")
+    cache_teacher = shape_from_config(r.teacher, vocab, d.seq_length) if kd.mode == "offline" and kd.build_cache \
+        else None
     return RecipePlan(shape=shape, layout=layout, training=Training(**tr), teacher=teacher,
-                      global_batch_size=t.global_batch_size, precision=t.precision, vpp=p.vpp, notes=notes)
+                      global_batch_size=t.global_batch_size, precision=t.precision, vpp=p.vpp, notes=notes,
+                      cache_teacher=cache_teacher)

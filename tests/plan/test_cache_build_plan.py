@@ -1,0 +1,29 @@
+"""`megatron-kd plan` of an offline recipe that builds its cache first also plans the cache build: the teacher's
+bf16 weights on its TP shard plus one micro-batch's no-grad forward and top-K (checked against an H200 build in
+benchmarks/README.md); no such line when the recipe reads a finished cache."""
+import json
+
+from megatron_kd.cli.plan import main
+from megatron_kd.plan.memory import GIB, Training, cache_build_peak
+from megatron_kd.plan.shapes import Layout, param_counts, preset
+
+
+def test_plan_of_a_build_cache_recipe_counts_the_cache_build(capsys):
+    assert main(["llama31_8b_to_3b_32k_1xh200", "kd.build_cache=true", "kd.cache=/tmp/x", "--json"]) == 0
+    build = json.loads(capsys.readouterr().out)["cache_build_gib"]
+    teacher = preset("llama-3.1-8b")
+    assert abs(build["weights"] - 2 * param_counts(teacher, Layout(), 0).total / GIB) < 1e-6
+    assert 4 < build["forward"] < 8 and build["total"] == build["weights"] + build["forward"]
+    assert main(["llama31_8b_to_3b_32k_1xh200", "kd.build_cache=true", "kd.cache=/tmp/x", "parallel.tp=2"]) == 0
+    assert "cache build first (kd.build_cache)" in capsys.readouterr().out
+    assert main(["llama31_8b_to_3b_32k_1xh200", "kd.cache=/tmp/x", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cache_build_gib"] is None
+
+
+def test_the_forward_grows_with_the_micro_batch_and_halves_with_tp():
+    t = preset("llama-3.1-8b")
+    one = cache_build_peak(t, Layout(), Training(seq_len=32768), 32768)
+    two = cache_build_peak(t, Layout(), Training(seq_len=32768), 65536)
+    tp2 = cache_build_peak(t, Layout(tp=2), Training(seq_len=32768), 32768)
+    assert two["forward"] > 1.9 * one["forward"] and two["weights"] == one["weights"]
+    assert abs(tp2["weights"] - one["weights"] / 2) / one["weights"] < 0.02

@@ -388,6 +388,11 @@ def _add_activations(p: Plan, pc) -> tuple[float, float]:
             _add(p, "activations", "unrecomputed layers", inflight * sum(per_layer[n_rc:]),
                  f"{inflight} x {pc.layers - n_rc} layers' saved tensors")
         working = max(per_layer) + max(extra) if n_rc else max(extra)
+        if 0 < n_rc < pc.layers:
+            # Backward reaches the recomputed (first) layers after the unrecomputed ones, whose saved tensors
+            # (this micro-batch's) are freed by then: the recompute working set never meets them. Before that,
+            # the unrecomputed layers need only their gradients.
+            working = max(max(extra), working - sum(per_layer[n_rc:]))
     else:
         kept = sum(per_layer)
         _add(p, "activations", "saved activations", inflight * kept,
@@ -424,7 +429,8 @@ def _add_transients(p: Plan, pc, osh: _OptimizerSharding, working: float) -> tup
     wgrad = 2 * pc.largest_layer_tensor
     emb_grad = 2 * (pc.embedding if first else 0)
     _add(p, "transient", "recompute working set" if tr.recompute == "full" else "backward gradients", working,
-         "one layer's activations + gradients in backward" if tr.recompute == "full" else "gradients in flight")
+         "one recomputed layer's activations + gradients (the unrecomputed layers' freed by then)"
+         if tr.recompute == "full" else "gradients in flight")
     _add(p, "transient", "bf16 weight grad", wgrad, "largest layer weight's grad before it joins main_grad")
     if first:
         _add(p, "transient", "embedding grad", emb_grad, "bf16 [V/tp, H] at the end of backward")

@@ -80,6 +80,15 @@ def _start_teacher_topk(teacher, tokens, k, temperature, chunk_size, tp_group):
                                   out.vocab_start_index, teacher.vocab_size)
 
 
+def _teacher_topk(teacher, tokens, k, temperature, chunk_size, tp_group):
+    """One micro-batch's top-K, waited for: (ids, log-probs) [b, s, K], or (None, None) on an earlier stage."""
+    pending = _start_teacher_topk(teacher, tokens, k, temperature, chunk_size, tp_group)
+    if pending is None:
+        return None, None
+    ids, lp = pending.result()
+    return ids.reshape(*tokens.shape, -1), lp.reshape(*tokens.shape, -1)
+
+
 def _broadcast_list(obj: list, group) -> list:
     """Rank 0's list on every rank of the group: all ranks of a TP group (and of a pipeline) must run the same
     shards, in the same order."""

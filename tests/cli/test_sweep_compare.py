@@ -24,7 +24,7 @@ def sweep(tmp_path_factory):
     """Two divergences x two learning rates from one cache, in one process; teacher calls counted per run."""
     import megatron_kd.teacher.build as build
     work = tmp_path_factory.mktemp("sweep")
-    calls, real = [], build._teacher_topk
+    calls, real = [], build._start_teacher_topk
 
     def counting(*a, **k):
         calls[-1] += 1
@@ -38,7 +38,7 @@ def sweep(tmp_path_factory):
         return real_run(*a, **k)
     mp = pytest.MonkeyPatch()
     mp.chdir(work)
-    mp.setattr(build, "_teacher_topk", counting)
+    mp.setattr(build, "_start_teacher_topk", counting)
     mp.setattr(loop, "run", run)
     try:
         rc = train_cli.main(["-m", *BASE, *TEACHER_ARCH, f"train.iters={ITERS}", "kd.cache=runs/shared_cache",

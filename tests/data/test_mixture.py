@@ -36,13 +36,13 @@ def counted(sources):
     """The teacher's calls in each of two runs: weights 0.5/0.5, then 0.8/0.2 (same caches)."""
     import megatron_kd.teacher.build as build
     d, a, b = sources
-    calls, real = [], build._teacher_topk
+    calls, real = [], build._start_teacher_topk
 
     def counting(*args, **kw):
         calls[-1] += 1
         return real(*args, **kw)
     mp = pytest.MonkeyPatch()
-    mp.setattr(build, "_teacher_topk", counting)
+    mp.setattr(build, "_start_teacher_topk", counting)
     try:
         runs = []
         for name, (wa, wb) in (("even", (0.5, 0.5)), ("skewed", (0.8, 0.2))):

@@ -9,6 +9,8 @@ Global rank 0 holds the directory's lock for the whole build, writes settings.js
 checks that the shards an earlier run finished were built from this dataset's tokens) and manifest.json after
 everyone is done.
 Micro-batches never cross a shard boundary, so a shard's bytes do not depend on where a previous run died.
+Each micro-batch's forward and top-K are queued on the device before the previous micro-batch's result is taken and
+handed to the sink (sink.py: copies, encoding, writes), so the host's work on one overlaps the device's on the next.
 """
 import errno
 import hashlib

@@ -19,7 +19,11 @@ def pack_uint(values: np.ndarray, bits: int) -> np.ndarray:
     out_bytes = packed_bytes(n, bits)
     if n == 0:
         return np.zeros(0, dtype=np.uint8)
-    pos = np.arange(n, dtype=np.uint64) * np.uint64(bits)
+    return _pack_at(v, np.arange(n, dtype=np.uint64) * np.uint64(bits), out_bytes)
+
+
+def _pack_at(v: np.ndarray, pos: np.ndarray, out_bytes: int) -> np.ndarray:
+    """uint64 values v written at ascending stream bits pos (little-endian words) -> uint8 [out_bytes]."""
     word, shift = pos >> np.uint64(6), pos & np.uint64(63)
     lo = v << shift                                    # the part that lands in `word` (high bits drop off)
     hi = (v >> np.uint64(1)) >> (np.uint64(63) - shift)  # = v >> (64 - shift): the spill into word + 1
@@ -108,17 +112,7 @@ def pack_var(values: np.ndarray, widths: np.ndarray) -> np.ndarray:
     keep = w > 0
     if not keep.any():
         return np.zeros(out_bytes, dtype=np.uint8)
-    pos = (np.cumsum(w) - w)[keep]
-    v = v[keep]
-    word, shift = pos >> np.uint64(6), pos & np.uint64(63)
-    lo = v << shift
-    hi = (v >> np.uint64(1)) >> (np.uint64(63) - shift)
-    starts = np.flatnonzero(np.r_[True, word[1:] != word[:-1]])
-    words = np.zeros(int(word[-1]) + 2, dtype="<u8")
-    wi = word[starts].astype(np.int64)
-    words[wi] += np.add.reduceat(lo, starts)
-    words[wi + 1] += np.add.reduceat(hi, starts)
-    return words.view(np.uint8)[:out_bytes].copy()
+    return _pack_at(v[keep], (np.cumsum(w) - w)[keep], out_bytes)
 
 
 def unpack_var(buf: np.ndarray, bit: np.ndarray, widths: np.ndarray) -> np.ndarray:

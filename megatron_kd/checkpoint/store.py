@@ -76,7 +76,6 @@ def _layout() -> tuple:
 
 def save_checkpoint(root: str, iteration: int, chunks, optimizer, scheduler, common: dict) -> str:
     """Write iteration's checkpoint under root; the tracker moves only after every rank finished."""
-    from megatron.core import dist_checkpointing
     _require_psutil()
     path = iter_dir(root, iteration)
     if latest_iteration(root) == iteration and os.path.isdir(path):
@@ -92,6 +91,12 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, scheduler, com
     sd["optimizer"] = optimizer.sharded_state_dict(sd, metadata=OPTIM_METADATA)
     sd["scheduler"] = scheduler.state_dict()
     sd["rng_state"] = _rng_state(_layout())
+    return _publish(root, path, iteration, sd, common)
+
+
+def _publish(root: str, path: str, iteration: int, sd: dict, common: dict) -> str:
+    """Write sd (with common, the iteration and the layout) into path, its manifest, then move the tracker."""
+    from megatron.core import dist_checkpointing
     sd.update(common)
     sd["iteration"] = iteration
     sd["layout"] = list(_layout())
@@ -112,7 +117,6 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, scheduler, com
 def save_weights(root: str, iteration: int, chunks, common: dict) -> str:
     """A weights-only checkpoint (no optimizer, scheduler or RNG state), as train.pretrained, teacher.load and
     load_weights read it: a model made outside training (e.g. a pruned teacher). Refuses to replace one."""
-    from megatron.core import dist_checkpointing
     _require_psutil()
     if latest_iteration(root) is not None:
         raise FileExistsError(f"{root} already holds a checkpoint; not replacing it")
@@ -120,21 +124,7 @@ def save_weights(root: str, iteration: int, chunks, common: dict) -> str:
     if is_rank0():
         os.makedirs(path, exist_ok=True)
     barrier()
-    sd = _model_state(chunks)
-    sd.update(common)
-    sd["iteration"] = iteration
-    sd["layout"] = list(_layout())
-    dist_checkpointing.save(sd, path)
-    barrier()
-    from .integrity import write_manifest
-    write_manifest(path, iteration, is_rank0())
-    if is_rank0():
-        tmp = os.path.join(root, TRACKER + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(str(iteration))
-        os.replace(tmp, os.path.join(root, TRACKER))
-    barrier()
-    return path
+    return _publish(root, path, iteration, _model_state(chunks), common)
 
 
 # Test seam: callables (event, iteration, optimizer) run after each save ("save") and load ("load") of the

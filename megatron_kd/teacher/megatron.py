@@ -4,6 +4,7 @@ Online mode runs the teacher GPTModel beside the student on the same TP group an
 `topk_from_hidden`, the vocab-parallel top-K the cache builder uses, so online and offline (cache) targets
 are the same numbers up to the cache's log-prob encoding.
 """
+import contextlib
 import hashlib
 
 import torch
@@ -17,6 +18,7 @@ from ..parallel.topk import topk_from_hidden
 from ..checkpoint import store as ckpt
 from ..models.hook import forward_with_head, output_layer_replaced, output_layout
 from ..models.builder import build_gpt, unwrap
+from ..models.fusions import exact_fusions
 
 
 class OnlineTeacher:
@@ -160,7 +162,8 @@ class MegatronTeacher:
     (`is_last_stage` False): only last-stage ranks compute the top-K and write.
     """
 
-    def __init__(self, model, vocab_size: int, *, name: str = "megatron-gpt", tp_group=None, pp_group=None):
+    def __init__(self, model, vocab_size: int, *, name: str = "megatron-gpt", tp_group=None, pp_group=None,
+                 exact_fusions: bool = True):
         if isinstance(model, (list, tuple)):
             if len(model) != 1:
                 raise ValueError("MegatronTeacher takes one model chunk per rank; virtual pipeline stages "
@@ -184,6 +187,9 @@ class MegatronTeacher:
         from megatron.core.transformer.dot_product_attention import DotProductAttention
         self._needs_mask = any(isinstance(mod, DotProductAttention) for mod in model.modules())
         self.is_last_stage = self.pipeline is None or self.pipeline.is_last
+        # The forward runs with models/fusions.py's kernels where they give eager's bits (SwiGLU, RoPE, RMSNorm):
+        # the same hidden states in fewer passes over memory. False runs megatron-core's modules as they are.
+        self.exact_fusions = exact_fusions
 
     def identity(self) -> dict:
         """Same value at any TP/PP layout of the same weights. Collective: every rank of the model calls it."""
@@ -234,6 +240,10 @@ class MegatronTeacher:
         if self._needs_mask:
             mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=tokens.device), diagonal=1)[None, None]
         box = []
+        with exact_fusions(self.model) if self.exact_fusions else contextlib.nullcontext():
+            return self._forward(tokens, pos, mask, box, b, s)
+
+    def _forward(self, tokens, pos, mask, box, b, s):
         if self.pipeline is None:
             with self._hidden_only(box):
                 self.model(tokens, pos, mask)

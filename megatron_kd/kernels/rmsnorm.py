@@ -1,10 +1,12 @@
-"""rms_norm_eager: torch.rms_norm's CUDA composite for 16-bit inputs (upcast, pow 2, mean, + eps, rsqrt, two fp32
-multiplies, cast back) in three passes over memory instead of eight, with the same bits.
+"""rms_norm_eager: torch.rms_norm's composite for 16-bit inputs with an fp32 weight (upcast, pow 2, mean, + eps,
+rsqrt, two fp32 multiplies, cast back) in three passes over memory instead of eight, with the same bits.
 
+torch runs the composite when the weight's dtype differs from the input's, which is megatron-core's local RMSNorm
+(fp32 weight, 16-bit activations); with equal dtypes it runs its own fused kernel, which this does not reproduce.
 The mean is torch's own reduction, run on the same fp32 squares eager makes, so its summation order, and therefore
 its result, is eager's. Around it two kernels replace the elementwise steps: one writes x.float() ** 2 (an fp32
-product, as pow(x, 2) computes it), the other (x.float() * rstd) cast to x's dtype, times the weight (of x's dtype)
-rounded again, as the composite multiplies the weight after casting back. Forward only (no autograd).
+product, as pow(x, 2) computes it), the other x.float() * rstd * weight in fp32, rounded once to x's dtype, as the
+composite multiplies and then casts. Forward only (no autograd).
 """
 import torch
 import triton
@@ -27,13 +29,13 @@ def _scale_kernel(x_ptr, r_ptr, w_ptr, out_ptr, H, BLOCK: tl.constexpr):
     x = tl.load(x_ptr + row * H + cols, mask=ok, other=0.0)
     r = tl.load(r_ptr + row)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    y = (x.to(tl.float32) * r).to(x.dtype).to(tl.float32)  # the composite casts back before the weight
+    y = x.to(tl.float32) * r
     tl.store(out_ptr + row * H + cols, (y * w).to(x.dtype), mask=ok)
 
 
 def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float, block: int = 1024) -> torch.Tensor:
-    """x [..., H] (16-bit float), weight [H] of x's dtype, eps -> torch.rms_norm(x, (H,), weight, eps),
-    bit-identical on CUDA."""
+    """x [..., H] (16-bit float), weight [H] fp32, eps -> torch.rms_norm(x, (H,), weight, eps), bit-identical on
+    CUDA."""
     shape = x.shape
     h = shape[-1]
     rows = x.reshape(-1, h)

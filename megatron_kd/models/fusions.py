@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 _HALF = (torch.bfloat16, torch.float16)
+_HEAD_DIMS = (16, 32, 64, 128, 256)  # the RoPE kernel takes half a head as one power-of-two block
 
 
 def _fusable(t: torch.Tensor) -> bool:
@@ -41,7 +42,9 @@ def mlp_fusable(mlp) -> bool:
 
 def _norm_forward(self, x):
     """torch.nn.RMSNorm.forward through kernels/rmsnorm.py where exact; otherwise torch's own."""
-    if (_fusable(x) and self.weight is not None and self.weight.dtype == x.dtype and self.eps is not None
+    # torch's composite runs for an fp32 weight beside 16-bit inputs (megatron-core's local norm); with equal
+    # dtypes torch runs a fused kernel of its own, left as it is
+    if (_fusable(x) and self.weight is not None and self.weight.dtype == torch.float32 and self.eps is not None
             and len(self.normalized_shape) == 1):
         from ..kernels.rmsnorm import rms_norm_eager
         return rms_norm_eager(x, self.weight, self.eps)
@@ -55,7 +58,7 @@ def _rope(original):
                 and not config.apply_rope_fusion and not config.rotary_interleaved
                 and not getattr(config, "multi_latent_attention", False)
                 and _fusable(t) and freqs.dim() == 4 and freqs.shape[1] == 1 and freqs.shape[2] == 1
-                and freqs.shape[0] == t.shape[0] and freqs.shape[-1] == t.shape[-1] and t.shape[-1] in (64, 128, 256)
+                and freqs.shape[0] == t.shape[0] and freqs.shape[-1] == t.shape[-1] and t.shape[-1] in _HEAD_DIMS
                 and t.stride(-1) == 1):
             from ..kernels.rope import rope_eager
             cos = (torch.cos(freqs) * mscale).to(t.dtype)

@@ -265,11 +265,16 @@ def loss_buffers(shape: ModelShape, lay: Layout, tr: Training, T: int) -> dict:
                 bwd=held + 2 * T * h + 2 * vh, tail=tied_tail)
 
 
-def teacher_forward_peak(teacher: ModelShape, lay: Layout, tr: Training, T: int) -> float:
-    """Transient bytes of a no-grad teacher forward (one layer's intermediates + the output top-K chunk)."""
+def teacher_forward_peak(teacher: ModelShape, lay: Layout, tr: Training, T: int, exact_fusions: bool = False) -> float:
+    """Transient bytes of a no-grad teacher forward (one layer's intermediates + the output top-K chunk).
+
+    The largest intermediate is fc1's output; eager SwiGLU holds it beside three more tensors of half its size
+    (silu, the offset linear half, their product). exact_fusions (MegatronTeacher's forward, models/fusions.py)
+    makes only the product, for a dense SwiGLU MLP."""
     t, h = lay.tp, teacher.hidden_size
     act = layer_activations(teacher, lay, T, teacher.is_moe)
-    layer = max(act.values()) * 3 + 4 * (T // t if lay.sp else T) * h
+    fused = exact_fusions and teacher.activation == "swiglu" and not teacher.is_moe
+    layer = max(act.values()) * (1.5 if fused else 3) + 4 * (T // t if lay.sp else T) * h
     vloc = padded_vocab(teacher.vocab_size, t, lay.vocab_divisible_by) // t
     if tr.teacher_loss == "dense":
         out = T * vloc * (2 + 4 + 4)                    # bf16 logits, fp32 copy, log-softmax
@@ -284,7 +289,7 @@ def cache_build_peak(teacher: ModelShape, lay: Layout, tr: Training, T: int) -> 
     its TP shard (unpipelined) and one micro-batch's no-grad forward with the top-K of teacher_forward_peak."""
     lay = replace(lay, pp=1, cp=1)
     weights = 2 * param_counts(teacher, lay, 0).total
-    forward = teacher_forward_peak(teacher, lay, replace(tr, teacher_loss="topk"), T)
+    forward = teacher_forward_peak(teacher, lay, replace(tr, teacher_loss="topk"), T, exact_fusions=True)
     return {"weights": weights, "forward": forward, "total": weights + forward}
 
 

@@ -13,7 +13,7 @@ def test_plan_of_a_build_cache_recipe_counts_the_cache_build(capsys):
     build = json.loads(capsys.readouterr().out)["cache_build_gib"]
     teacher = preset("llama-3.1-8b")
     assert abs(build["weights"] - 2 * param_counts(teacher, Layout(), 0).total / GIB) < 1e-6
-    assert 4 < build["forward"] < 8 and build["total"] == build["weights"] + build["forward"]
+    assert 2.5 < build["forward"] < 6 and build["total"] == build["weights"] + build["forward"]
     assert main(["llama31_8b_to_3b_32k_1xh200", "kd.build_cache=true", "kd.cache=/tmp/x", "parallel.tp=2"]) == 0
     assert "cache build first (kd.build_cache)" in capsys.readouterr().out
     assert main(["llama31_8b_to_3b_32k_1xh200", "kd.cache=/tmp/x", "--json"]) == 0

@@ -61,7 +61,7 @@ def kernel_checks():
     from megatron_kd.kernels.rmsnorm import rms_norm_eager
     for scale in (0.02, 1.0, 30.0):
         x = (torch.randn(16384, 1, 4096, device="cuda", generator=g) * scale).bfloat16()
-        w = (1 + 0.1 * torch.randn(4096, device="cuda", generator=g)).bfloat16()
+        w = 1 + 0.1 * torch.randn(4096, device="cuda", generator=g)  # fp32: the weights torch's composite takes
         ref = torch.nn.functional.rms_norm(x, (4096,), w, 1e-5)
         got = rms_norm_eager(x, w, 1e-5)
         out[f"rmsnorm_scale{scale}_mismatch"] = int((ref.view(torch.int16) != got.view(torch.int16)).sum())

@@ -21,7 +21,7 @@ from .format import (LOCK, MANIFEST, SAMPLE_INDEX, SAMPLE_INDEX_DTYPE, SETTINGS,
                      sidecar_name)
 from .fsio import (commit, fault_point, open_temp, read_json, remove_temp_files, write_bytes_atomic,
                    write_json_atomic)
-from .hashing import CHECKSUM, crc32, file_sha256, hex64, token_hash
+from .hashing import CHECKSUM, crc32, hex64, token_hash
 
 
 class EncodedSample:
@@ -55,6 +55,8 @@ class ShardWriter:
         self.first, self.stop = shard_range(writer.settings, j)
         self.path = os.path.join(writer.path, shard_name(j))
         self.f, self.tmp = open_temp(self.path)  # a new file: nothing a killed run left is reused
+        # sha256 of the bytes as they are written: the sidecar's checksum without reading the shard back
+        self.sha = hashlib.sha256()
         self.hashes, self.crcs, self.stats = [], [], stats_mod.empty_stats()
         self.sizes = []  # each sample's bytes (they differ under a variable-size encoding)
 
@@ -75,11 +77,15 @@ class ShardWriter:
         """The next sample of the shard, encoded (in sample order)."""
         self.check_room(1)
         self.stats = stats_mod.merge(self.stats, e.stats)
-        self.f.write(e.buf.tobytes())
+        self._write(np.ascontiguousarray(e.buf, dtype=np.uint8))
         self.sizes.append(e.buf.size)
         self.hashes.append(e.token_hash)
         self.crcs.append(e.crc)
         fault_point("sample")
+
+    def _write(self, data) -> None:
+        self.f.write(data)
+        self.sha.update(data)
 
     def commit(self) -> None:
         count = self.stop - self.first
@@ -88,7 +94,7 @@ class ShardWriter:
         nbytes = count * self.w.settings["sample_bytes"]
         if self.w.encoding.variable:  # the samples' offsets close the shard: sample i is found without a scan
             footer = offsets_footer(self.sizes)
-            self.f.write(footer)
+            self._write(footer)
             nbytes = sum(self.sizes) + len(footer)
         self.f.flush()
         os.fsync(self.f.fileno())
@@ -97,7 +103,7 @@ class ShardWriter:
         commit(self.tmp, self.path)
         fault_point("shard:committed")
         side = {"shard": self.j, "first": self.first, "count": count, "file": shard_name(self.j),
-                "bytes": nbytes, CHECKSUM: file_sha256(self.path),
+                "bytes": nbytes, CHECKSUM: self.sha.hexdigest(),
                 "settings_hash": self.w.settings_hash, "settings": self.w.settings,
                 "token_hashes": [hex64(h) for h in self.hashes], "crc32": self.crcs, "stats": self.stats}
         write_json_atomic(os.path.join(self.w.path, sidecar_name(self.j)), side, "sidecar")

@@ -50,12 +50,22 @@ def sample_stats(ids, logp, dec_ids, dec_lp, select=None) -> dict:
         extra = {"kept_sum": int(kept.sum()), "kept_hist": [int(x) for x in np.bincount(kept - 1,
                                                                                           minlength=ids.shape[1])],
                  "dropped_sum": float(dropped.sum()), "dropped_max": float(dropped.max(initial=0.0))}
+    return of_rows(*row_stats(ids, logp, dec_ids, dec_lp), extra)
+
+
+def row_stats(ids, logp, dec_ids, dec_lp):
+    """(covered mass, kl_error) of each position: computed row by row, so rows may be measured in chunks and
+    concatenated before of_rows."""
     live = np.asarray(ids) >= 0
     mass = np.where(live, np.exp(np.where(live, np.asarray(logp, np.float64), 0.0)), 0.0).sum(axis=1)
-    err = kl_error(ids, logp, dec_ids, dec_lp)
+    return mass, kl_error(ids, logp, dec_ids, dec_lp)
+
+
+def of_rows(mass, err, extra=None) -> dict:
+    """A sample's statistics from its positions' mass and kl_error (all of them, in order)."""
     hist = np.histogram(np.clip(mass, 0.0, 1.0), bins=MASS_BINS, range=(0.0, 1.0))[0]
     return {"tokens": int(mass.size), "mass_sum": float(mass.sum()), "mass_hist": [int(x) for x in hist],
-            "kl_error_sum": float(err.sum()), "kl_error_max": float(err.max(initial=0.0)), **extra}
+            "kl_error_sum": float(err.sum()), "kl_error_max": float(err.max(initial=0.0)), **(extra or {})}
 
 
 def merge(a: dict, b: dict) -> dict:

@@ -7,6 +7,7 @@ temporary files a killed run left are deleted, never appended to), so a build ki
 with the same settings ends byte-identical to an uninterrupted one.
 """
 import fcntl
+import functools
 import hashlib
 import os
 import shutil
@@ -14,7 +15,7 @@ import shutil
 import numpy as np
 
 from . import stats as stats_mod
-from .encoding import encoding_of
+from .encoding import encoding_of, get_encoding
 from .errors import CacheError
 from .format import (LOCK, MANIFEST, SAMPLE_INDEX, SAMPLE_INDEX_DTYPE, SETTINGS, SHARD_DIR, check_format,
                      num_shards, offsets_footer, settings_diff, settings_hash, settings_of, shard_name, shard_range,
@@ -32,15 +33,53 @@ class EncodedSample:
         self.buf, self.stats, self.token_hash, self.crc = buf, stats, token_hash_, crc
 
 
-def encode_sample(encoding, seq_length: int, ids, logp, tokens) -> EncodedSample:
+def encode_sample(encoding, seq_length: int, ids, logp, tokens, run=None) -> EncodedSample:
     """Encode one sample (ids and log-probs [S, K], tokens [S]) and measure it; touches no file, so the builder
-    runs it on worker threads while the teacher computes the next micro-batch."""
-    buf = encoding.encode(ids, logp)
-    dec_ids, dec_lp = encoding.decode(buf)
-    stats = stats_mod.sample_stats(ids, logp, dec_ids, dec_lp, encoding.select)
+    runs it on worker threads while the teacher computes the next micro-batch.
+
+    run (optional): runs a list of zero-argument calls, maybe in parallel, and returns their results in order
+    (e.g. lambda fs: list(pool.map(lambda f: f(), fs))). A fixed-size encoding then encodes and checks blocks of
+    positions in parallel (row_chunks); the bytes and statistics are those of the whole-sample path."""
     if tokens.shape != (seq_length,):
         raise CacheError(f"tokens must be [seq_length={seq_length}], got {tokens.shape}")
+    chunks = row_chunks(encoding, seq_length) if run is not None else None
+    if chunks is None:
+        buf = encoding.encode(ids, logp)
+        dec_ids, dec_lp = encoding.decode(buf)
+        stats = stats_mod.sample_stats(ids, logp, dec_ids, dec_lp, encoding.select)
+    else:
+        buf = np.zeros(encoding.sample_bytes, dtype=np.uint8)
+        run([functools.partial(_encode_rows, encoding, buf, ids, logp, a, b) for a, b in chunks])
+
+        def check(a, b):
+            dec_ids, dec_lp = encoding.decode(buf, a, b)
+            return stats_mod.row_stats(ids[a:b], logp[a:b], dec_ids, dec_lp)
+        parts = run([functools.partial(check, a, b) for a, b in chunks])
+        stats = stats_mod.of_rows(np.concatenate([m for m, _ in parts]), np.concatenate([e for _, e in parts]))
     return EncodedSample(buf, stats, token_hash(tokens), crc32(buf))
+
+
+ROW_BLOCK = 1024  # positions per parallel block (a multiple of 8: every field's bits of a block end on a byte)
+
+
+def row_chunks(encoding, seq_length: int, block: int | None = None):
+    """[(first, stop)] position blocks of a sample that encode independently, or None (one block, or an encoding
+    whose sample size depends on its content). Every field of a fixed-size encoding stores a fixed number of bits
+    per position, so a block starting at a multiple of 8 positions starts on a byte of each field."""
+    block = block or ROW_BLOCK
+    if encoding.variable or seq_length < 2 * block:
+        return None
+    return [(a, min(seq_length, a + block)) for a in range(0, seq_length, block)]
+
+
+def _encode_rows(encoding, buf, ids, logp, a, b) -> None:
+    """Positions [a, b) encoded as a sample of b - a positions, each field's bytes copied to its place in buf."""
+    part = get_encoding(encoding.name, encoding.vocab_size, encoding.k, b - a)
+    out = part.encode(ids[a:b], logp[a:b])
+    before = get_encoding(encoding.name, encoding.vocab_size, encoding.k, a) if a else None
+    for name, size in part.fields.size.items():
+        at = encoding.fields.offset[name] + (before.fields.size[name] if before else 0)
+        buf[at:at + size] = part.fields.view(out, name)
 
 
 def _numpy(x):

@@ -1,7 +1,7 @@
 """SampleSink: the host side of a cache build, off the teacher's critical path.
 
 A micro-batch's top-K leaves the device on a copy stream into pinned host memory, is encoded on worker threads
-(numpy releases the GIL in its sorts and array arithmetic) and is appended to its shard in sample order by the
+(numpy releases the GIL in its sorts and array arithmetic; each sample in blocks of positions, in parallel) and is appended to its shard in sample order by the
 builder's thread, while the device already runs the next micro-batch. Shards commit in order, after their last
 sample: the bytes written are those of a build that encodes and writes each sample before computing the next.
 """
@@ -26,6 +26,10 @@ class SampleSink:
         self.encoding, self.seq = writer.encoding, int(writer.settings["seq_length"])
         n = workers or _workers()
         self.pool = ThreadPoolExecutor(n, thread_name_prefix="kd-encode")
+        # Blocks of positions of one sample, encoded and checked in parallel: the sample after the teacher's last
+        # micro-batch, which nothing overlaps, takes a fraction of one thread's time. A pool of its own, so a
+        # sample's wait on its blocks never holds a thread its blocks need.
+        self.blocks = ThreadPoolExecutor(n, thread_name_prefix="kd-encode-block")
         self.max_pending = 2 * n + 2  # samples held on the host at once
         # ("begin" | "sample" | "commit", shard, future or None), in order: a shard's temporary file is opened
         # after the previous shard's commit, so the disk goes through the states of a sequential build
@@ -74,7 +78,10 @@ class SampleSink:
     def _encode(self, ready, ids, logp, tokens):
         if ready is not None:
             ready.synchronize()
-        return encode_sample(self.encoding, self.seq, ids.numpy(), logp.numpy(), tokens.numpy())
+        return encode_sample(self.encoding, self.seq, ids.numpy(), logp.numpy(), tokens.numpy(), run=self._run)
+
+    def _run(self, calls):
+        return list(self.blocks.map(lambda f: f(), calls))
 
     def _pop(self) -> None:
         kind, shard, fut = self.queue.popleft()
@@ -97,6 +104,7 @@ class SampleSink:
             self.drain(block=True)
         finally:
             self.pool.shutdown(wait=True)
+            self.blocks.shutdown(wait=True)
 
     def abort(self) -> None:
         """Drop what is queued and delete every uncommitted shard's temporary file."""
@@ -105,6 +113,7 @@ class SampleSink:
                 fut.cancel()
         self.queue.clear()
         self.pool.shutdown(wait=True)
+        self.blocks.shutdown(wait=True)
         for sw in self.open:
             sw.abort()
         self.open.clear()

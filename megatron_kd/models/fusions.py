@@ -1,6 +1,6 @@
 """Exact fusions for forwards without autograd (the teacher's): megatron-core's unfused gated SiLU and rotary
-embedding, and torch's RMSNorm composite, replaced by kernels that give the same bits (kernels/swiglu.py, kernels/rope.py, kernels/rmsnorm.py) in fewer passes over
-memory.
+embedding, and torch's RMSNorm composite, replaced by kernels that give the same bits (kernels/swiglu.py,
+kernels/rope.py, kernels/rmsnorm.py) in fewer passes over memory.
 
 A layer takes the fused path only where its result is provably eager's: CUDA, 16-bit activations, no autograd,
 and megatron-core's unfused branch with the options the kernels reproduce (SiLU gate without bias or clamp;
@@ -8,6 +8,7 @@ non-interleaved RoPE over the whole head, one frequency row per position). Anyth
 own code, so installing the fusions never changes what a model computes.
 """
 import contextlib
+import functools
 import types
 
 import torch
@@ -18,7 +19,13 @@ _HEAD_DIMS = (16, 32, 64, 128, 256)  # the RoPE kernel takes half a head as one 
 
 
 def _fusable(t: torch.Tensor) -> bool:
-    return t.is_cuda and t.dtype in _HALF and not torch.is_grad_enabled()
+    return t.is_cuda and t.dtype in _HALF and not torch.is_grad_enabled() and _triton()
+
+
+@functools.lru_cache(maxsize=None)
+def _triton() -> bool:
+    from ..kernels import fused_unavailable
+    return fused_unavailable(cuda=True) is None  # without Triton megatron-core's own code runs
 
 
 def _mlp_forward(self, hidden_states, per_token_scale=None, **kwargs):
@@ -26,9 +33,7 @@ def _mlp_forward(self, hidden_states, per_token_scale=None, **kwargs):
     from ..kernels.swiglu import swiglu_eager
     if per_token_scale is not None or not _fusable(hidden_states):
         return type(self).forward(self, hidden_states, per_token_scale, **kwargs)
-    inter, bias = self.linear_fc1(hidden_states)
-    if bias is not None:
-        inter = inter + bias
+    inter, _ = self.linear_fc1(hidden_states)  # no bias: mlp_fusable
     inter = swiglu_eager(inter, self.config.glu_linear_offset)
     return self.linear_fc2(inter)
 

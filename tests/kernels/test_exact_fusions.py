@@ -70,7 +70,9 @@ def _tiny_gpt(device, dtype, **cfg):
     apply_cpu_patches()
     if not parallel_state.model_parallel_is_initialized():
         if not torch.distributed.is_initialized():
-            torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:29517", rank=0, world_size=1)
+            from dist_utils import free_port
+            torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                                                 world_size=1)
         parallel_state.initialize_model_parallel()
     seed_model_parallel_rng(3)
     torch.manual_seed(3)

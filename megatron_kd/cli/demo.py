@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 
-from ..report.runs import machine, plot_curves
+from ..report.runs import fmt_s, machine, plot_curves
 
 RESULTS = "results.json"
 SETTINGS = "demo_settings.json"
@@ -266,6 +266,12 @@ class Demo:
     def teacher_overrides(self) -> list:
         return self.common("teacher", self.s.teacher_iters, self.s.teacher_lr) + ["model=tiny_teacher", "kd=ce"]
 
+    def student_recipe(self, mode: str):
+        """The Recipe of the student stage `mode` (what `megatron-kd train` composes from its overrides)."""
+        from ..recipe.compose import compose
+        from ..recipe.schema import to_recipe
+        return to_recipe(compose("tiny_cpu", recipe_overrides(self.student_overrides(mode))))
+
     def student_overrides(self, mode: str) -> list:
         o = self.common(f"student_{mode}", self.s.student_iters, self.s.student_lr) + [f"kd={mode}"]
         if mode != "ce":
@@ -368,10 +374,6 @@ def load_times(out: str) -> dict:
 def short(x: float) -> str:
     """A float as a person writes it in a command (lr / 10 is 0.00030000000000000003 in full)."""
     return f"{x:.10g}"
-
-
-def fmt_s(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
 
 
 def expected_share(stage: str, s: Settings) -> float:

@@ -28,13 +28,10 @@ def prune(demo, out: str) -> dict:
     model section (what train.pretrained and the recovery runs use)."""
     from ..checkpoint.store import latest_iteration, save_weights
     from ..models.builder import build_gpt
-    from ..recipe.compose import compose
-    from ..recipe.schema import to_recipe
     from ..runtime.dist import distributed
     from ..training.evaluate import _load
     from ..data.datasets import load_tokenizer
-    from .demo import recipe_overrides
-    r = to_recipe(compose("tiny_cpu", recipe_overrides(demo.student_overrides("online"))))
+    r = demo.student_recipe("online")
     keep = pruned_layers(r.teacher.num_layers)
     pruned = dataclasses.replace(r.teacher, num_layers=len(keep), load=None)
     model = {f.name: getattr(pruned, f.name) for f in dataclasses.fields(type(r.model))}
@@ -101,16 +98,14 @@ def run(demo, lr: float) -> int:
 
 
 def fmt_elapsed(t0: float) -> str:
-    from .demo import fmt_s
+    from ..report.runs import fmt_s
     return fmt_s(time.time() - t0)
 
 
 def compare(demo, model: dict, iters: int, lr: float) -> dict:
-    from ..recipe.compose import compose
-    from ..recipe.schema import ModelConfig, to_recipe
+    from ..recipe.schema import ModelConfig
     from ..training.evaluate import compare as score
-    from .demo import recipe_overrides
-    r = to_recipe(compose("tiny_cpu", recipe_overrides(demo.student_overrides("online"))))
+    r = demo.student_recipe("online")
     m = ModelConfig(**model)
     students = {"pruned": (m, os.path.join(demo.out, "pruned"))}
     students.update({w: (m, os.path.join(demo.out, f"recover_{w}")) for w in WAYS})
@@ -142,8 +137,7 @@ def format_table(res: dict) -> str:
 
 
 def recover_md(res: dict, table: str) -> str:
-    from ..report.runs import machine
-    from .demo import fmt_s
+    from ..report.runs import fmt_s, machine
     return (f"`megatron-kd demo --recover` on {res['date']}, {machine()}; recovery stages "
             f"{fmt_s(res['total_s'])}:\n\n{table}\n\n"
             f"The teacher ({res['teacher_layers']} layers) pruned to its layers {res['kept_layers']}, then "

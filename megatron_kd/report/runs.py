@@ -73,3 +73,7 @@ def plot_curves(out: str, png: str, rows: dict | None = None):
     fig.savefig(png, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return fig
+
+
+def fmt_s(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"

@@ -1,7 +1,8 @@
-"""Pure ops on tensors and scalars: the fused loss's Triton kernels (rows, cols, scaled) and cuBLAS GEMM helpers
-(gemm), lean_adam's step (adam), the top-K's sum-exp (sumexp) and the teacher forward's exact fusions (swiglu, rope,
-rmsnorm). No autograd, and nothing else of the package is imported here. Optional: the Triton modules need Triton (and CUDA, or
-TRITON_INTERPRET=1 on CPU tensors)."""
+"""Pure ops on tensors and scalars: the fused loss's Triton kernels (rows, cols, scaled) and cuBLAS GEMM helpers (gemm),
+lean_adam's step (adam), the top-K's sum-exp (sumexp) and the teacher forward's exact fusions (swiglu, rope, rmsnorm).
+No autograd, and nothing else of the package is imported here. Optional: the Triton modules need Triton (and CUDA, or
+TRITON_INTERPRET=1 on CPU tensors).
+"""
 import os
 
 

@@ -1,11 +1,11 @@
 """rope_eager: megatron-core's unfused rotary embedding (`t * cos + rotate_half(t) * sin`, non-interleaved, the
 rotation over the whole head) in one read of t and one write, with the eager composition's rounding.
 
-Eager rounds each product to t's dtype, then their sum, and copies the result once more through `torch.cat`.
-Products of two 16-bit floats are exact in fp32, so rounding each to the 16-bit dtype and adding the two in fp32
-before rounding again reproduces eager's result bit for bit, provided the compiler does not contract a product
-and the sum into one fused multiply-add (which skips a rounding): the kernel is compiled without fp fusion. cos / sin are passed already rounded to t's dtype,
-as eager rounds them. Forward only (no autograd).
+Eager rounds each product to t's dtype, then their sum, and copies the result once more through `torch.cat`. Products of
+two 16-bit floats are exact in fp32, so rounding each to the 16-bit dtype and adding the two in fp32 before rounding
+again reproduces eager's result bit for bit, provided the compiler does not contract a product and the sum into one
+fused multiply-add (which skips a rounding): the kernel is compiled without fp fusion. cos / sin are passed already
+rounded to t's dtype, as eager rounds them. Forward only (no autograd).
 """
 import torch
 import triton

@@ -239,11 +239,12 @@ class MegatronTeacher:
         mask = None
         if self._needs_mask:
             mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=tokens.device), diagonal=1)[None, None]
-        box = []
         with exact_fusions(self.model) if self.exact_fusions else contextlib.nullcontext():
-            return self._forward(tokens, pos, mask, box, b, s)
+            return self._forward(tokens, pos, mask)
 
-    def _forward(self, tokens, pos, mask, box, b, s):
+    def _forward(self, tokens, pos, mask) -> TeacherOutput | None:
+        b, s = tokens.shape
+        box = []
         if self.pipeline is None:
             with self._hidden_only(box):
                 self.model(tokens, pos, mask)

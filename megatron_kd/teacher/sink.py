@@ -1,9 +1,10 @@
 """SampleSink: the host side of a cache build, off the teacher's critical path.
 
-A micro-batch's top-K leaves the device on a copy stream into pinned host memory, is encoded on worker threads
-(numpy releases the GIL in its sorts and array arithmetic; each sample in blocks of positions, in parallel) and is appended to its shard in sample order by the
-builder's thread, while the device already runs the next micro-batch. Shards commit in order, after their last
-sample: the bytes written are those of a build that encodes and writes each sample before computing the next.
+A micro-batch's top-K leaves the device on a copy stream into pinned host memory, is encoded on worker threads (numpy
+releases the GIL in its sorts and array arithmetic; each sample in blocks of positions, in parallel) and is appended to
+its shard in sample order by the builder's thread, while the device already runs the next micro-batch. Shards commit in
+order, after their last sample: the bytes written are those of a build that encodes and writes each sample before
+computing the next.
 """
 import os
 from collections import deque

@@ -60,13 +60,9 @@ def test_rms_norm_against_float64(seed):
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-def _tiny_gpt(device, dtype, **cfg):
+def _init_parallel():
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron_kd.models.builder import layer_spec
-    from megatron_kd.recipe.schema import ModelConfig
     from megatron_kd.runtime.cpu_patches import apply_cpu_patches, seed_model_parallel_rng
-    from megatron.core.transformer import TransformerConfig
     apply_cpu_patches()
     if not parallel_state.model_parallel_is_initialized():
         if not torch.distributed.is_initialized():
@@ -76,6 +72,22 @@ def _tiny_gpt(device, dtype, **cfg):
         parallel_state.initialize_model_parallel()
     seed_model_parallel_rng(3)
     torch.manual_seed(3)
+
+
+def _random_norms(model):
+    with torch.no_grad():  # norms at random gains, so the weight multiply is exercised
+        for n, p in model.named_parameters():
+            if "layernorm" in n or "final_norm" in n:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+    return model.eval()
+
+
+def _tiny_gpt(device, dtype, **cfg):
+    from megatron.core.models.gpt import GPTModel
+    from megatron_kd.models.builder import layer_spec
+    from megatron_kd.recipe.schema import ModelConfig
+    from megatron.core.transformer import TransformerConfig
+    _init_parallel()
     config = TransformerConfig(num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2,
                                ffn_hidden_size=352, normalization="RMSNorm", gated_linear_unit=True,
                                activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0,
@@ -84,11 +96,7 @@ def _tiny_gpt(device, dtype, **cfg):
     spec = layer_spec(ModelConfig(attention_backend="sdpa", normalization="RMSNorm"))
     model = GPTModel(config, spec, vocab_size=256, max_sequence_length=64, position_embedding_type="rope",
                      parallel_output=True, share_embeddings_and_output_weights=False).to(device)
-    with torch.no_grad():  # norms at random gains, so the weight multiply is exercised
-        for n, p in model.named_parameters():
-            if "layernorm" in n or "final_norm" in n:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-    return model.eval()
+    return _random_norms(model)
 
 
 def test_fusions_leave_a_cpu_model_as_it_was():
@@ -141,13 +149,28 @@ def test_kernels_equal_eager_bit_for_bit(dtype):
         assert torch.equal(_bits(got), _bits(want))
 
 
+def _gpt_oss_like():
+    """GPT-OSS's features on a tiny model, through the project's builder: sinks, a sliding window on every second
+    layer, YaRN RoPE (mscale != 1), biased MoE experts with the clamped quick-GEGLU (not fused)."""
+    from megatron_kd.models.builder import build_gpt
+    from megatron_kd.recipe.schema import ModelConfig, ParallelConfig
+    _init_parallel()
+    m = ModelConfig(num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2, kv_channels=32,
+                    ffn_hidden_size=96, softmax_type="learnable", window_size=[15, 0], window_attn_skip_freq=2,
+                    activation="quick_geglu", position_embedding_type="yarn", yarn={"rotary_scaling_factor": 32.0},
+                    attention_backend="sdpa", normalization="RMSNorm", add_bias_linear=True, num_moe_experts=4,
+                    moe_router_topk=2, moe_ffn_hidden_size=96, moe_grouped_gemm=False)
+    return _random_norms(build_gpt(m, ParallelConfig(), 256, 64, "bf16"))
+
+
 @gpu
-def test_gpt_hidden_states_equal_with_and_without_fusions(monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "gpt-oss"])
+def test_gpt_hidden_states_equal_with_and_without_fusions(arch, monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from megatron_kd.kernels import rmsnorm, rope, swiglu
     from megatron_kd.models.fusions import exact_fusions
-    model = _tiny_gpt("cuda", torch.bfloat16)
+    model = _tiny_gpt("cuda", torch.bfloat16) if arch == "llama" else _gpt_oss_like()
     tok = torch.randint(0, 256, (2, 64), device="cuda")
     pos = torch.arange(64, device="cuda")[None].expand(2, 64)
     calls = {"swiglu": 0, "rope": 0, "rmsnorm": 0}
@@ -166,5 +189,7 @@ def test_gpt_hidden_states_equal_with_and_without_fusions(monkeypatch):
         want = model(tok, pos, None)
         with exact_fusions(model):
             got = model(tok, pos, None)
-    assert calls == {"swiglu": 2, "rope": 4, "rmsnorm": 5}  # the norms' weights are fp32: torch's composite
+    # the norms' weights are fp32: torch's composite; GPT-OSS's clamped GEGLU experts stay megatron-core's
+    assert calls == ({"swiglu": 2, "rope": 4, "rmsnorm": 5} if arch == "llama" else {"swiglu": 0, "rope": 4,
+                                                                                     "rmsnorm": 5})
     assert torch.equal(_bits(got.to(torch.bfloat16)), _bits(want.to(torch.bfloat16))) and torch.equal(got, want)

@@ -97,7 +97,7 @@ def child(a) -> dict:
     out = box.pop("out")
     hidden = out.hidden.reshape(-1, out.hidden.shape[-1])
     w = out.weight.to(hidden.dtype)
-    step = rows_per_chunk(w.shape[0])
+    step = a.chunk_size or rows_per_chunk(w.shape[0])
 
     def gemm():
         for i in range(0, hidden.shape[0], step):
@@ -105,7 +105,7 @@ def child(a) -> dict:
 
     res["output_gemm_s"] = timed(gemm, a.reps)
     res["floor_s"] = res["forward_s"] + res["output_gemm_s"]
-    res["topk_s"] = timed(lambda: topk_from_hidden(hidden, out.weight, k, None, None, 1.0, None, vocab),
+    res["topk_s"] = timed(lambda: topk_from_hidden(hidden, out.weight, k, None, a.chunk_size, 1.0, None, vocab),
                           a.reps)
     del out, hidden, w, box
     if cuda:
@@ -117,7 +117,7 @@ def child(a) -> dict:
     def build(path, n, enc):
         return build_cache(teacher, data, os.path.join(work, path), top_k=k, encoding=enc, num_samples=n,
                            samples_per_shard=max(1, a.samples // 2), progress=False, dataset_id="bench",
-                           teacher_id=ident, micro_batch_size=a.micro_batch_size)
+                           teacher_id=ident, micro_batch_size=a.micro_batch_size, chunk_size=a.chunk_size)
 
     build("warm", 1, "fp16")
     res["build"] = {}
@@ -262,6 +262,8 @@ def main():
     p.add_argument("--samples", type=int, default=6)
     p.add_argument("--top-k", type=int, default=100)
     p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--chunk-size", type=int, default=None,
+                   help="rows per top-K chunk (default: the tree's, about 2**26 logits); the bytes do not depend on it")
     p.add_argument("--encodings", default="fp16,compact")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--profile", action="store_true")

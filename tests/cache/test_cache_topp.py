@@ -165,15 +165,6 @@ def build(path, **kw):
     return build_cache(toy_teacher(), tokens(), path, **args)
 
 
-def files(path):
-    out = {}
-    for root, _, names in os.walk(path):
-        for n in names:
-            with open(os.path.join(root, n), "rb") as f:
-                out[os.path.relpath(os.path.join(root, n), path)] = f.read()
-    return out
-
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     d = tmp_path_factory.mktemp("topp")
@@ -307,7 +298,8 @@ def _tp_build(rank, world, out):
 def test_tp1_and_tp2_builds_are_byte_identical(tmp_path):
     run_ranks(2, _tp_build, str(tmp_path))
     run_ranks(1, _tp_build, str(tmp_path))
-    a, b = files(tmp_path / "tp1"), files(tmp_path / "tp2")
+    from test_cache_resume import snapshot
+    a, b = snapshot(tmp_path / "tp1"), snapshot(tmp_path / "tp2")
     assert sorted(a) == sorted(b) and len([f for f in a if f.endswith(".bin")]) == 5
     for name in a:
         assert a[name] == b[name], f"{name} differs between TP=1 and TP=2"

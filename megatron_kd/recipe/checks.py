@@ -247,9 +247,11 @@ def check_rope_scaling(m, section: str) -> None:
     if not m.rope_scaling:
         defaults = {f.name: f.default for f in fields(ModelConfig)}
         changed = [k for k in ROPE_SCALING_KEYS if getattr(m, k) != defaults[k]]
-        _need(not changed, f"{section}.{changed[0] if changed else ''}={getattr(m, changed[0]) if changed else ''} "
+        # A preset (recipes/model/llama3*.yaml) may set the key, so the fix names Hydra's deletion override.
+        key = f"{section}.{changed[0]}" if changed else ""
+        _need(not changed, f"{key}={getattr(m, changed[0]) if changed else ''} "
               f"has no effect with {section}.rope_scaling=false; set {section}.rope_scaling=true (Llama 3 "
-              "RoPE scaling) or drop the key")
+              f"RoPE scaling) or remove the key (override '~{key}')")
         return
     _need(m.position_embedding_type == "rope", f"{section}.rope_scaling=true scales RoPE frequencies, but "
           f"{section}.position_embedding_type={m.position_embedding_type!r}; set it to rope or rope_scaling=false")

@@ -92,7 +92,8 @@ def test_rope_scaling_keys_are_checked():
     from megatron_kd.recipe.schema import RecipeError
     check_model(_model_config(rope_scaling=True, rope_scaling_factor=32.0), "model", 1)
     for bad, match in ((dict(rope_scaling_factor=32.0), "model.rope_scaling_factor=32.0 has no effect with "
-                                                         "model.rope_scaling=false; set model.rope_scaling=true"),
+                                                         "model.rope_scaling=false; set model.rope_scaling=true .*"
+                                                         "override '~model.rope_scaling_factor'"),
                        (dict(rope_scaling=True, rope_scaling_factor=0.5), "rope_scaling_factor=0.5 must be >= 1"),
                        (dict(rope_scaling=True, rope_low_freq_factor=4.0, rope_high_freq_factor=4.0),
                         "need 0 < low < high"),

@@ -82,12 +82,15 @@ class _Base:
     def bytes_per_token(self) -> float:
         return self.sample_bytes / self.seq
 
+    def check_shape(self, ids, logp) -> None:
+        if tuple(ids.shape) != (self.seq, self.k) or tuple(logp.shape) != tuple(ids.shape):
+            raise ValueError(f"expected topk_ids and topk_logprobs of shape [S, K] = [{self.seq}, {self.k}], "
+                             f"got {tuple(ids.shape)} and {tuple(logp.shape)}")
+
     def _check(self, ids, logp):
         ids = np.asarray(ids)
         logp = np.asarray(logp, dtype=np.float32)
-        if ids.shape != (self.seq, self.k) or logp.shape != ids.shape:
-            raise ValueError(f"expected topk_ids and topk_logprobs of shape [S, K] = [{self.seq}, {self.k}], "
-                             f"got {ids.shape} and {logp.shape}")
+        self.check_shape(ids, logp)
         if ids.size and (ids.min() < -1 or ids.max() >= self.vocab_size):
             raise ValueError(f"topk ids must be in [-1, {self.vocab_size - 1}], found [{ids.min()}, {ids.max()}]")
         if np.isnan(logp).any() or (logp > 1e-3).any():

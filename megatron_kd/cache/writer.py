@@ -48,6 +48,7 @@ def encode_sample(encoding, seq_length: int, ids, logp, tokens, run=None) -> Enc
         dec_ids, dec_lp = encoding.decode(buf)
         stats = stats_mod.sample_stats(ids, logp, dec_ids, dec_lp, encoding.select)
     else:
+        encoding.check_shape(ids, logp)  # the blocks below slice rows: a longer sample must not pass as shorter
         buf = np.zeros(encoding.sample_bytes, dtype=np.uint8)
         run([functools.partial(_encode_rows, encoding, buf, ids, logp, a, b) for a, b in chunks])
 
@@ -67,6 +68,8 @@ def row_chunks(encoding, seq_length: int, block: int | None = None):
     whose sample size depends on its content). Every field of a fixed-size encoding stores a fixed number of bits
     per position, so a block starting at a multiple of 8 positions starts on a byte of each field."""
     block = block or ROW_BLOCK
+    if block % 8:
+        raise ValueError(f"row block {block} must be a multiple of 8 positions (each field's bits end on a byte)")
     if encoding.variable or seq_length < 2 * block:
         return None
     return [(a, min(seq_length, a + block)) for a in range(0, seq_length, block)]

@@ -69,3 +69,17 @@ def test_a_broken_block_placement_is_caught(monkeypatch):
     monkeypatch.setattr(writer, "_encode_rows", shifted)
     with pytest.raises(AssertionError, match="decoded ids differ"):
         encode_sample(enc, seq, ids, lp, tok, run=lambda fs: [f() for f in fs])
+
+
+def test_the_block_path_refuses_what_the_whole_path_refuses():
+    """A sample with more positions than seq_length is refused in blocks too (the blocks slice rows, so the extra
+    rows would otherwise be dropped); a block that is not a multiple of 8 positions is refused."""
+    g = np.random.default_rng(1)
+    seq, k, vocab = 4096, 4, 500
+    enc = get_encoding("fp16", vocab, k, seq)
+    ids, lp, tok = _sample(g, seq + 3, k, vocab, empties=False)
+    for run in (None, lambda fs: [f() for f in fs]):
+        with pytest.raises(ValueError, match=r"shape \[S, K\] = \[4096, 4\]"):
+            encode_sample(enc, seq, ids, lp, tok[:seq], run=run)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        row_chunks(enc, seq, 1020)

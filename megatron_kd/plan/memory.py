@@ -270,10 +270,10 @@ def teacher_forward_peak(teacher: ModelShape, lay: Layout, tr: Training, T: int,
 
     The largest intermediate is fc1's output; eager SwiGLU holds it beside three more tensors of half its size
     (silu, the offset linear half, their product). exact_fusions (MegatronTeacher's forward, models/fusions.py)
-    makes only the product, for a dense SwiGLU MLP."""
+    makes only the product, for a dense bias-free SwiGLU MLP (models/fusions.py's mlp_fusable)."""
     t, h = lay.tp, teacher.hidden_size
     act = layer_activations(teacher, lay, T, teacher.is_moe)
-    fused = exact_fusions and teacher.activation == "swiglu" and not teacher.is_moe
+    fused = exact_fusions and teacher.activation == "swiglu" and not teacher.is_moe and not teacher.add_bias_linear
     layer = max(act.values()) * (1.5 if fused else 3) + 4 * (T // t if lay.sp else T) * h
     vloc = padded_vocab(teacher.vocab_size, t, lay.vocab_divisible_by) // t
     if tr.teacher_loss == "dense":

@@ -27,3 +27,13 @@ def test_the_forward_grows_with_the_micro_batch_and_halves_with_tp():
     tp2 = cache_build_peak(t, Layout(tp=2), Training(seq_len=32768), 32768)
     assert two["forward"] > 1.9 * one["forward"] and two["weights"] == one["weights"]
     assert abs(tp2["weights"] - one["weights"] / 2) / one["weights"] < 0.02
+
+
+def test_only_a_bias_free_dense_swiglu_counts_the_fused_mlp():
+    """The teacher's exact SwiGLU fusion runs only without fc1 bias (models/fusions.py); with one, eager's
+    intermediates are planned."""
+    from dataclasses import replace
+    t = preset("llama-3.1-8b")
+    fused = cache_build_peak(t, Layout(), Training(seq_len=32768), 32768)["forward"]
+    biased = cache_build_peak(replace(t, add_bias_linear=True), Layout(), Training(seq_len=32768), 32768)["forward"]
+    assert biased > 1.5 * fused

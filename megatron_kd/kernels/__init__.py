@@ -5,6 +5,11 @@ TRITON_INTERPRET=1 on CPU tensors).
 """
 import os
 
+# Launch options of kernels that promise eager torch's bits (swiglu, rope, rmsnorm, sumexp). torch's CUDA build
+# neither contracts a multiply and an add into one FMA nor flushes subnormals to zero in libdevice's expf and
+# division; Triton does both by default.
+EXACT_COMPILE = dict(enable_fp_fusion=False, enable_reflect_ftz=False)
+
 
 def fused_unavailable(cuda: bool) -> str | None:
     """Why the fused kernels cannot run here (None when they can): said by the loss and the recipe check before

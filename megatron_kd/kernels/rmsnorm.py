@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import EXACT_COMPILE
+
 
 @triton.jit
 def _square_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
@@ -44,11 +46,11 @@ def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float, block: int
     sq = torch.empty(rows.shape, dtype=torch.float32, device=x.device)
     n = rows.numel()
     if n:
-        _square_kernel[(triton.cdiv(n, block),)](rows, sq, n, BLOCK=block, enable_fp_fusion=False)
+        _square_kernel[(triton.cdiv(n, block),)](rows, sq, n, BLOCK=block, **EXACT_COMPILE)
     rstd = torch.rsqrt(torch.ops.aten.add.Scalar(sq.mean(dim=-1, keepdim=True), eps))
     del sq
     out = torch.empty_like(rows)
     if n:
         _scale_kernel[(rows.shape[0], triton.cdiv(h, block))](rows, rstd, weight.contiguous(), out, h, BLOCK=block,
-                                                            enable_fp_fusion=False)
+                                                            **EXACT_COMPILE)
     return out.reshape(shape)

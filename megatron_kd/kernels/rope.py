@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import EXACT_COMPILE
+
 
 @triton.jit
 def _rope_kernel(t_ptr, cos_ptr, sin_ptr, out_ptr, N, B, H, s_stride, b_stride, h_stride, cs_stride,
@@ -30,8 +32,10 @@ def _rope_kernel(t_ptr, cos_ptr, sin_ptr, out_ptr, N, B, H, s_stride, b_stride, 
     s2 = tl.load(sin_ptr + cs + HALF + j, mask=ok, other=0.0).to(tl.float32)
     dt = x1.dtype
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-    # first half: x1 * cos - x2 * sin; second half: x2 * cos + x1 * sin (rotate_half = [-x2, x1])
-    lo = (f1 * c1).to(dt).to(tl.float32) + ((-f2) * s1).to(dt).to(tl.float32)
+    # first half: x1 * cos - x2 * sin; second half: x2 * cos + x1 * sin (rotate_half = [-x2, x1]). Eager's
+    # x1 * cos + (-x2) * sin is written as a difference: IEEE defines a - b as a + (-b) and rounds -p as -(round p),
+    # so the bits agree, zeros' signs included, which Triton's unary minus (0 - x) would not keep
+    lo = (f1 * c1).to(dt).to(tl.float32) - (f2 * s1).to(dt).to(tl.float32)
     hi = (f2 * c2).to(dt).to(tl.float32) + (f1 * s2).to(dt).to(tl.float32)
     dst = (r * (2 * HALF))[:, None]
     tl.store(out_ptr + dst + j, lo.to(dt), mask=ok)
@@ -53,6 +57,5 @@ def rope_eager(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: int 
     if t.numel():
         n = s * b * h
         _rope_kernel[(triton.cdiv(n, rows),)](t, cos, sin, out, n, b, h, t.stride(0), t.stride(1), t.stride(2),
-                                              cos.stride(0), HALF=d // 2, ROWS=rows,
-                                              enable_fp_fusion=False)
+                                              cos.stride(0), HALF=d // 2, ROWS=rows, **EXACT_COMPILE)
     return out

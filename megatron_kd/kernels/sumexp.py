@@ -10,6 +10,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from . import EXACT_COMPILE
+
 SPAN = 16384  # columns per program: enough programs to fill the GPU at a few hundred rows
 
 
@@ -48,5 +50,5 @@ def sum_exp_rows(x: torch.Tensor, m: torch.Tensor, block: int = 2048):
     bad = torch.empty(n, splits, dtype=torch.int32, device=x.device)
     if n:
         _sum_exp_kernel[(n, splits)](x, x.stride(0), m.float().contiguous(), part, bad, w, splits,
-                                     BLOCK=block, SPAN=SPAN, LIBDEVICE=x.is_cuda)
+                                     BLOCK=block, SPAN=SPAN, LIBDEVICE=x.is_cuda, **EXACT_COMPILE)
     return part.sum(dim=1), bad.sum(dim=1, dtype=torch.int32)

@@ -11,6 +11,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from . import EXACT_COMPILE
+
 
 @triton.jit
 def _swiglu_kernel(x_ptr, out_ptr, F, x_stride, out_stride, offset, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
@@ -41,5 +43,5 @@ def swiglu_eager(x: torch.Tensor, offset: float = 0.0, block: int = 1024) -> tor
     if rows.shape[0] and f:
         grid = (rows.shape[0], triton.cdiv(f, block))
         _swiglu_kernel[grid](rows, out, f, rows.stride(0), out.stride(0), float(offset), BLOCK=block,
-                             LIBDEVICE=x.is_cuda, enable_fp_fusion=False)
+                             LIBDEVICE=x.is_cuda, **EXACT_COMPILE)
     return out.reshape(*lead, f)

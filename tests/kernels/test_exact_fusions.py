@@ -4,6 +4,8 @@ CPU (Triton's interpreter): each kernel against a float64 reference on fresh ran
 interpreter's own 16-bit casts do not enter). GPU: each kernel against megatron-core's / torch's eager composition
 bit for bit (bf16 and fp16, random weights, strided inputs), and a bf16 GPTModel's hidden states with and without
 the fusions bit for bit, with a count that the fused kernels really ran."""
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -117,6 +119,85 @@ def test_fusions_leave_a_cpu_model_as_it_was():
     assert not any("forward" in vars(m) for m in model.modules())
 
 
+def test_fusions_run_eager_where_a_kernel_cannot_import(monkeypatch):
+    """Without Triton (here: the kernel modules failing to import) a forward inside the block is megatron-core's."""
+    import sys
+    from megatron_kd.models.fusions import exact_fusions
+    model = _tiny_gpt("cpu", torch.float32)
+    tok, pos = torch.randint(0, 256, (1, 16)), torch.arange(16)[None]
+    with torch.no_grad():
+        want = model(tok, pos, None)
+        for name in ("swiglu", "rope", "rmsnorm"):
+            monkeypatch.setitem(sys.modules, f"megatron_kd.kernels.{name}", None)
+        with exact_fusions(model):
+            got = model(tok, pos, None)
+    assert torch.equal(got, want)
+
+
+def test_nested_overlapping_and_failing_blocks_restore_everything():
+    """Blocks on one model nest, blocks on two models overlap in any order, a block left by an exception closes:
+    afterwards every module's forward and megatron-core's RoPE function are what they were, and a forward the
+    owner had overridden on the instance is kept."""
+    from megatron.core.transformer import attention as mattn
+    from megatron_kd.models.fusions import exact_fusions
+    rope = mattn.apply_rotary_pos_emb
+    a, b = _tiny_gpt("cpu", torch.float32), _tiny_gpt("cpu", torch.float32)
+    own = a.decoder.final_layernorm
+    own.forward = types.MethodType(lambda self, x: x, own)
+    with exact_fusions(a):
+        with exact_fusions(a):
+            pass
+        assert sum("forward" in vars(m) for m in a.modules()) > 1  # the outer block's overrides are still there
+    first, second = exact_fusions(a), exact_fusions(b)
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert getattr(mattn.apply_rotary_pos_emb, "exact_fusion", False)  # b's block is still open
+    second.__exit__(None, None, None)
+    with pytest.raises(RuntimeError, match="inside"):
+        with exact_fusions(b):
+            raise RuntimeError("inside")
+    assert mattn.apply_rotary_pos_emb is rope
+    assert [m for m in a.modules() if "forward" in vars(m)] == [own]
+    assert not any("forward" in vars(m) for m in b.modules())
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "rmsnorm", "rope"])
+def test_the_probe_refuses_a_kernel_that_rounds_elsewhere(kind, monkeypatch):
+    """_agrees compares a kernel with the eager code it replaces on its probe values: a stand-in that is eager
+    passes, the same with one bit of one element changed is refused with a warning (on CPU, so the kernels are
+    replaced by stand-ins)."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+    from megatron_kd.kernels import rmsnorm, rope, swiglu
+    from megatron_kd.models import fusions
+
+    def eager(x, off=0.0):
+        a, b = torch.chunk(x, 2, dim=-1)
+        return F.silu(a) * (b + off)
+    ref = {"swiglu": (swiglu, "swiglu_eager", eager),
+           "rmsnorm": (rmsnorm, "rms_norm_eager", lambda x, w, eps: F.rms_norm(x, (x.shape[-1],), w, eps)),
+           "rope": (rope, "rope_eager", None)}[kind]
+    if kind == "rope":
+        def rope_ref(t, cos, sin):  # the kernel's contract (cos / sin rounded to t's dtype) through eager code
+            return t * cos + torch.cat((-t[..., t.shape[-1] // 2:], t[..., :t.shape[-1] // 2]), -1) * sin
+        ref = (rope, "rope_eager", rope_ref)
+        assert torch.equal(*[f(torch.ones(2, 1, 1, 8), torch.ones(2, 1, 1, 8) * 0.5)
+                             for f in (lambda t, fr: _apply_rotary_pos_emb_bshd(t, fr),
+                                       lambda t, fr: rope_ref(t, torch.cos(fr), torch.sin(fr)))])
+    mod, name, good = ref
+
+    def flipped(*args, **kw):
+        out = good(*args, **kw).clone()
+        out.view(-1).view(torch.int16)[5] ^= 1
+        return out
+    probe = fusions._agrees.__wrapped__
+    monkeypatch.setattr(mod, name, good)
+    assert probe(kind, torch.device("cpu"), torch.bfloat16)
+    monkeypatch.setattr(mod, name, flipped)
+    with pytest.warns(UserWarning, match=f"exact {kind} kernel does not give"):
+        assert not probe(kind, torch.device("cpu"), torch.bfloat16)
+
+
 gpu = pytest.mark.gpu
 
 
@@ -139,6 +220,14 @@ def test_kernels_equal_eager_bit_for_bit(dtype):
         h = (torch.randn(2048, 1, 1000, device="cuda", generator=g) * scale).to(dtype)
         w = 1 + 0.3 * torch.randn(1000, device="cuda", generator=g)  # fp32, as megatron-core's local norm
         assert torch.equal(_bits(rms_norm_eager(h, w, 1e-5)), _bits(F.rms_norm(h, (1000,), w, 1e-5)))
+    # subnormals of the dtype, zeros of both signs, and values past expf's overflow, as the probe uses
+    from megatron_kd.models.fusions import _probe_values
+    x = _probe_values(1024 * 2 * 3000, "cuda", dtype, g).view(1024, 2 * 3000)
+    a, b = torch.chunk(x, 2, dim=-1)
+    for off in (0.0, 1.0):
+        assert torch.equal(_bits(swiglu_eager(x, off)), _bits(F.silu(a) * (b + off)))
+    h = _probe_values(2048 * 1000, "cuda", dtype, g).view(2048, 1, 1000)
+    assert torch.equal(_bits(rms_norm_eager(h, w, 1e-5)), _bits(F.rms_norm(h, (1000,), w, 1e-5)))
     s, d = 2048, 128
     mixed = torch.randn(s, 2, 4, 6 * d, device="cuda", generator=g).to(dtype)
     q, k, _ = torch.split(mixed, [4 * d, d, d], dim=3)
@@ -147,6 +236,13 @@ def test_kernels_equal_eager_bit_for_bit(dtype):
         want = _apply_rotary_pos_emb_bshd(t, freqs)
         got = rope_eager(t, torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype))
         assert torch.equal(_bits(got), _bits(want))
+    t = _probe_values(s * 2 * 4 * d, "cuda", dtype, g).view(s, 2, 4, d)
+    want = _apply_rotary_pos_emb_bshd(t, freqs)
+    assert torch.equal(_bits(rope_eager(t, torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype))), _bits(want))
+    # and the fusions' own check passes here, so a model takes the kernels
+    from megatron_kd.models.fusions import _agrees
+    assert all(_agrees.__wrapped__(kind, torch.device("cuda", torch.cuda.current_device()), dtype)
+               for kind in ("swiglu", "rmsnorm", "rope"))
 
 
 def _gpt_oss_like():
@@ -173,7 +269,9 @@ def test_gpt_hidden_states_equal_with_and_without_fusions(arch, monkeypatch):
     model = _tiny_gpt("cuda", torch.bfloat16) if arch == "llama" else _gpt_oss_like()
     tok = torch.randint(0, 256, (2, 64), device="cuda")
     pos = torch.arange(64, device="cuda")[None].expand(2, 64)
-    calls = {"swiglu": 0, "rope": 0, "rmsnorm": 0}
+    from megatron_kd.models.fusions import _agrees
+    assert all(_agrees(kind, tok.device, torch.bfloat16) for kind in ("swiglu", "rope", "rmsnorm"))  # probed
+    calls = {"swiglu": 0, "rope": 0, "rmsnorm": 0}  # before the spies: the kernels' own check is not counted
 
     def spy(mod, name, key):
         fn = getattr(mod, name)

@@ -6,7 +6,9 @@ and data-parallel rank r takes the r-th micro_batch_size slice of each group. Th
 sample index, so every layout (TP, PP, CP, DP, micro-batch size) reads the rows of the tokens it trains on.
 """
 import logging
+import math
 import os
+import re
 
 import torch
 
@@ -68,13 +70,9 @@ def load_tokenizer(d: DataConfig):
 
 def _blend(path):
     from megatron.core.datasets.utils import get_blend_from_list
-    if isinstance(path, str):
-        path = [path]
-    paths = [str(x) for x in path]
-    for p in paths[1::2] if len(paths) > 1 and _is_number(paths[0]) else paths:
-        if not (os.path.isfile(p + ".bin") and os.path.isfile(p + ".idx")):
-            raise RecipeError(f"data.path: {p}.bin / {p}.idx not found; write them with `megatron-kd data prepare "
-                              f"--output-prefix {p} ...`")
+    paths = [str(x) for x in ([path] if isinstance(path, str) else path)]
+    for _, p in data_sources(path):
+        _check_prefix(p)
     return get_blend_from_list(paths)
 
 
@@ -82,8 +80,100 @@ def _is_number(s) -> bool:
     try:
         float(s)
         return True
-    except ValueError:
+    except (TypeError, ValueError):
         return False
+
+
+MIXTURE_SHAPE = "a mixture lists weight, prefix pairs, e.g. data.path=[0.7,PREFIX_A,0.3,PREFIX_B]"
+
+
+def data_sources(path) -> list:
+    """[(weight or None, prefix)] of a data.path: one prefix, a list of prefixes, or weight, prefix pairs
+    ([w1, prefix1, w2, prefix2, ...]); RecipeError naming the entry when the list has another shape or a weight
+    is no finite number > 0."""
+    if path is None:
+        return []
+    if isinstance(path, str):
+        return [(None, path)]
+    items = list(path)
+    shown = "[" + ",".join(str(x) for x in items) + "]"
+    if not items:
+        raise RecipeError("data.path=[] names no data; give a .bin/.idx prefix (`megatron-kd data prepare` writes "
+                          "one), or " + MIXTURE_SHAPE)
+    if not _is_number(items[0]):
+        numbers = [i for i, x in enumerate(items) if _is_number(x)]
+        if numbers:
+            raise RecipeError(f"data.path={shown}: entry {numbers[0]} ({items[numbers[0]]}) is a number where a "
+                              f"prefix stands; {MIXTURE_SHAPE}")
+        return [(None, str(x)) for x in items]
+    if len(items) % 2:
+        raise RecipeError(f"data.path={shown} has {len(items)} entries, an odd count; {MIXTURE_SHAPE}")
+    out = []
+    for i in range(0, len(items), 2):
+        w, prefix = items[i], items[i + 1]
+        if not _is_number(w) or _is_number(prefix):
+            bad, want = (i, "weight") if not _is_number(w) else (i + 1, "prefix")
+            raise RecipeError(f"data.path={shown}: entry {bad} ({items[bad]}) should be a {want}; {MIXTURE_SHAPE}")
+        w = float(w)
+        if not (math.isfinite(w) and w > 0):
+            raise RecipeError(f"data.path={shown}: the weight {w} of {prefix} must be a finite number > 0 (a "
+                              "source of weight 0: leave it out); " + MIXTURE_SHAPE)
+        out.append((w, str(prefix)))
+    return out
+
+
+def _check_prefix(p: str) -> None:
+    if os.path.isfile(p + ".bin") and os.path.isfile(p + ".idx"):
+        return
+    stem, ext = os.path.splitext(p)
+    if ext in (".bin", ".idx") and os.path.isfile(stem + ".bin") and os.path.isfile(stem + ".idx"):
+        raise RecipeError(f"data.path: {p} ends in {ext}, but data.path takes the prefix of the .bin/.idx pair; "
+                          f"give data.path={stem}")
+    raise RecipeError(f"data.path: {p}.bin / {p}.idx not found; write them with `megatron-kd data prepare "
+                      f"--output-prefix {p} ...`")
+
+
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+def split_shares(split: str) -> list:
+    """data.split ("969,30,1": train, valid, test shares) as megatron-core normalizes it; RecipeError when it is
+    no such list (megatron-core's own parser drops a minus sign and asserts on the rest)."""
+    if not re.fullmatch(r"\s*\d+(\.\d*)?(\s*,\s*\d+(\.\d*)?){0,2}\s*", str(split)):
+        raise RecipeError(f"data.split={split!r}: give up to three non-negative shares train,valid,test separated "
+                          "by commas, e.g. data.split='969,30,1'")
+    shares = [float(x) for x in str(split).split(",")]
+    if not shares[0] > 0:
+        raise RecipeError(f"data.split={split!r} gives training no share; e.g. data.split='969,30,1'")
+    total = sum(shares)
+    return [x / total for x in shares] + [0.0] * (3 - len(shares))
+
+
+def check_data(d: DataConfig) -> None:
+    """The data section against its files, before megatron-core reads them: data.path's shape and files, and a
+    data.split that leaves no split with a share empty (megatron-core counts epochs over a split of no document
+    without end)."""
+    if d.kind != "indexed":
+        return
+    from megatron.core.datasets.blended_megatron_dataset_config import convert_split_vector_to_split_matrix
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    shares = split_shares(d.split)
+    sources = data_sources(d.path)
+    for _, p in sources:
+        _check_prefix(p)
+    names = [source_name(p) for _, p in sources]
+    if sources[0][0] is not None and len(set(names)) != len(names):
+        raise RecipeError(f"data.path blends sources of one name ({', '.join(names)}): each source's cache is "
+                          "kd.cache/<file name>; give the .bin/.idx files distinct names")
+    matrix = convert_split_vector_to_split_matrix(shares)
+    for _, p in sources:
+        n = len(IndexedDataset(p, mmap=True).sequence_lengths)
+        for name, bounds in zip(SPLIT_NAMES, matrix):
+            if bounds is not None and int(round(bounds[1] * n)) - int(round(bounds[0] * n)) == 0:
+                fix = f"data.split='{n - 1},1,0'" if n > 1 else "data.split='100,0,0'"
+                raise RecipeError(f"data.split={d.split} gives the {name} split of data.path {p} none of its {n} "
+                                  f"documents; set {fix} (or another split giving each share a document), or add "
+                                  "documents")
 
 
 def mixture_sources(d: DataConfig) -> list:
@@ -91,10 +181,8 @@ def mixture_sources(d: DataConfig) -> list:
     ...]); [] for one dataset."""
     if d.kind != "indexed" or isinstance(d.path, str) or d.path is None:
         return []
-    paths = [str(x) for x in d.path]
-    if len(paths) < 4 or not _is_number(paths[0]):
-        return []
-    return [(float(paths[i]), paths[i + 1]) for i in range(0, len(paths), 2)]
+    sources = data_sources(d.path)
+    return sources if len(sources) > 1 and sources[0][0] is not None else []
 
 
 def _config(d: DataConfig, tokenizer, blend):
@@ -139,12 +227,7 @@ def build_mixture(d: DataConfig, tokenizer, train_samples: int, valid_samples: i
     from megatron.core.datasets.gpt_dataset import GPTDataset
     sources = mixture_sources(d)
     names = [source_name(p) for _, p in sources]
-    if len(set(names)) != len(names):
-        raise RecipeError(f"data.path blends sources of one name ({', '.join(names)}): each source's cache is "
-                          "kd.cache/<file name>; give the .bin/.idx files distinct names")
-    weights = [w for w, _ in sources]
-    if any(w <= 0 for w in weights):
-        raise RecipeError(f"data.path weights {weights} must be > 0 (a source of weight 0: leave it out)")
+    weights = [w for w, _ in sources]  # checked (check_data): finite and > 0, distinct names
     splits = []
     for _, prefix in sources:
         cfg = _config(d, tokenizer, _blend(prefix))

@@ -4,6 +4,7 @@ Reads the checkpoint (any TP/PP layout it was saved in; latest iteration of a sa
 recipe, builds the student on one process with the architecture of its Hugging Face source (model.hf_path of the
 run, or hf_path), and writes through Megatron-Bridge (megatron_kd/hf): config.json, *.safetensors, tokenizer files.
 """
+import contextlib
 import os
 import shutil
 import time
@@ -16,10 +17,14 @@ from ..runtime.dist import ENV_KEYS, free_port, restore_env
 
 def export(checkpoint: str, out: str, *, hf_path=None, dtype: str = "auto", device: str = "auto",
            overwrite: bool = False) -> dict:
-    """The checkpoint's student -> `out` as an HF checkpoint; returns a summary. Errors are ValueError."""
+    """The checkpoint's student -> `out` as an HF checkpoint; returns a summary. Errors are ValueError.
+    Written beside `out`, then swapped in: a failed export leaves `out` (and everything else) as it was."""
     from ..hf import HFCheckpointError, check_hf_dir
     from ..checkpoint import store as ckpt
     from ..recipe.schema import ParallelConfig, to_recipe
+    if not os.path.isdir(checkpoint):
+        raise ValueError(f"--checkpoint {checkpoint} is not a directory; give a `megatron-kd train` save dir "
+                         "(train.save) or one of its iter_* directories")
     try:
         common = ckpt.read_common(checkpoint)
     except (FileNotFoundError, RuntimeError) as e:
@@ -33,9 +38,8 @@ def export(checkpoint: str, out: str, *, hf_path=None, dtype: str = "auto", devi
                          "(model.hf_path is null); pass --hf-path, a Hugging Face directory of the same "
                          "architecture whose config and tokenizer the export should carry")
     check_hf_dir(src, "--hf-path" if hf_path else "model.hf_path")
-    if check_target(out, src, "--out ", None if overwrite else "pass --overwrite to replace it, or choose another "
-                    "directory"):
-        shutil.rmtree(out)
+    check_target(out, src, "--out ", None if overwrite else "pass --overwrite to replace it, or choose another "
+                 "directory", keep={"--checkpoint": checkpoint})
     r.model.hf_path = src
     from ..runtime.dist import distributed
     from ..models.builder import build_hf_chunks
@@ -43,37 +47,73 @@ def export(checkpoint: str, out: str, *, hf_path=None, dtype: str = "auto", devi
     from ..hf.model import open_hf
     single = ParallelConfig(tp=1, pp=1, ep=1, etp=1 if r.parallel.etp == 1 else None, use_distributed_optimizer=False)
     t0 = time.perf_counter()
-    with distributed(single, r.train.seed, device):
+    with written_beside(out) as tmp, distributed(single, r.train.seed, device):
         try:
             chunks, _ = build_hf_chunks(r.model, single, r.data.seq_length, r.train.precision, load_weights=False)
             iteration = ckpt.load_weights(checkpoint, chunks)
             torch_dtype = None if dtype == "auto" else TORCH_DTYPES[dtype]
-            open_hf(src, "model.hf_path").export(chunks, out, dtype=torch_dtype)
+            open_hf(src, "model.hf_path").export(chunks, tmp, dtype=torch_dtype)
         except HFCheckpointError as e:
             raise ValueError(str(e)) from None
+        except (OSError, RuntimeError, KeyError) as e:  # a checkpoint or source the export cannot use
+            raise ValueError(f"--checkpoint {checkpoint} could not be exported with --hf-path {src} "
+                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); {out} is left as "
+                             "it was") from None
     return {"out": out, "iteration": iteration, "source": src, "seconds": time.perf_counter() - t0,
             "files": sorted(os.listdir(out))}
 
 
+@contextlib.contextmanager
+def written_beside(out: str):
+    """A temporary directory beside `out` to write into; on success it replaces `out` (the old one removed only
+    then), on failure it is removed and `out` is left as it was. An flock beside `out` keeps a second writer of
+    the same `out` out."""
+    import fcntl
+    out = os.path.abspath(out)
+    parent, name = os.path.dirname(out), os.path.basename(out)
+    os.makedirs(parent, exist_ok=True)
+    lock = open(os.path.join(parent, f".{name}.lock"), "a+")
+    try:
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise ValueError(f"another export is writing {out}; wait for it to end, or write to another "
+                             "directory") from None
+        tmp = os.path.join(parent, f".{name}.partial")
+        shutil.rmtree(tmp, ignore_errors=True)  # a killed export's leftovers (the lock says none is running)
+        os.makedirs(tmp)
+        try:
+            yield tmp
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        old = os.path.join(parent, f".{name}.replaced")
+        if os.path.isdir(out):
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(out, old)
+        os.rename(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        lock.close()
+        try:
+            os.remove(os.path.join(parent, f".{name}.lock"))
+        except OSError:
+            pass
+
+
 def export_at_end(save: str, out: str) -> str:
     """train.export_hf: `megatron-kd export` of the finished run on rank 0, as one process (the other ranks are
-    done; the run's memory is freed). Written next to `out`, then renamed: a killed export leaves no half-written
-    `out`, and a rerun starts it over."""
-    tmp = os.path.join(os.path.dirname(os.path.abspath(out)), f".{os.path.basename(os.path.abspath(out))}.partial")
-    shutil.rmtree(tmp, ignore_errors=True)
+    done; the run's memory is freed). Written beside `out`, then swapped in (export): a killed export leaves no
+    half-written `out`, and a rerun starts it over."""
     print(f"megatron-kd train: exporting the student to {out} (train.export_hf)", flush=True)
     env = {k: os.environ.get(k) for k in ENV_KEYS}
     if not dist.is_initialized():  # rank 0 alone: a one-process group of its own (torchrun's names restored after)
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     try:
-        export(save, tmp)
+        export(save, out)
     except Exception as e:
-        shutil.rmtree(tmp, ignore_errors=True)
         raise RuntimeError(f"train.export_hf: the export failed ({e}); the run's checkpoint in {save} is complete: "
                            f"`megatron-kd export --checkpoint {save} --out {out}` retries it") from e
     finally:
         restore_env(env)
-    if os.path.isdir(out) and not os.listdir(out):
-        os.rmdir(out)
-    os.rename(tmp, out)
     return out

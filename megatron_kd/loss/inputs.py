@@ -30,6 +30,9 @@ class Targets:
 
 # A log-prob above this (at a non-empty slot) is not rounding of log(p <= 1): a corrupt cache or raw logits.
 LOGPROB_TOLERANCE = 1e-3
+# A position's top-K probabilities summing above 1 + this are no part of one distribution (an fp16 cache's
+# rounding of a full-mass top-K stays far below it).
+MASS_TOLERANCE = 1e-2
 
 
 def math_dtype_for(hidden: torch.Tensor) -> torch.dtype:
@@ -140,8 +143,12 @@ def _check_values(ids, raw, mask, lab, counted, opts, vocab_size) -> None:
     flags = {}
     if ids.shape[1]:
         real = ids >= 0
+        held = real & (raw > float("-inf")) & ~torch.isnan(raw)
+        ranked = ids.masked_fill(~held, -1).sort(dim=1).values
         flags.update(ids_lo=ids.min(), ids_hi=ids.max(), nan=(torch.isnan(raw) & real).any(),
-                     positive=((raw > LOGPROB_TOLERANCE) & real).any())
+                     positive=((raw > LOGPROB_TOLERANCE) & real).any(),
+                     mass=torch.logsumexp(raw.masked_fill(~held, float("-inf")), dim=1).max().exp(),
+                     twice=((ranked[:, 1:] == ranked[:, :-1]) & (ranked[:, 1:] >= 0)).any())
     if mask is not None:
         flags.update(nonfinite=(~torch.isfinite(mask)).any(), negative=(mask < 0).any())
     if lab is not None:
@@ -149,9 +156,17 @@ def _check_values(ids, raw, mask, lab, counted, opts, vocab_size) -> None:
         flags.update(lab_lo=shown.min(), lab_hi=shown.max())
     if not flags:
         return
-    got = dict(zip(flags, torch.stack([f.long() for f in flags.values()]).tolist()))
+    got = dict(zip(flags, torch.stack([f.double() for f in flags.values()]).tolist()))
+    got = {k: v if k == "mass" else int(v) for k, v in got.items()}
     if "ids_lo" in got:
         _raise_teacher_problem(got["ids_lo"], got["ids_hi"], got["nan"], got["positive"], vocab_size)
+        if got["mass"] > 1 + MASS_TOLERANCE:
+            raise ValueError(f"topk_logprobs of one position sum to probability {got['mass']:.4g} > 1: they are no "
+                             "part of one distribution; pass the top-K of log_softmax over the whole vocabulary, "
+                             "or rebuild a corrupt cache")
+        if got["twice"]:
+            raise ValueError("topk_ids holds one id twice within a position: a top-K lists each id once; mark a "
+                             "repeated slot empty (id -1), or rebuild a corrupt cache")
     if "nonfinite" in got:
         if got["nonfinite"]:
             raise ValueError("loss_mask has NaN or inf entries: it must be finite and non-negative (0 = not "

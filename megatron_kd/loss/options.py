@@ -1,5 +1,6 @@
 """Loss options, checked once; KDLoss, the loss settings of a KD run (one schema for the recipe's `kd` section,
 Bridge's `kd` section and the loss call)."""
+import math
 from dataclasses import dataclass, fields
 from typing import Optional
 
@@ -64,6 +65,11 @@ class LossOptions(KDLoss):
             value = getattr(self, key)
             if value is not None:
                 setattr(self, key, _as_float(key, value))
+        for key in ("kl_weight", "ce_weight"):
+            w = getattr(self, key)
+            if not (math.isfinite(w) and w >= 0):
+                raise ValueError(f"{key}={w} must be a finite number >= 0 (a negative weight ascends its loss; 0 "
+                                 "leaves the term out)")
         if self.tail not in TAILS:
             raise ValueError(f"tail={self.tail!r} is unknown; use one of {TAILS}")
         if self.reduction not in REDUCTIONS:

@@ -127,8 +127,12 @@ def _check_kd(r: Recipe) -> None:
               "set kd.cache_temperature=null")
     try:
         kd.loss_options()
-    except ValueError as e:
-        raise RecipeError(f"kd: {e}") from None
+    except ValueError as e:  # the option's own name leads the message: give it its recipe key
+        key = str(e).split("=", 1)[0]
+        raise RecipeError(f"kd.{e}" if key.isidentifier() and hasattr(kd, key) else f"kd: {e}") from None
+    if kd.mode != "ce":
+        _need(kd.kl_weight > 0 or kd.ce_weight > 0, f"kd.kl_weight={kd.kl_weight} and kd.ce_weight={kd.ce_weight} "
+              "leave no loss to train on; set kd.kl_weight (e.g. 1) or kd.ce_weight > 0")
 
 
 def _check_cache_encoding(kd) -> None:
@@ -312,12 +316,18 @@ def check_export(r: Recipe) -> None:
         raise RecipeError(str(e)) from None
 
 
-def check_target(out: str, src: str, key: str, fix: str | None) -> bool:
-    """An export's target directory: never the student's source checkpoint (checked first: --overwrite must not
-    delete the source), and, when `fix` is given, holding nothing yet (else the error names `fix`). True when it
+def check_target(out: str, src: str, key: str, fix: str | None, keep: dict | None = None) -> bool:
+    """An export's target directory: never the student's source checkpoint nor a directory holding it, nor one
+    holding any of `keep` ({flag: path}: the checkpoint exported; checked first: --overwrite must not delete
+    them), never a file, and, when `fix` is given, holding nothing yet (else the error names `fix`). True when it
     holds files. key: how the errors name it ("--out ", "train.export_hf=")."""
-    if os.path.realpath(out) == os.path.realpath(src):
-        raise ValueError(f"{key}{out} is the student's source checkpoint {src}; write the export elsewhere")
+    for what, path in [("the student's source checkpoint", src),
+                       *((f"the checkpoint of {flag}", p) for flag, p in (keep or {}).items())]:
+        if path and _inside(path, out):
+            where = "is" if os.path.realpath(out) == os.path.realpath(path) else "holds"
+            raise ValueError(f"{key}{out} {where} {what} {path}; write the export to a directory of its own")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"{key}{out} is a file, not a directory; give a directory for the Hugging Face checkpoint")
     full = os.path.isdir(out) and bool(os.listdir(out))
     if full and fix:
         raise ValueError(f"{key}{out} exists and is not empty; {fix}")

@@ -202,17 +202,6 @@ def check_checkpoint_model(path: str, m, key: str, section: str) -> None:
 
 # --- data ------------------------------------------------------------------------------------------------------
 
-def _prefixes(path) -> list:
-    paths = [path] if isinstance(path, str) else [str(x) for x in path]
-    if len(paths) > 1:
-        try:
-            float(paths[0])
-            return paths[1::2]
-        except ValueError:
-            pass
-    return paths
-
-
 def check_corpus(d, tok) -> None:
     """Indexed data: tokenized with this run's tokenizer (the .json sidecar `megatron-kd data prepare` writes
     records its hash), and at least one sample of data.seq_length + 1 tokens long (else Megatron's index repeats
@@ -220,8 +209,10 @@ def check_corpus(d, tok) -> None:
     if d.kind != "indexed" or not d.path:
         return
     import json
+    from ..data.datasets import check_data, data_sources
+    check_data(d)
     total = 0
-    for p in _prefixes(d.path):
+    for _, p in data_sources(d.path):
         side = p + ".json"
         meta = {}
         if os.path.isfile(side):

@@ -264,7 +264,7 @@ def test_plan_chunks_budgets():
     (dict(dtype=torch.float16), "two_pass"), (dict(tp=2), "two_pass"), (dict(needs_grad=False), "two_pass"),
     (dict(opts=LossOptions(tail="bucket")), "two_pass"),
     (dict(opts=LossOptions(ce_weight=0.5, temperature=2.0)), "two_pass"),
-    (dict(opts=LossOptions(ce_weight=0.5)), "anchored"), (dict(opts=LossOptions(kl_weight=-1.0)), "two_pass")])
+    (dict(opts=LossOptions(ce_weight=0.5)), "anchored")])
 def test_chunk_plan_paths(kw, path):
     """The three loops production runs, and what selects each (the planner reads the same function)."""
     assert chunk_plan(1000, 64, **kw).path == path

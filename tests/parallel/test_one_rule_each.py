@@ -27,7 +27,7 @@ def test_the_temperature_range_is_defined_once(monkeypatch):
     with pytest.raises(ValueError, match=r"temperature=3.0 must be"):
         vocab_parallel_topk(torch.randn(2, 8), 2, temperature=3.0)
     r = to_recipe(compose("tiny_cpu", ["data=mock", "data.vocab_size=64", "kd.temperature=3.0", "kd.cache=/nowhere"]))
-    with pytest.raises(RecipeError, match=r"kd: temperature=3.0 must be"):
+    with pytest.raises(RecipeError, match=r"kd.temperature=3.0 must be"):
         check_recipe(r, None, False)
     m = {k: 1 for k in SETTINGS_KEYS + ("shards", "sample_index", "settings_hash")}
     m["temperature"] = 3.0

@@ -66,10 +66,12 @@ def read_recipe(path: str) -> dict:
 SWEEP_FILES = ("multirun.yaml", "compare.md", "compare.json", "compare.png")  # a sweep dir's files (a glob's)
 
 
-def run_dirs(args: list) -> list:
+def run_dirs(args: list, incomplete: list | None = None) -> list:
     """The run directories the arguments name: a sweep directory (Hydra's multirun.yaml in it) stands for its
-    numbered runs; the files a sweep directory holds beside them (RUN_DIR/* globs them) are passed over."""
+    numbered runs; the files a sweep directory holds beside them (RUN_DIR/* globs them) are passed over. A sweep's
+    run without summary.json (killed, failed or still running) is appended to `incomplete`."""
     out = []
+    incomplete = [] if incomplete is None else incomplete
     for a in args:
         p = a.rstrip(os.sep) or a
         if os.path.basename(p) in SWEEP_FILES and os.path.isfile(p):
@@ -80,10 +82,14 @@ def run_dirs(args: list) -> list:
             subs = sorted((d for d in os.listdir(p) if os.path.isdir(os.path.join(p, d)) and not d.startswith(".")),
                           key=lambda d: (not d.isdigit(), int(d) if d.isdigit() else 0, d))
             out += [os.path.join(p, d) for d in subs if os.path.isfile(os.path.join(p, d, "summary.json"))]
+            incomplete += [os.path.join(p, d) for d in subs if d.isdigit()
+                           and not os.path.isfile(os.path.join(p, d, "summary.json"))]
             continue
         out.append(p)
     if not out:
-        raise ValueError(f"{' '.join(args)} holds no finished run (summary.json)")
+        raise ValueError(f"{' '.join(args)} holds no finished run (summary.json)" + (
+            f"; {', '.join(incomplete)} did not finish: rerun them (a run resumes from its last checkpoint)"
+            if incomplete else ""))
     return out
 
 
@@ -91,7 +97,11 @@ def compare(args) -> int:
     from ..report import compare as report
     from ..runtime.quiet import quiet_megatron_warnings
     quiet_megatron_warnings()
-    paths = run_dirs(args.runs)
+    if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ValueError(f"--out {args.out} is a file; give a directory (compare.md, compare.json and compare.png "
+                         "are written into it)")
+    incomplete = []
+    paths = run_dirs(args.runs, incomplete)
     for p in paths:
         report.run_summary(p)
     recipes = [read_recipe(p) for p in paths]
@@ -119,6 +129,11 @@ def compare(args) -> int:
         json.dump({"rows": rows, "heldout": note, "teacher": teacher}, f, indent=2)
     print(table)
     print(f"\nheld-out: {note}\nwrote {md}, {png}, {os.path.join(out, 'compare.json')}")
+    if incomplete:
+        print(f"megatron-kd compare: incomplete: {', '.join(incomplete)} (no summary.json: killed, failed or still "
+              "running) left out of the table; rerun the sweep's command to finish them (a run resumes from its "
+              "last checkpoint)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -19,6 +19,7 @@ others find it finished), and a run that would rebuild it is refused. `megatron-
 tables and plots the runs.
 """
 import sys
+from pathlib import Path
 
 USAGE_ERROR = 2
 PRINT_FLAGS = ("--cfg", "-c")
@@ -77,6 +78,12 @@ def main(argv=None) -> int:
     if problem:  # before Hydra, which prints the YAML parser's traceback (and no file name for binary content)
         print(f"megatron-kd train: error: {problem}", file=sys.stderr)
         return USAGE_ERROR
+    if any(a in ("-m", "--multirun") for a in argv) and not any(a in PRINT_FLAGS or a.startswith("--cfg=")
+                                                               for a in argv):
+        problem = sweep_problem(str(Path(config_path) / f"{name}.yaml") if config_path else name, _overrides(argv))
+        if problem:  # before Hydra writes the sweep's multirun.yaml and each run's .hydra/ files
+            print(f"megatron-kd train: error: {problem}", file=sys.stderr)
+            return USAGE_ERROR
     if any(a in PRINT_FLAGS or a.startswith("--cfg=") for a in argv) and "--resolve" not in argv:
         argv.append("--resolve")  # print values, not interpolations
     import hydra
@@ -98,6 +105,26 @@ def main(argv=None) -> int:
         return run_interruptible(call, "the last saved checkpoint is kept")
     finally:
         sys.argv = saved
+
+
+def sweep_problem(target: str, overrides: list) -> str | None:
+    """-m: every run of the sweep checked as the run itself will check it (its recipe, and the sweep's one cache),
+    before any run starts; the first problem as one sentence naming the run, else None."""
+    from ..recipe.checks import check_sweep_run, checked_recipe
+    from ..recipe.compose import sweep_jobs
+    from ..recipe.schema import RecipeError
+    try:
+        jobs = sweep_jobs(target, overrides)
+    except Exception:  # noqa: BLE001  Hydra reports an override it cannot parse or compose itself, as before
+        return None
+    swept = [i for i in range(len(jobs[0][1])) if len({j[1][i] for j in jobs}) > 1] if jobs else []
+    for num, job, cfg in jobs:
+        try:
+            check_sweep_run(checked_recipe(cfg))
+        except RecipeError as e:
+            which = f" ({' '.join(job[i] for i in swept)})" if swept else ""
+            return f"sweep run {num}{which}: {e}; no run of the sweep was started"
+    return None
 
 
 def unknown_section(overrides: list) -> str | None:

@@ -67,16 +67,43 @@ def compose(name: str = "tiny_cpu", overrides=(), save: str | None = None):
 
     train.save defaults to runs/<name> (the app's hydra.run.dir) since there is no Hydra run here.
     """
-    from hydra import compose as hydra_compose, initialize_config_dir
     from omegaconf import OmegaConf, open_dict
     overrides = schema_overrides(overrides)
-    path = Path(name)
-    cfg_dir, cfg_name = (path.parent.resolve(), path.stem) if path.suffix in (".yaml", ".yml") else \
-        (recipes_dir(), name)
-    with initialize_config_dir(config_dir=str(cfg_dir), version_base="1.3"):
-        cfg = hydra_compose(config_name=cfg_name, overrides=overrides)
+    cfg, cfg_name = _hydra_compose(name, overrides, False)
     if save is not None or not any(o.split("=", 1)[0].lstrip("+") == "train.save" for o in overrides):
         with open_dict(cfg):
             cfg.train.save = save or f"runs/{cfg_name}"
     OmegaConf.resolve(cfg)
     return cfg
+
+
+def _hydra_compose(name: str, overrides: list, hydra_config: bool):
+    """(Hydra's composition of the recipe `name` (a name in recipes_dir() or a .yaml path), its config name)."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+    path = Path(name)
+    cfg_dir, cfg_name = (path.parent.resolve(), path.stem) if path.suffix in (".yaml", ".yml") else \
+        (recipes_dir(), name)
+    with initialize_config_dir(config_dir=str(cfg_dir), version_base="1.3", job_name="megatron-kd train"):
+        return hydra_compose(config_name=cfg_name, overrides=overrides, return_hydra_config=hydra_config), cfg_name
+
+
+def sweep_jobs(name: str, overrides) -> list:
+    """[(job number, its overrides, its recipe config with train.save set as the app sets it)] of a `train -m`
+    sweep, composed as Hydra's basic sweeper will compose each run, without running or writing anything."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf, open_dict
+    parsed = OverridesParser.create().parse_overrides(schema_overrides(overrides))
+    out = []
+    from hydra.core.hydra_config import HydraConfig
+    for num, job in enumerate(j for batch in BasicSweeper.split_arguments(parsed, None) for j in batch):
+        cfg, _ = _hydra_compose(name, [*job, f"hydra.job.num={num}"], True)
+        HydraConfig.instance().set_config(cfg)  # ${hydra:...} resolves as in the run (the app sets its own)
+        hc = cfg.hydra
+        job_cfg = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])
+        with open_dict(job_cfg):
+            if job_cfg.train.get("save") is None or job_cfg.train.save == hc.run.dir:
+                job_cfg.train.save = os.path.join(hc.sweep.dir, str(hc.sweep.subdir))
+        OmegaConf.resolve(job_cfg)
+        out.append((num, [o.lstrip("+") for o in job], job_cfg))
+    return out

@@ -160,14 +160,17 @@ def use_iteration(root: str, iteration: int, rank0: bool) -> None:
         dist.barrier()
 
 
-def require_intact(path: str) -> None:
-    """A weights-only load (teacher.load, train.pretrained, export): the directory's checkpoint must be intact."""
+def require_intact(path: str, key: str | None = None, checksums: bool = True) -> None:
+    """A weights-only load (teacher.load, train.pretrained, export): the directory's checkpoint must be intact.
+    key: the recipe key or flag `path` came from, to name it in the error; checksums=False: presence and sizes
+    only (a preflight, before any process group)."""
     from . import layout as ckpt
     from ..recipe.schema import RunError
     d = ckpt.resolve(path)
     if not has_manifest(d):
         return  # saved before checksum manifests existed
-    bad = problems(d)
+    bad = problems(d, checksums=checksums)
     if bad:
-        raise RunError(f"the checkpoint {d} is damaged ({bad[0]}); load an intact one instead (another iter_* "
+        where = f"{key}={path}: " if key else ""
+        raise RunError(f"{where}the checkpoint {d} is damaged ({bad[0]}); load an intact one instead (another iter_* "
                        f"directory of that run, or a fresh save)")

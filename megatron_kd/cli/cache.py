@@ -44,17 +44,53 @@ def _dataset(args):
         import numpy as np
         from ..cache.hashing import file_sha256
         try:
-            data = np.load(args.tokens, mmap_mode="r")
+            data = np.load(args.tokens, mmap_mode="r", allow_pickle=False)
         except (OSError, ValueError) as e:
-            raise SystemExit(f"error: --tokens {args.tokens}: {getattr(e, 'strerror', None) or e}; give a .npy "
-                             "file of an int array [num_samples, seq_length + 1]") from None
+            why = getattr(e, "strerror", None) or str(e).split(".")[0]
+            raise SystemExit(f"error: --tokens {args.tokens} cannot be read as a .npy array ({why}); give a .npy "
+                             "file of an int array [num_samples, seq_length + 1] (numpy.save)") from None
         if data.ndim != 2 or data.shape[1] < 2:
-            raise SystemExit(f"error: {args.tokens} must hold an int array [num_samples, seq_length + 1], "
+            raise SystemExit(f"error: --tokens {args.tokens} must hold an int array [num_samples, seq_length + 1], "
                              f"got shape {data.shape}")
+        if not np.issubdtype(data.dtype, np.integer):
+            raise SystemExit(f"error: --tokens {args.tokens} holds {data.dtype} values, not token ids; save an "
+                             "integer array (e.g. numpy.save(path, tokens.astype(numpy.int64)))")
         return data, args.dataset_id or f"npy:{file_sha256(args.tokens)[:16]}"
     if not args.dataset:
         raise SystemExit("error: pass --tokens FILE.npy or --dataset module:function")
-    return _factory(args.dataset)(**_json_arg(args.dataset_args, "--dataset-args")), args.dataset_id
+    from ..teacher.spec import check_kwargs
+    fn, kw = _factory(args.dataset), _json_arg(args.dataset_args, "--dataset-args")
+    try:
+        check_kwargs(fn, kw, "--dataset-args")
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    return fn(**kw), args.dataset_id
+
+
+def _check_ids(data, vocab_size: int, flag: str) -> None:
+    """Every token id of an in-memory or memory-mapped array in [0, vocab_size): an id outside is a gather out of
+    bounds in the teacher (or, below the vocabulary's end, a wrong token), so it is refused before the build."""
+    import numpy as np
+    if not isinstance(data, np.ndarray) or not data.size:
+        return
+    lo, hi = int(data.min()), int(data.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise SystemExit(f"error: {flag} holds token id {bad}, outside the teacher's vocabulary [0, {vocab_size - 1}]; "
+                         "tokenize with the teacher's tokenizer")
+
+
+def _check_counts(args) -> None:
+    """The counting flags and the temperature, before anything is loaded."""
+    from ..parallel.limits import temperature_problem
+    for flag, v in (("--top-k", args.top_k), ("--num-samples", args.num_samples),
+                    ("--samples-per-shard", args.samples_per_shard), ("--micro-batch-size", args.micro_batch_size),
+                    ("--chunk-size", args.chunk_size)):
+        if v is not None and v < 1:
+            raise SystemExit(f"error: {flag} {v} must be >= 1")
+    problem = temperature_problem(args.temperature)
+    if problem:
+        raise SystemExit(f"error: --temperature {args.temperature} {problem} (1 = the teacher's own distribution)")
 
 
 def cmd_build(args) -> int:
@@ -67,10 +103,15 @@ def _build(args) -> int:
     from ..runtime.dist import init_process_group
     from ..teacher.build import build_cache
     encoding, top_p, min_k = _encoding_args(args)
+    _check_counts(args)
     init_process_group(torch.cuda.is_available(), launched_only=True)
     # the dataset's arguments first: loading a teacher is the slow part, and the one that may need a package
     dataset, dataset_id = _dataset(args)
     teacher = _teacher(args)
+    if args.top_k > teacher.vocab_size:
+        raise SystemExit(f"error: --top-k {args.top_k} exceeds the teacher's vocabulary ({teacher.vocab_size} ids); "
+                         f"give --top-k <= {teacher.vocab_size}")
+    _check_ids(dataset if args.tokens else None, teacher.vocab_size, f"--tokens {args.tokens}")
     m = build_cache(teacher, dataset, args.out, top_k=args.top_k, encoding=encoding, top_p=top_p, min_k=min_k,
                     temperature=args.temperature, num_samples=args.num_samples,
                     samples_per_shard=args.samples_per_shard, micro_batch_size=args.micro_batch_size,
@@ -176,6 +217,8 @@ def cmd_inspect(args) -> int:
     from ..cache import inspect_cache
     if args.min_k < 1:
         raise SystemExit(f"error: --min-k {args.min_k} must be >= 1")
+    if args.max_samples < 1:
+        raise SystemExit(f"error: --max-samples {args.max_samples} must be >= 1 (samples read to time the reader)")
     info = inspect_cache(args.dir, max_samples=args.max_samples, top_p=_top_ps(args.top_p or ""), min_k=args.min_k)
     print(json.dumps(info, indent=1, sort_keys=True) if args.json else _fmt(info))
     return 0

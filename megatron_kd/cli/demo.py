@@ -138,6 +138,8 @@ def finished_demo(out: str, s: Settings) -> bool:
         json.load(open(path)) == dataclasses.asdict(s)
 
 
+BPE_MIN_VOCAB = 257  # data.corpus.train_tokenizer: the 256 byte ids and <|endoftext|>
+
 # the recipe key each flag becomes, so a refusal names the flag the user typed
 FLAG_KEYS = {"kd.top_k": "--top-k", "data.seq_length": "--seq-length", "data.vocab_size": "--vocab-size"}
 
@@ -148,6 +150,13 @@ def check_settings(demo) -> str | None:
     from ..recipe.checks import check_recipe
     from ..recipe.compose import compose
     from ..recipe.schema import RecipeError, to_recipe
+    s = demo.s
+    if s.vocab_size < BPE_MIN_VOCAB:
+        return (f"--vocab-size {s.vocab_size}: the byte-level BPE holds at least its {BPE_MIN_VOCAB} base ids (256 "
+                f"bytes and <|endoftext|>); give --vocab-size >= {BPE_MIN_VOCAB} (default {Settings().vocab_size})")
+    if s.top_k > s.vocab_size:
+        return (f"--top-k {s.top_k} exceeds the vocabulary (--vocab-size {s.vocab_size}); give --top-k <= "
+                f"{s.vocab_size} (default {Settings().top_k})")
     stages = [("teacher", demo.teacher_overrides(), "--teacher-iters")] + \
         [(f"student_{m}", demo.student_overrides(m), "--student-iters") for m in ("offline", "online", "ce")]
     for stage, overrides, iters_flag in stages:

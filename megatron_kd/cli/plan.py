@@ -200,8 +200,31 @@ def _config_errors() -> tuple:
         return ()
 
 
+# flags that count something: (smallest value, what it counts)
+COUNTS = {"tp": 1, "pp": 1, "ep": 1, "etp": 1, "cp": 1, "dp": 1, "gpus": 1, "seq": 1, "mbs": 1, "micro_batches": 1,
+          "recompute_layers": 0, "topk": 1, "layers": 1, "stage": 0}
+
+
+def count_problem(a) -> str | None:
+    """A counting flag below its smallest value, or a memory size that is no positive number (None: all fine)."""
+    import math
+    for k, least in COUNTS.items():
+        v = getattr(a, k, None)
+        if v is not None and v < least:
+            return f"--{k.replace('_', '-')} {v} must be >= {least}"
+    if not (math.isfinite(a.gpu_gib) and a.gpu_gib > 0):
+        return f"--gpu-gib {a.gpu_gib} must be a number > 0 (GiB of memory per GPU)"
+    if not (math.isfinite(a.reserve_gib) and 0 <= a.reserve_gib < a.gpu_gib):
+        return f"--reserve-gib {a.reserve_gib} must be in [0, --gpu-gib {a.gpu_gib})"
+    return None
+
+
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
+    problem = count_problem(a)
+    if problem:
+        print(f"megatron-kd plan: {problem}", file=sys.stderr)
+        return 2
     try:
         shape, layout, tr = resolve(a)
         if a.search:

@@ -17,10 +17,27 @@ def factory(spec: str):
         raise ValueError(f"cannot load {spec!r} ({e}); check the module is on PYTHONPATH") from None
 
 
+def check_kwargs(fn, args: dict, flag: str) -> None:
+    """ValueError naming the keys of `args` that `fn` takes no parameter for (none when it takes **kwargs)."""
+    import inspect
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return  # no signature to read (a builtin): the call itself says
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return
+    names = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    bad = sorted(set(args) - set(names))
+    if bad:
+        raise ValueError(f"{flag} has key(s) {', '.join(map(repr, bad))} that {getattr(fn, '__qualname__', fn)} "
+                         f"does not take; it takes {', '.join(names) or 'none'}")
+
+
 def make_teacher(spec: str, args: dict, vocab_size: int | None = None, seq_length: int | None = None):
     """The teacher `spec` names (see the module docstring), built with `args`; vocab_size and seq_length are the
     run's, for a mkd: teacher."""
     if spec.startswith("mkd:"):
+        check_kwargs(megatron_kd_teacher, {"save_dir": 0, **args}, "--teacher-args")
         kw = {"vocab_size": vocab_size, "seq_length": seq_length, **args}
         if kw["vocab_size"] is None or kw["seq_length"] is None:
             raise ValueError(f"--teacher {spec} needs the run's vocab_size and seq_length: give them in "
@@ -29,13 +46,16 @@ def make_teacher(spec: str, args: dict, vocab_size: int | None = None, seq_lengt
     if spec.startswith("hf:"):
         import torch
         from .protocol import HFTeacher
+        check_kwargs(HFTeacher.__init__, {"self": 0, "model_dir": 0, **args}, "--teacher-args")
         kw = dict(args)
         if "device" not in kw and torch.cuda.is_available():
             kw["device"] = f"cuda:{torch.cuda.current_device()}"
         if isinstance(kw.get("dtype"), str):
             kw["dtype"] = getattr(torch, kw["dtype"])
         return HFTeacher(spec[3:], **kw)
-    return factory(spec)(**args)
+    fn = factory(spec)
+    check_kwargs(fn, args, "--teacher-args")
+    return fn(**args)
 
 
 def megatron_kd_teacher(save_dir: str, vocab_size: int, seq_length: int, tp: int = 1, precision: str = "bf16",

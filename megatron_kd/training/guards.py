@@ -191,6 +191,8 @@ def check_checkpoint_model(path: str, m, key: str, section: str) -> None:
         raise RecipeError(f"{key}={path}: its checkpoint cannot be read ({type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else ''}); point {key} at a complete "
                           "`megatron-kd train` save dir") from None
+    from ..checkpoint.integrity import require_intact
+    require_intact(path, key, checksums=False)  # files and sizes, before any model is built (load_weights hashes)
     saved = _with_defaults((common.get("recipe") or {}).get("model", {}))
     diff = [(k, saved[k], getattr(m, k)) for k in ARCH_KEYS if k in saved and saved[k] != getattr(m, k)]
     if diff:

@@ -23,7 +23,7 @@ from ..models.builder import build_model_chunks, wrap_float16
 from ..optim.setup import build_optimizer, build_scheduler, set_model_hooks, wrap_ddp
 from ..recipe.checks import check_recipe, check_run, check_save_dir
 from ..recipe.hf import resolve_hf
-from ..recipe.schema import KDConfig, Recipe, RecipeError
+from ..recipe.schema import KDConfig, Recipe, RecipeError, RunError
 from ..runtime.dist import barrier, distributed, is_rank0, set_seed, use_cuda
 from ..runtime.features import release_memory
 from ..teacher.build import build_teacher_cache
@@ -61,9 +61,12 @@ def run(r: Recipe, save: str) -> dict:
                           "train.save, or resume that run (train.load = train.save).")
     check_save_dir(save)
     guards.check_resume_early(r, load)
+    from ..cache import CacheError
     with guards.save_lock(save, is_rank0()), distributed(r.parallel, r.train.seed, r.train.device) as cuda:
         try:
             summary = Trainer(r, save, load, tok, cuda).fit()
+        except CacheError as e:  # met reading the cache (a corrupt shard): the reader's message names the fix
+            raise RunError(f"kd.cache={r.kd.cache}: {e}") from None
         finally:
             release_memory()
     if r.train.export_hf and summary["iteration"] >= r.train.iters and is_rank0():

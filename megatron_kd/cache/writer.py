@@ -161,9 +161,14 @@ class CacheWriter:
     """lock=True (the builder; global rank 0 of a distributed build): take DIR/build.lock, compare or write the
     settings, delete leftovers. lock=False: another rank of a build whose rank 0 holds the lock."""
 
-    def __init__(self, path, settings: dict, *, overwrite: bool = False, lock: bool = True):
+    def __init__(self, path, settings: dict, *, overwrite: bool = False, lock: bool = True,
+                 settings_fix: str | None = None):
+        """settings_fix: what the caller's user does when `path` holds a cache of other settings (default: the
+        `cache build` flags)."""
         self.path = os.fspath(path)
-        self.settings = settings
+        if os.path.exists(self.path) and not os.path.isdir(self.path):
+            raise CacheError(f"{self.path} is a file, not a cache directory; give a directory (made when missing)")
+        self.settings, self.settings_fix = settings, settings_fix
         self.settings_hash = settings_hash(settings)
         self.encoding = encoding_of(settings)
         self._lock_fd = None
@@ -206,6 +211,9 @@ class CacheWriter:
             if not overwrite:
                 finished = os.path.exists(os.path.join(self.path, MANIFEST))
                 what = "a finished cache" if finished else "a partial build"
+                if self.settings_fix:
+                    raise CacheError(f"{self.path} holds {what} built with different settings "
+                                     f"({'; '.join(diffs[0][1])}); {self.settings_fix}")
                 raise CacheError(
                     f"{self.path} holds {what} built with different settings:\n  " + "\n  ".join(diffs[0][1])
                     + "\nWrite to a new directory (--out), rerun with the original settings to "

@@ -104,6 +104,9 @@ def _build(args) -> int:
     from ..teacher.build import build_cache
     encoding, top_p, min_k = _encoding_args(args)
     _check_counts(args)
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise SystemExit(f"error: --out {args.out} is a file, not a cache directory; give a directory (made when "
+                         "missing)")
     init_process_group(torch.cuda.is_available(), launched_only=True)
     # the dataset's arguments first: loading a teacher is the slow part, and the one that may need a package
     dataset, dataset_id = _dataset(args)

@@ -113,7 +113,8 @@ def build_cache(teacher, dataset, out_dir, *, top_k: int = 100, encoding: str = 
                 num_samples: int | None = None, samples_per_shard: int | None = None, micro_batch_size: int = 1,
                 chunk_size: int | None = None, teacher_id=None, tokenizer_id: str = "", dataset_id: str | None = None,
                 overwrite: bool = False, progress: bool = True, tp_group=None, dp_rank: int | None = None,
-                dp_size: int | None = None, top_p: float | None = None, min_k: int | None = None) -> dict:
+                dp_size: int | None = None, top_p: float | None = None, min_k: int | None = None,
+                settings_fix: str | None = None) -> dict:
     """Build (or finish) the cache in out_dir; returns the manifest. Call on every rank with the same arguments.
 
     teacher: a Teacher (megatron_kd.teacher.protocol: CallableTeacher, HFTeacher;
@@ -122,6 +123,7 @@ def build_cache(teacher, dataset, out_dir, *, top_k: int = 100, encoding: str = 
     teacher_id: overrides teacher.identity() (a dict, or a string used as the name).
     top_p, min_k: with encoding "topp", keep per position the fewest of the top_k ids whose mass reaches top_p
     (at least min_k); the selection is applied to each sample's top-K by the encoding (cache/topp.py).
+    settings_fix: the fix named when out_dir holds a cache of other settings (default: `cache build`'s flags).
     """
     tp_group = tp_group if tp_group is not None else getattr(teacher, "tp_group", None)
     pp_group = getattr(teacher, "pp_group", None)
@@ -146,7 +148,7 @@ def build_cache(teacher, dataset, out_dir, *, top_k: int = 100, encoding: str = 
     writer = None
     try:
         if is_root:
-            writer = CacheWriter(out_dir, settings, overwrite=overwrite)
+            writer = CacheWriter(out_dir, settings, overwrite=overwrite, settings_fix=settings_fix)
             writer.check_tokens(lambda i: token_hash(_tokens(dataset, i)))
         _barrier()
         if writer is None:
@@ -250,7 +252,9 @@ def build_teacher_cache(r: Recipe, tok, train_ds, num_samples: int) -> dict:
                            micro_batch_size=r.train.micro_batch_size, chunk_size=r.kd.chunk_size,
                            tokenizer_id=getattr(tok, "sha", ""), dataset_id=dataset_id(train_ds),
                            progress=r.train.progress and is_rank0(), tp_group=ps.get_tensor_model_parallel_group(),
-                           dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size())
+                           dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
+                           settings_fix="give these settings a kd.cache of their own, or rerun with the cache's "
+                           "(kd.build_cache=false reads a finished cache as it is)")
     del teacher
     release_memory()
     return manifest

@@ -178,3 +178,21 @@ def test_cache_build_concurrent_into_one_dir_is_locked_out(tmp_path):
     finally:
         holder.close()
     json.dumps({})
+
+
+def test_cache_build_out_is_an_existing_file(tmp_path):
+    tok = tokens(tmp_path, np.zeros((3, 9), dtype=np.int64))
+    (tmp_path / "cache").write_text("mine")
+    refuses(cache_cli.main, build(tmp_path, tok), "--out")
+    assert (tmp_path / "cache").read_text() == "mine"
+
+
+def test_train_against_a_cache_of_other_settings_suggests_recipe_keys(tmp_path, monkeypatch):
+    """train's refusal names what train takes (kd.cache, kd.build_cache), not `cache build`'s --out / --overwrite."""
+    monkeypatch.chdir(tmp_path)
+    mock = ["data=mock", "data.vocab_size=250", "data.seq_length=16", *TINY, f"kd.cache={tmp_path / 'cache'}"]
+    rc, _, err, exc = call(train_cli.main, [*mock, "kd.top_k=4", f"train.save={tmp_path / 'first'}"])
+    assert rc == 0 and exc is None, err
+    line = refuses(train_cli.main, [*mock, "kd.top_k=4", "kd.temperature=2.0", f"train.save={tmp_path / 'second'}"],
+                   "kd.cache")
+    assert "--out" not in line and "--overwrite" not in line, line

@@ -69,3 +69,12 @@ def test_out_is_an_existing_file(finished_run, hf_src, tmp_path):
     f.write_text("keep")
     refuses(export_cli.main, ["--checkpoint", finished_run, "--out", f, "--hf-path", hf_src, "--overwrite"], "--out")
     assert f.read_text() == "keep"
+
+
+def test_a_second_export_into_one_out_is_locked_out(finished_run, hf_src, tmp_path):
+    import fcntl
+    out = tmp_path / "hf_out"
+    with open(tmp_path / ".hf_out.lock", "a+") as held:  # what a running export holds
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        refuses(export_cli.main, ["--checkpoint", finished_run, "--out", out, "--hf-path", hf_src], "another export")
+    assert not out.exists()

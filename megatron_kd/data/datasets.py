@@ -351,8 +351,8 @@ def check_cache(reader, kd: KDConfig, d: DataConfig, train_ds, vocab_size: int, 
         raise RecipeError(f"kd.cache={kd.cache}: {msg}") from None
     if len(reader) < needed:
         raise RecipeError(f"kd.cache={kd.cache} holds {len(reader)} samples, the run needs {needed} "
-                          "(train.iters x train.global_batch_size); lower train.iters or rebuild the cache with "
-                          f"--num-samples {needed}")
+                          "(train.iters x train.global_batch_size); lower train.iters, or point kd.cache at a new "
+                          f"directory with kd.build_cache=true (it builds the {needed} samples)")
     want = dataset_id(train_ds)
     got = str(reader.manifest.get("dataset", ""))
     # A few samples' token hashes decide: the dataset description also changes with the sample count.

@@ -121,6 +121,8 @@ def _check_kd(r: Recipe) -> None:
     if kd.mode == "offline":
         _need(bool(kd.cache), "kd.cache is required in offline mode: the teacher top-K cache directory "
               "(build one with `megatron-kd cache build`, or set kd.build_cache=true)")
+        _need(not os.path.isfile(kd.cache), f"kd.cache={kd.cache} is a file, not a cache directory; point kd.cache "
+              "at a directory (kd.build_cache=true makes it)")
     if kd.mode == "online":  # the teacher computes its targets at kd.temperature every step
         _need(kd.cache_temperature is None, f"kd.cache_temperature={kd.cache_temperature} re-tempers a cache "
               "captured at that temperature, but kd.mode=online computes the teacher at kd.temperature each step; "

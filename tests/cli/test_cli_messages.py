@@ -191,7 +191,8 @@ def test_topk_kl_loss_fused_without_triton_raises_valueerror(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)
     g = torch.Generator().manual_seed(0)
     h, w = torch.randn(4, 8, generator=g), torch.randn(32, 8, generator=g)
-    ids, logp = torch.randint(0, 32, (4, 3), generator=g), torch.log_softmax(torch.randn(4, 3, generator=g), -1)
+    ids = torch.stack([torch.randperm(32, generator=g)[:3] for _ in range(4)])
+    logp = torch.log_softmax(torch.randn(4, 3, generator=g), -1)
     with pytest.raises(ValueError, match='impl="fused" needs Triton.*impl="auto"'):
         topk_kl_loss(h, w, ids, logp, impl="fused")
 

@@ -87,3 +87,10 @@ def test_a_second_run_into_a_held_save_dir_is_locked_out(in_tmp):
     os.makedirs(save)
     with save_lock(str(save)):
         refuses(train_cli.main, [*MOCK, "kd=ce", f"train.save={save}"], "train.save")
+
+
+def test_kd_cache_that_is_a_file(in_tmp):
+    f = in_tmp / "cache.bin"
+    f.write_bytes(b"\x00" * 8)
+    refuses(train_cli.main, [*MOCK, f"kd.cache={f}"], "kd.cache")
+    assert f.read_bytes() == b"\x00" * 8

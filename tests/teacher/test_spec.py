@@ -23,7 +23,7 @@ def test_module_function_specs_and_their_errors():
 
 def test_the_cli_reads_specs_the_same_way(tmp_path, capsys):
     import numpy as np
-    with pytest.raises(SystemExit, match=r"^error: --tokens .*t.npy: No such file or directory; give a .npy"):
+    with pytest.raises(SystemExit, match=r"^error: --tokens .*t.npy cannot be read as a .npy array \(No such file or directory\); give a .npy"):
         cache_cli(["build", "--out", str(tmp_path / "c"), "--teacher", "nocolon", "--tokens", str(tmp_path / "t.npy")])
     np.save(tmp_path / "t.npy", np.zeros((2, 5), dtype=np.int64))
     with pytest.raises(SystemExit, match=r"^error: 'nocolon' is not `module:function`"):

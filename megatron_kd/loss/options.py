@@ -3,7 +3,7 @@ Bridge's `kd` section and the loss call)."""
 from dataclasses import dataclass, fields
 from typing import Optional
 
-from ..parallel.limits import temperature_problem
+from ..rules import temperature_problem
 
 TAILS = ("none", "renormalize", "bucket")
 REDUCTIONS = ("mean", "sum", "none")

@@ -6,7 +6,7 @@ attention swapped for torch SDPA (flash attention on GPU, so 32K sequences fit w
 import torch
 import torch.nn.functional as F
 
-from ..recipe.checks import padded_vocab_size
+from ..rules import padded_vocab_size
 from ..recipe.schema import ModelConfig, ParallelConfig
 from ..runtime.features import te_available
 
@@ -101,7 +101,7 @@ def build_gpt(m: ModelConfig, p: ParallelConfig, vocab_size: int, seq_length: in
     config = config or transformer_config(m, p, precision)
     kw = {} if vp_stage is None else {"vp_stage": vp_stage}
     model = GPTModel(
-        config, layer_spec(m), vocab_size=padded_vocab_size(vocab_size, m, p.tp), max_sequence_length=seq_length,
+        config, layer_spec(m), vocab_size=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, p.tp), max_sequence_length=seq_length,
         pre_process=pre_process, post_process=post_process, parallel_output=True,
         share_embeddings_and_output_weights=m.tie_embeddings, position_embedding_type=m.position_embedding_type,
         rotary_percent=m.rotary_percent, rotary_base=m.rotary_base, **rope_scaling_kwargs(m), **kw)

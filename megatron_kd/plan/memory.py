@@ -23,7 +23,8 @@ from dataclasses import dataclass, field, replace
 
 from ..parallel.limits import LOGITS_PER_CHUNK
 from .attention_bytes import attention_activation_bytes
-from .shapes import Layout, ModelShape, padded_vocab, param_counts
+from ..rules import DEFAULT_TOP_K, padded_vocab_size
+from .shapes import Layout, ModelShape, param_counts
 
 GIB = float(1 << 30)
 RESERVE_GIB = 3.0          # CUDA context, NCCL buffers, allocator rounding: not in max_memory_allocated
@@ -59,7 +60,7 @@ class Training:
     loss: str = "fused"                # our impls (loss_impls())
     main_grad_fusion: bool = True      # fused loss accumulates the output weight grad into main_grad
     mode: str = "offline"              # offline (cache) | online (teacher in memory) | ce
-    topk: int = 100
+    topk: int = DEFAULT_TOP_K
     teacher: ModelShape | None = None  # online: same TP/PP/EP layout as the student
     teacher_loss: str = "topk"         # online: "topk" (teacher top-K chunk by chunk + our loss) | "dense"
     cache_buffers: int = 2             # top-K batches resident on the GPU (current + prefetched)
@@ -222,7 +223,7 @@ def loss_buffers(shape: ModelShape, lay: Layout, tr: Training, T: int) -> dict:
     """Loss working set on the last stage: {'fwd': bytes at the loss forward, 'held': kept into backward,
     'bwd': peak inside the loss backward, 'tail': held until the embedding backward (tied dummy grad)}."""
     t, h = lay.tp, shape.hidden_size
-    vloc = padded_vocab(shape.vocab_size, t, lay.vocab_divisible_by) // t
+    vloc = padded_vocab_size(shape.vocab_size, lay.vocab_divisible_by, t) // t
     K = tr.topk
     gath = 2 * T * h if lay.sp else 0                  # the loss gathers the sequence-parallel hidden states
     targets = T * K * (8 + 4 + 1 + 8) + T * 16         # ids, log-probs, valid mask, local slot index, weights
@@ -275,7 +276,7 @@ def teacher_forward_peak(teacher: ModelShape, lay: Layout, tr: Training, T: int,
     act = layer_activations(teacher, lay, T, teacher.is_moe)
     fused = exact_fusions and teacher.activation == "swiglu" and not teacher.is_moe and not teacher.add_bias_linear
     layer = max(act.values()) * (1.5 if fused else 3) + 4 * (T // t if lay.sp else T) * h
-    vloc = padded_vocab(teacher.vocab_size, t, lay.vocab_divisible_by) // t
+    vloc = padded_vocab_size(teacher.vocab_size, lay.vocab_divisible_by, t) // t
     if tr.teacher_loss == "dense":
         out = T * vloc * (2 + 4 + 4)                    # bf16 logits, fp32 copy, log-softmax
     else:

@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ..rules import DEFAULT_TOP_K
 from .memory import Training, loss_impls
 from .shapes import Layout, ModelShape
 
@@ -53,13 +54,13 @@ def _missing_to_none(cfg) -> None:
 
 
 def _cache_top_k(kd, notes: list) -> int:
-    """kd.top_k=null trains with the cache's K: read it from a finished cache, else plan for K=100."""
+    """kd.top_k=null trains with the cache's K: read it from a finished cache, else plan for the default K."""
     from megatron_kd.cache.format import MANIFEST, is_finished
     if is_finished(kd.cache):
         with open(Path(kd.cache) / MANIFEST) as f:
             return int(json.load(f)["top_k"])
-    notes.append("kd.top_k=null (the cache's K) and no finished cache at kd.cache: planned at K=100")
-    return 100
+    notes.append(f"kd.top_k=null (the cache's K) and no finished cache at kd.cache: planned at K={DEFAULT_TOP_K}")
+    return DEFAULT_TOP_K
 
 
 def load_recipe(name: str, overrides=()):

@@ -10,6 +10,7 @@ from dataclasses import fields
 import torch.distributed as dist
 
 from ..kernels import fused_unavailable
+from ..rules import encoding_problem, padded_vocab_size, top_k_fits
 from ..runtime.features import apex_available, te_available
 from .resume_keys import resume_keys_all
 from .schema import ATTENTION_BACKENDS, MODES, PRECISIONS, ModelConfig, Recipe, RecipeError
@@ -56,19 +57,13 @@ def check_model(m: ModelConfig, section: str, tp: int) -> None:
               f"{section}.megatron passes fields to Megatron's TransformerConfig, which has no such field")
 
 
-def padded_vocab_size(vocab_size: int, m: ModelConfig, tp: int) -> int:
-    """Megatron's rule: round up to a multiple of make_vocab_size_divisible_by x TP."""
-    step = m.make_vocab_size_divisible_by * tp
-    return -(-vocab_size // step) * step
-
-
 def check_vocab(vocab_size: int, m: ModelConfig, section: str, tp: int) -> int:
     if m.make_vocab_size_divisible_by == 1 and vocab_size % tp:
         raise RecipeError(f"the vocabulary ({vocab_size} ids: data.tokenizer / data.vocab_size) does not divide by "
                           f"parallel.tp={tp}, and {section}.make_vocab_size_divisible_by=1 asks for no padding; set "
                           f"{section}.make_vocab_size_divisible_by (e.g. 128): Megatron pads the vocabulary and the "
                           "padding rows stay out of the loss")
-    padded = padded_vocab_size(vocab_size, m, tp)
+    padded = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, tp)
     _need(padded % tp == 0, f"the padded vocabulary {padded} ({section}.make_vocab_size_divisible_by="
           f"{m.make_vocab_size_divisible_by}) must divide by parallel.tp={tp}")
     return padded
@@ -114,7 +109,7 @@ def _check_kd(r: Recipe) -> None:
               f"{' with kd.build_cache=true' if kd.mode == 'offline' else ''} computes the teacher's top-K itself: "
               "set kd.top_k (e.g. 100)")
     if kd.mode != "ce" and kd.top_k is not None:
-        _need(kd.top_k >= 1, f"kd.top_k={kd.top_k} must be >= 1")
+        _need(top_k_fits(kd.top_k), f"kd.top_k={kd.top_k} must be >= 1")
     if kd.mode == "online" or (kd.mode == "offline" and kd.build_cache):
         check_model(r.teacher, "teacher", p.tp)
     _check_cache_encoding(kd)
@@ -136,16 +131,15 @@ def _check_cache_encoding(kd) -> None:
     from ..cache.encoding import ENCODINGS
     from ..cache.topp import check_top_p
     _need(kd.cache_encoding in ENCODINGS, f"kd.cache_encoding={kd.cache_encoding!r}: use one of {ENCODINGS}")
+    mismatch = encoding_problem(kd.cache_encoding, kd.cache_top_p, kd.cache_min_k)
+    _need(mismatch != "needs_top_p", "kd.cache_encoding=topp keeps per position the fewest ids holding a mass P: "
+          "set kd.cache_top_p (e.g. 0.999)")
+    _need(mismatch != "fixed_k", f"kd.cache_top_p / kd.cache_min_k need kd.cache_encoding=topp (kd.cache_encoding={kd.cache_encoding} stores K ids at every "
+          "position); set kd.cache_encoding=topp or drop them")
     if kd.cache_encoding == "topp":
-        _need(kd.cache_top_p is not None, "kd.cache_encoding=topp keeps per position the fewest ids holding a mass "
-              "P: set kd.cache_top_p (e.g. 0.999)")
         problem = check_top_p(kd.cache_top_p, 1 if kd.cache_min_k is None else kd.cache_min_k,
                               kd.top_k if kd.top_k is not None else 1 << 30)
         _need(problem is None, f"kd.cache_{problem}" if problem else "")
-    else:
-        _need(kd.cache_top_p is None and kd.cache_min_k is None, f"kd.cache_top_p / kd.cache_min_k need "
-              f"kd.cache_encoding=topp (kd.cache_encoding={kd.cache_encoding} stores K ids at every position); set "
-              "kd.cache_encoding=topp or drop them")
 
 
 def _check_data(r: Recipe) -> None:
@@ -285,7 +279,7 @@ def check_run(r: Recipe, world_size: int, cuda: bool, vocab_size: int) -> None:
     if cuda and p.sequence_parallel and p.tp > 1 and not (te_available() or apex_available()):
         raise RecipeError("parallel.sequence_parallel=true needs Transformer Engine or apex norms (Megatron's torch "
                           "norms refuse it); set it false or run where TE/apex import")
-    if r.kd.mode != "ce" and r.kd.top_k is not None and r.kd.top_k > vocab_size:
+    if r.kd.mode != "ce" and r.kd.top_k is not None and not top_k_fits(r.kd.top_k, vocab_size):
         raise RecipeError(f"kd.top_k={r.kd.top_k} exceeds the vocabulary ({vocab_size} ids)")
     check_world(r, world_size)
     check_export(r)
@@ -402,14 +396,24 @@ def _inside(path: str, directory: str) -> bool:
     return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
 
 
-# what a finished cache records -> (the recipe key that sets it, its value in a recipe)
-CACHE_BUILD_KEYS = {
-    "top_k": ("kd.top_k", lambda r: r.kd.top_k),
-    "encoding": ("kd.cache_encoding", lambda r: r.kd.cache_encoding),
-    "temperature": ("kd.temperature", lambda r: float(r.kd.capture_temperature)),
-    "seq_length": ("data.seq_length", lambda r: r.data.seq_length),
-    "num_samples": ("train.iters x train.global_batch_size", lambda r: r.train.iters * r.train.global_batch_size),
+# what a finished cache records -> the recipe key that sets it (messages name the key a user can change)
+CACHE_FIELD_KEYS = {
+    "top_k": "kd.top_k",
+    "encoding": "kd.cache_encoding",
+    "temperature": "kd.temperature",
+    "seq_length": "data.seq_length",
+    "num_samples": "train.iters x train.global_batch_size",
+    "vocab_size": "data.tokenizer / data.vocab_size",
 }
+
+# what a cache build records -> (the recipe key that sets it, its value in a recipe)
+CACHE_BUILD_KEYS = {field: (CACHE_FIELD_KEYS[field], value) for field, value in {
+    "top_k": lambda r: r.kd.top_k,
+    "encoding": lambda r: r.kd.cache_encoding,
+    "temperature": lambda r: float(r.kd.capture_temperature),
+    "seq_length": lambda r: r.data.seq_length,
+    "num_samples": lambda r: r.train.iters * r.train.global_batch_size,
+}.items()}
 
 
 def check_sweep_run(r: Recipe) -> None:

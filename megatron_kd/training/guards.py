@@ -28,6 +28,7 @@ import torch.distributed as dist
 from ..recipe.resume_keys import (ARCH_KEYS, CACHE_TEACHER, DEFAULTED_ARCH_KEYS, RESUME_KEYS, SCHEDULE_KEYS,
                                   TEACHER_KEYS)
 from ..recipe.schema import RecipeError, RunError
+from ..rules import free_space
 
 LOCK_NAME = ".megatron-kd-train.lock"
 
@@ -336,8 +337,8 @@ def checkpoint_bytes(save: str, chunks, optimizer) -> int:
 
 
 def check_free_space(save: str, need: int, iteration: int) -> None:
-    free = shutil.disk_usage(save).free
-    if _all_agree_bad(free < need):
+    free, fits = free_space(save, need)
+    if _all_agree_bad(not fits):
         raise RunError(f"train.save={save} has {free / 2**30:.2f} GiB free, the checkpoint of iteration {iteration} "
                        f"needs about {need / 2**30:.2f} GiB; free space there or point train.save elsewhere and "
                        "resume (the last checkpoint is kept)")

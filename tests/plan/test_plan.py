@@ -12,7 +12,8 @@ from megatron_kd.loss import FusedSettings
 from megatron_kd.plan import GIB, Layout, ModelShape, Training, layer_activations, plan_memory, preset
 from megatron_kd.plan.memory import loss_buffers
 from megatron_kd.plan.recipe import model_config, parallel_config
-from megatron_kd.plan.shapes import padded_vocab, param_counts, total_params
+from megatron_kd.plan.shapes import param_counts, total_params
+from megatron_kd.rules import padded_vocab_size
 
 Z_BYTES, E_BYTES = FusedSettings().z_mib << 20, FusedSettings().e_mib << 20  # the fused loss's default budgets
 
@@ -93,7 +94,7 @@ def test_preset_totals_are_the_published_counts():
 
 
 def test_padded_vocab_and_sharding():
-    assert padded_vocab(128256, 1) == 128256 and padded_vocab(201088, 2) == 201216
+    assert padded_vocab_size(128256, 128, 1) == 128256 and padded_vocab_size(201088, 128, 2) == 201216
     s = preset("gpt-oss-20b")
     full = param_counts(s, Layout(vocab_divisible_by=1))
     ep8 = param_counts(s, Layout(ep=8, dp=8, vocab_divisible_by=1))

@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 
+from megatron_kd import rules
 from megatron_kd.checkpoint import integrity as ckpt_integrity, store as ckpt
 from megatron_kd.recipe.checks import check_recipe
 from megatron_kd.recipe.compose import compose
@@ -391,7 +392,7 @@ def test_a_full_disk_during_a_save_is_named(tmp_path, monkeypatch):
 def test_too_little_free_space_is_refused_before_the_save(tmp_path, monkeypatch):
     class Usage:
         free = 1 << 20
-    monkeypatch.setattr(guards.shutil, "disk_usage", lambda p: Usage)
+    monkeypatch.setattr(rules.shutil, "disk_usage", lambda p: Usage)
     with pytest.raises(RecipeError, match=r"train\.save=.* has 0\.00 GiB free, the checkpoint of iteration 3 needs"):
         guards.check_free_space(str(tmp_path), 2 << 30, 3)
 
@@ -506,11 +507,9 @@ def test_kill_9_leaves_no_process_behind(tmp_path):
 
 
 def test_a_cache_build_that_cannot_fit_is_refused_before_the_teacher_runs(tmp_path, monkeypatch):
-    from megatron_kd.cache import space
-
     class Usage:
         free = 1024
-    monkeypatch.setattr(space.shutil, "disk_usage", lambda p: Usage)
+    monkeypatch.setattr(rules.shutil, "disk_usage", lambda p: Usage)
     with pytest.raises(RecipeError) as e:
         train(tmp_path / "s", "train.iters=2")
     one_sentence(str(e.value))

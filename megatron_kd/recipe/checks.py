@@ -14,6 +14,7 @@ from ..rules import encoding_problem, padded_vocab_size, top_k_fits
 from ..runtime.features import apex_available, te_available
 from .resume_keys import resume_keys_all
 from .schema import ATTENTION_BACKENDS, MODES, PRECISIONS, ModelConfig, Recipe, RecipeError
+from .targets import TargetSource
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -103,20 +104,21 @@ def check_recipe(r: Recipe, world_size: int | None = 1, cuda: bool = False) -> N
 def _check_kd(r: Recipe) -> None:
     """The kd section: mode, K, the teacher or cache it needs, the loss keys."""
     kd, p = r.kd, r.parallel
-    _need(kd.mode in MODES, f"kd.mode={kd.mode!r}: use one of {MODES}")
-    if kd.mode == "online" or (kd.mode == "offline" and kd.build_cache):
+    src = TargetSource.of(kd)
+    _need(src.known, f"kd.mode={kd.mode!r}: use one of {MODES}")
+    if src.needs_teacher:
         _need(kd.top_k is not None, f"kd.top_k=null takes a cache's K; kd.mode={kd.mode}"
-              f"{' with kd.build_cache=true' if kd.mode == 'offline' else ''} computes the teacher's top-K itself: "
+              f"{' with kd.build_cache=true' if src.builds_cache else ''} computes the teacher's top-K itself: "
               "set kd.top_k (e.g. 100)")
-    if kd.mode != "ce" and kd.top_k is not None:
+    if src.distills and kd.top_k is not None:
         _need(top_k_fits(kd.top_k), f"kd.top_k={kd.top_k} must be >= 1")
-    if kd.mode == "online" or (kd.mode == "offline" and kd.build_cache):
+    if src.needs_teacher:
         check_model(r.teacher, "teacher", p.tp)
     _check_cache_encoding(kd)
-    if kd.mode == "offline":
+    if src.reads_cache:
         _need(bool(kd.cache), "kd.cache is required in offline mode: the teacher top-K cache directory "
               "(build one with `megatron-kd cache build`, or set kd.build_cache=true)")
-    if kd.mode == "online":  # the teacher computes its targets at kd.temperature every step
+    if src.teacher_each_step:  # the teacher computes its targets at kd.temperature every step
         _need(kd.cache_temperature is None, f"kd.cache_temperature={kd.cache_temperature} re-tempers a cache "
               "captured at that temperature, but kd.mode=online computes the teacher at kd.temperature each step; "
               "set kd.cache_temperature=null")
@@ -263,9 +265,10 @@ def check_run(r: Recipe, world_size: int, cuda: bool, vocab_size: int) -> None:
     """What needs the tokenizer's size, this machine and the world size (after check_recipe; no process group
     or model yet)."""
     check_vocab(vocab_size, r.model, "model", r.parallel.tp)
-    if r.kd.mode == "online" or (r.kd.mode == "offline" and r.kd.build_cache):
+    src = TargetSource.of(r.kd)
+    if src.needs_teacher:
         check_vocab(vocab_size, r.teacher, "teacher", r.parallel.tp)
-        if r.kd.mode == "online":
+        if src.teacher_each_step:
             if r.parallel.pp > 1:
                 raise RecipeError("kd.mode=online runs with parallel.pp=1 (the teacher beside the student is not "
                                   "pipelined); use offline mode (a cache) with pipeline parallel")
@@ -279,7 +282,7 @@ def check_run(r: Recipe, world_size: int, cuda: bool, vocab_size: int) -> None:
     if cuda and p.sequence_parallel and p.tp > 1 and not (te_available() or apex_available()):
         raise RecipeError("parallel.sequence_parallel=true needs Transformer Engine or apex norms (Megatron's torch "
                           "norms refuse it); set it false or run where TE/apex import")
-    if r.kd.mode != "ce" and r.kd.top_k is not None and not top_k_fits(r.kd.top_k, vocab_size):
+    if src.distills and r.kd.top_k is not None and not top_k_fits(r.kd.top_k, vocab_size):
         raise RecipeError(f"kd.top_k={r.kd.top_k} exceeds the vocabulary ({vocab_size} ids)")
     check_world(r, world_size)
     check_export(r)
@@ -421,7 +424,7 @@ def check_sweep_run(r: Recipe) -> None:
     kd.cache lies in the run's own directory (each run would build its own, one teacher pass each), or when
     kd.build_cache=true meets the finished cache built with other settings (this run would rebuild it)."""
     kd = r.kd
-    if kd.mode != "offline" or not kd.cache:
+    if not TargetSource.of(kd).reads_cache or not kd.cache:
         return
     if _inside(kd.cache, r.train.save):
         raise RecipeError(f"kd.cache={kd.cache} lies in this sweep run's own directory (train.save={r.train.save}), "
@@ -443,28 +446,6 @@ def check_sweep_run(r: Recipe) -> None:
                           f"with {what}, which would rebuild it; set kd.build_cache=false to read it as it is (any "
                           f"kd.top_k up to its {m.get('top_k')}, up to its {m.get('num_samples')} samples), or give "
                           "these values their own kd.cache")
-
-
-def check_save_dir(save: str) -> None:
-    """train.save must be a directory this process can write (made when missing), before any model is built."""
-    if os.path.exists(save) and not os.path.isdir(save):
-        raise RecipeError(f"train.save={save} is a file, not a directory; point train.save at a directory (it is "
-                          "made when missing)")
-    parent = save
-    while not os.path.exists(parent):
-        parent = os.path.dirname(os.path.abspath(parent))
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise RecipeError(f"train.save={save}: {parent} is not writable (read-only filesystem or permissions); "
-                          "point train.save at a writable directory")
-    try:
-        os.makedirs(save, exist_ok=True)
-        probe = os.path.join(save, f".write-probe-{os.getpid()}")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
-    except OSError as e:
-        raise RecipeError(f"train.save={save} cannot be written ({e.strerror or e}); point train.save at a "
-                          "writable directory") from None
 
 
 def yaml_file_problem(path: str) -> str | None:

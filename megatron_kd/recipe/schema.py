@@ -7,6 +7,7 @@ name; recipe/checks.py then checks what depends on several sections (TP dividing
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
+from ..errors import RecipeError, RunError  # noqa: F401  (users import them from here too)
 from ..loss.options import KDLoss
 
 MODES = ("offline", "online", "ce")
@@ -173,14 +174,6 @@ class Recipe:
     data: DataConfig = field(default_factory=DataConfig)
     kd: KDConfig = field(default_factory=KDConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-
-
-class RecipeError(ValueError):
-    """A recipe problem, found before any work; the message names the key and the fix."""
-
-
-class RunError(RecipeError):
-    """A problem met while training (not in the recipe itself), reported like a recipe problem: one sentence."""
 
 
 def _schema_error(e) -> RecipeError:

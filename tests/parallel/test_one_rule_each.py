@@ -123,9 +123,9 @@ def test_padding_hashing_and_free_space_have_one_home():
     from megatron_kd.models import builder
     from megatron_kd.plan import memory as plan_memory, shapes
     from megatron_kd.recipe import checks
-    from megatron_kd.training import guards
+    from megatron_kd.training import safety
     for user in (checks, builder, shapes, plan_memory):
         assert user.padded_vocab_size is rules.padded_vocab_size
     assert rules.padded_vocab_size(201088, 128, 2) == 201216 and rules.padded_vocab_size(50, 1, 1) == 50
     assert integrity.file_sha256 is rules.file_sha256 and hashing.rules is rules
-    assert space.free_space is rules.free_space and guards.free_space is rules.free_space
+    assert space.free_space is rules.free_space and safety.free_space is rules.free_space

@@ -87,7 +87,7 @@ class KDHead:
                 self.kl_bucket = metrics["kl_bucket"]
             if self.ce is not None or not kw["ce_weight"]:
                 ce_part = kw["ce_weight"] * self.ce if kw["ce_weight"] else 0.0
-                self.kl = (total.detach() - ce_part) / (kw["temperature"] ** 2 * kw["kl_weight"])
+                self.kl = (total.detach() - ce_part) / self.kd.kl_scale
         at = torch.zeros(labels.shape, dtype=total.dtype, device=total.device)
         at[0, 0] = 1.0
         return total * at  # [s, b]: the sum at (0, 0); its gradient goes straight into the loss's backward

@@ -129,3 +129,14 @@ def test_padding_hashing_and_free_space_have_one_home():
     assert rules.padded_vocab_size(201088, 128, 2) == 201216 and rules.padded_vocab_size(50, 1, 1) == 50
     assert integrity.file_sha256 is rules.file_sha256 and hashing.rules is rules
     assert space.free_space is rules.free_space and safety.free_space is rules.free_space
+
+
+def test_the_kl_scale_and_re_tempering_follow_the_rules(monkeypatch):
+    """T^2 x kl_weight is derived once (the loss's options); a cache captured at a temperature equal under
+    rules.same_temperature is not re-tempered."""
+    opts = LossOptions(temperature=2.0, kl_weight=0.5)
+    assert opts.kl_scale == 2.0
+    assert LossOptions(temperature=0.7, cache_temperature=0.7 * (1 + 1e-7)).retemper is None
+    assert LossOptions(temperature=0.7, cache_temperature=1.4).retemper == 2.0
+    monkeypatch.setattr(rules, "TEMPERATURE_RTOL", 0.0)
+    assert LossOptions(temperature=0.7, cache_temperature=0.7 * (1 + 1e-7)).retemper is not None

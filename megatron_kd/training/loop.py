@@ -82,9 +82,14 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, t)
         set_model_hooks(self.config, self.chunks, self.optimizer)
         self.teacher = self._online_teacher() if self.targets.teacher_each_step else None
+        if cuda:  # every library has loaded by now: a second cuDNN would slow attention with no word of its own
+            from ..runtime.te_compat import cudnn_clash
+            clash = cudnn_clash()
+            self.notes += [clash] if clash else []
         cp_group = ps.get_context_parallel_group()
         self.step_fn = KDStep(r.kd, self.vocab, self.teacher, split_report=r.kd.log_ce, cp_group=cp_group)
-        eval_kd = r.kd if self.targets.teacher_each_step else KDConfig(mode="ce", impl=r.kd.impl, chunk_size=r.kd.chunk_size)
+        eval_kd = r.kd if self.targets.teacher_each_step else KDConfig(mode="ce", impl=r.kd.impl,
+                                                                        chunk_size=r.kd.chunk_size)
         self.eval_fn = KDStep(eval_kd, self.vocab, self.teacher, cp_group=cp_group)
         self.flops = train_flops_per_step(r.model, self.vocab, r.data.seq_length, t.global_batch_size)
         if self.teacher is not None:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels import fused_unavailable
-from ..rules import encoding_problem, padded_vocab_size, top_k_fits
+from ..rules import encoding_problem, padded_vocab_size, same_temperature, top_k_fits
 from ..runtime.features import apex_available, te_available
 from .resume_keys import resume_keys_all
 from .schema import ATTENTION_BACKENDS, FP8_FORMATS, FP8_RECIPES, MODES, PRECISIONS, ModelConfig, Recipe, RecipeError
@@ -438,6 +438,13 @@ CACHE_BUILD_KEYS = {field: (CACHE_FIELD_KEYS[field], value) for field, value in 
 }.items()}
 
 
+def _same_build_value(field: str, cached, wanted) -> bool:
+    """A cache field equals a recipe's value; temperatures by the one temperature equality (the reader's)."""
+    if field == "temperature" and cached is not None and wanted is not None:
+        return same_temperature(cached, wanted)
+    return cached == wanted
+
+
 def check_sweep_run(r: Recipe) -> None:
     """A run of a sweep (Hydra multirun) reads the sweep's one teacher cache and never builds another: refused when
     kd.cache lies in the run's own directory (each run would build its own, one teacher pass each), or when
@@ -458,7 +465,8 @@ def check_sweep_run(r: Recipe) -> None:
         m = load_manifest(kd.cache)
     except CacheError:
         return  # the cache checks report it, naming the fix
-    diff = [(key, m.get(field), get(r)) for field, (key, get) in CACHE_BUILD_KEYS.items() if m.get(field) != get(r)]
+    diff = [(key, m.get(field), get(r)) for field, (key, get) in CACHE_BUILD_KEYS.items()
+            if not _same_build_value(field, m.get(field), get(r))]
     if diff:
         what = ", ".join(f"{key}={b} (the cache: {a})" for key, a, b in diff)
         raise RecipeError(f"kd.cache={kd.cache} is the sweep's finished cache and this run asks kd.build_cache=true "

@@ -140,3 +140,21 @@ def test_the_kl_scale_and_re_tempering_follow_the_rules(monkeypatch):
     assert LossOptions(temperature=0.7, cache_temperature=1.4).retemper == 2.0
     monkeypatch.setattr(rules, "TEMPERATURE_RTOL", 0.0)
     assert LossOptions(temperature=0.7, cache_temperature=0.7 * (1 + 1e-7)).retemper is not None
+
+
+def test_a_sweep_compares_the_cache_temperature_by_the_one_equality(tmp_path, monkeypatch):
+    """kd.build_cache=true meeting the sweep's finished cache: a temperature within rules.TEMPERATURE_RTOL is the
+    cache's own (as the reader takes it), a farther one would rebuild it and is refused."""
+    from megatron_kd.cache import format as cache_format, reader as cache_reader
+    r = to_recipe(compose("tiny_cpu", ["data=mock", "data.vocab_size=64", "kd.build_cache=true",
+                                       f"kd.cache={tmp_path / 'c'}", f"train.save={tmp_path / 'run'}",
+                                       "kd.temperature=0.7"]))
+    m = {"top_k": r.kd.top_k, "encoding": r.kd.cache_encoding, "seq_length": r.data.seq_length,
+         "num_samples": r.train.iters * r.train.global_batch_size}
+    monkeypatch.setattr(cache_format, "is_finished", lambda path: True)
+    monkeypatch.setattr(cache_reader, "load_manifest", lambda path: {**m, "temperature": 0.7 * (1 + 1e-7)})
+    from megatron_kd.recipe.checks import check_sweep_run
+    check_sweep_run(r)
+    monkeypatch.setattr(cache_reader, "load_manifest", lambda path: {**m, "temperature": 0.7 * (1 + 1e-4)})
+    with pytest.raises(RecipeError, match=r"kd\.temperature=0\.7 \(the cache: 0\.70007"):
+        check_sweep_run(r)

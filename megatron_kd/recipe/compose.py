@@ -171,3 +171,23 @@ def compose(name: str = "tiny_cpu", overrides=(), save: str | None = None):
             cfg.train.save = save or f"runs/{cfg_name}"
     OmegaConf.resolve(cfg)
     return cfg
+
+
+def add_recipe_arguments(parser, target_help: str) -> None:
+    """The recipe arguments of every command that takes one (plan, launch): a first word, or `--config-name NAME
+    [--config-path DIR]` as `megatron-kd train` takes them; then Hydra overrides."""
+    parser.add_argument("recipe", nargs="?", help=target_help)
+    parser.add_argument("overrides", nargs="*", help="recipe overrides (Hydra syntax), e.g. kd.top_k=64 parallel.tp=2")
+    parser.add_argument("--config-name", "-cn", help="the recipe, as `megatron-kd train --config-name` takes it")
+    parser.add_argument("--config-path", "-cp", help="the directory of --config-name (default: the shipped recipes)")
+
+
+def named_recipe(parser, a) -> None:
+    """Set a.recipe (a recipe name or .yaml path) and a.overrides from add_recipe_arguments' arguments; argparse
+    gives the first override to `recipe` when --config-name names the recipe."""
+    if a.config_name:
+        if a.recipe is not None:
+            a.overrides.insert(0, a.recipe)
+        a.recipe = str(Path(a.config_path) / f"{a.config_name}.yaml") if a.config_path else a.config_name
+    elif a.recipe is None or a.config_path:
+        parser.error("name the recipe: RECIPE (a name or a .yaml path), or --config-name NAME [--config-path DIR]")

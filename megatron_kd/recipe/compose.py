@@ -115,18 +115,22 @@ def composition_error(e, overrides=()):
     """Hydra's or OmegaConf's exception of a recipe that does not compose, as a RecipeError of one sentence that
     names the key (and the valid keys of its section, or the valid sections) or the group option."""
     import difflib
+    import re
     from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
     from .schema import RecipeError, _schema_error
-    cause = e if isinstance(e, OmegaConfBaseException) else e.__cause__
+    # an override's error is Hydra's cause; a recipe file's is its context, the file named as "In 'NAME':"
+    cause = e if isinstance(e, OmegaConfBaseException) else e.__cause__ or e.__context__
     if isinstance(cause, OmegaConfBaseException):
+        found = re.match(r"In '([^']+)': ", str(e)) if cause is e.__context__ else None
+        where = f"recipe file {found.group(1)}: " if found else ""
         key = getattr(cause, "full_key", None) or ""
         if isinstance(cause, ConfigKeyError) and key and "." not in key and key not in SECTIONS:
             given = [o for o in overrides if o.lstrip("+~").split("=", 1)[0].split(".", 1)[0] == key]
             close = difflib.get_close_matches(key, SECTIONS, n=1)
             hint = f" (did you mean {given[0].lstrip('+~').replace(key, close[0], 1)}?)" if close and given else ""
-            where = f"{given[0]!r} names" if given else f"the recipe key {key!r} is in"
-            return RecipeError(f"{where} no recipe section: {key!r} is none of {', '.join(SECTIONS)}{hint}")
-        return _schema_error(cause)
+            what = f"{given[0]!r} names" if given else f"the key {key!r} names"
+            return RecipeError(f"{where}{what} no recipe section: {key!r} is none of {', '.join(SECTIONS)}{hint}")
+        return RecipeError(f"{where}{_schema_error(cause)}")
     options = getattr(e, "options", None)
     text = str(e).split("\nConfig search path", 1)[0].split("\nAvailable options", 1)[0]
     text = "; ".join(line.strip().rstrip(".") for line in text.splitlines() if line.strip())

@@ -51,8 +51,9 @@ def test_a_schema_key_the_group_file_leaves_out_can_be_set(tmp_path):
 
 
 def test_wrong_type_names_the_key(tmp_path):
-    cfg = compose("tiny_cpu", [*FAST, "train.save=x"])
-    OmegaConf.set_struct(cfg, False)
+    with pytest.raises(RecipeError, match=r"^recipe key 'train\.iters': .*'many'.*Integer"):
+        compose("tiny_cpu", [*FAST, "train.save=x", "train.iters=many"])  # Hydra's typed composition
+    cfg = OmegaConf.create(OmegaConf.to_container(compose("tiny_cpu", [*FAST, "train.save=x"])))  # untyped, a dict
     cfg.train.iters = "many"
     with pytest.raises(RecipeError, match=r"train\.iters"):
         to_recipe(cfg)

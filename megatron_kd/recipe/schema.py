@@ -1,6 +1,7 @@
-"""The recipe schema: what `recipes/` may contain.
+"""The recipe schema: what a recipe (megatron_kd/recipes/, or one of a user's) may contain.
 
-A recipe is composed by Hydra from the groups model, teacher, parallel, data, kd, train (recipes/README.md).
+A recipe is composed by Hydra from the groups model, teacher, parallel, data, kd, train (recipes/README.md) over
+these dataclasses, registered in Hydra's ConfigStore by recipe/compose.py.
 `to_recipe` merges it into the dataclasses below, so a misspelt or unknown key fails at once with its full
 name; recipe/checks.py then checks what depends on several sections (TP dividing heads, batch sizes, modes).
 """

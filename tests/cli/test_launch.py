@@ -33,7 +33,8 @@ def clean_env():
 def recipe(tmp_path):
     p = tmp_path / "recipes" / "my_recipe.yaml"
     p.parent.mkdir()
-    p.write_text("# placeholder: the launcher only passes the path to Hydra\n")
+    # the schema alone: the launcher composes it (a misspelt key stops it there) and passes the path to Hydra
+    p.write_text("defaults:\n  - megatron_kd\n  - _self_\n")
     return p
 
 

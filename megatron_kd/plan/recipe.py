@@ -1,7 +1,8 @@
-"""Read a `megatron-kd train` recipe (recipes/NAME.yaml, the schema of recipes/README.md) into what the plan needs.
+"""Read a `megatron-kd train` recipe (a shipped recipe by name or a .yaml path; the schema of recipes/README.md)
+into what the plan needs.
 
-The recipe is composed exactly as training composes it (megatron_kd.recipe.compose.compose: Hydra's compose API,
-`section.key=value` overrides as `++section.key=value`, train.save set so `${hydra:run.dir}` never resolves), its
+The recipe is composed exactly as training composes it (megatron_kd.recipe.compose.compose: Hydra's compose API
+over the schema, so a key the schema lacks is refused by name, train.save set so `${hydra:run.dir}` never resolves), its
 `???` placeholders (kd.cache, data.path: irrelevant to memory) become null, and it is merged into the schema
 dataclasses of megatron_kd.recipe.schema (to_recipe: schema defaults for missing keys, unknown keys refused).
 Every key is then read as megatron_kd/models/builder.py and optim/setup.py read it:
@@ -70,7 +71,7 @@ def load_recipe(name: str, overrides=()):
     from megatron_kd.recipe.compose import compose, recipes_dir
     path = recipe_path(name)
     if path is None:
-        raise FileNotFoundError(f"no recipe {name!r} (recipes/NAME or a .yaml path)")
+        raise FileNotFoundError(f"no recipe {name!r} (a shipped recipe's name or a .yaml path)")
     target = str(path.resolve()) if Path(name).suffix in (".yaml", ".yml") or path.parent != recipes_dir() \
         else path.stem
     cfg = compose(target, list(overrides), save="runs/plan")

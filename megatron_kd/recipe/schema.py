@@ -1,6 +1,7 @@
-"""The recipe schema: what `recipes/` may contain.
+"""The recipe schema: what a recipe (megatron_kd/recipes/, or one of a user's) may contain.
 
-A recipe is composed by Hydra from the groups model, teacher, parallel, data, kd, train (recipes/README.md).
+A recipe is composed by Hydra from the groups model, teacher, parallel, data, kd, train (recipes/README.md) over
+these dataclasses, registered in Hydra's ConfigStore by recipe/compose.py.
 `to_recipe` merges it into the dataclasses below, so a misspelt or unknown key fails at once with its full
 name; recipe/checks.py then checks what depends on several sections (TP dividing heads, batch sizes, modes).
 """
@@ -16,6 +17,10 @@ FP8_FORMATS = ("hybrid", "e4m3")
 FP8_RECIPES = ("tensorwise", "delayed", "blockwise", "mxfp8")
 PRECISIONS = ("fp32", "bf16", "fp16")
 GATED_ACTIVATIONS = ("swiglu", "quick_geglu")     # gated MLPs (fc1 is 2 x ffn wide); quick_geglu: GPT-OSS
+# A key each recipe states, null included: a composed recipe that leaves it out shows `???`. Hydra merges a recipe
+# onto the schema's defaults, and a merge keeps a default over `???`; so a recipe's own `???` (a value the user
+# must give) survives composition only where the schema node holds `???` too (recipe/compose.py).
+RECIPE_SETS = {"recipe_sets": True}
 
 
 @dataclass
@@ -98,7 +103,8 @@ class ParallelConfig:
 @dataclass
 class DataConfig:
     kind: str = "mock"                           # mock | indexed
-    path: Any = None                             # indexed: prefix (or list: weight, prefix, ...) of .bin/.idx
+    path: Any = field(default=None, metadata=RECIPE_SETS)  # indexed: prefix (or list: weight, prefix, ...) of
+                                                 # .bin/.idx; null: none (mock data)
     tokenizer: Optional[str] = None              # a tokenizers JSON file (`megatron-kd data prepare` writes one)
     vocab_size: Optional[int] = None             # unpadded vocabulary; None: from the tokenizer
     seq_length: int = 128
@@ -115,7 +121,8 @@ class DataConfig:
 class OfflineKD(KDLoss):
     """The keys of offline KD that a recipe's `kd` section and a Bridge YAML's `kd` section share: the loss keys
     (loss.KDLoss) plus the cache and how it is read. One name and one default each, in both dialects."""
-    cache: Optional[str] = None                  # offline: the teacher top-K cache directory
+    cache: Optional[str] = field(default=None, metadata=RECIPE_SETS)  # offline: the teacher top-K cache
+                                                 # directory; null: none (online and ce modes)
     top_k: Optional[int] = None                  # K to train with; null: the cache's K (online and building a
                                                  # cache need a number)
     check_tokens: bool = True                    # compare each sample's token hash with the cache's
@@ -201,8 +208,8 @@ def to_recipe(cfg) -> Recipe:
     """An OmegaConf/dict recipe -> Recipe dataclasses; unknown keys and wrong types raise RecipeError."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
-    if not OmegaConf.is_config(cfg):
-        cfg = OmegaConf.create(cfg)
+    # as plain containers: a key added to a composed recipe's typed node (Hydra's `+kd.topk=3`) is then refused too
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg) if OmegaConf.is_config(cfg) else cfg)
     cfg = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"]) if "hydra" in cfg else cfg
     schema = OmegaConf.structured(Recipe)
     try:

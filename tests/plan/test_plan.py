@@ -296,7 +296,7 @@ def test_real_recipes_are_read_as_training_reads_them(name):
 
 
 def test_recipe_by_path_overrides_and_gpus():
-    path = os.path.join(ROOT, "recipes", "gpt_oss_20b_32k_8xh200.yaml")
+    path = os.path.join(ROOT, "megatron_kd", "recipes", "gpt_oss_20b_32k_8xh200.yaml")
     rc, out = _cli(path)
     assert rc == 0 and "recompute full (16 of 24 layers, block)" in out and "peak" in out
     base = json.loads(_cli(path, "--json")[1])

@@ -46,7 +46,7 @@ def missing_keys(cfg) -> list:
             for k in cfg[sec] if OmegaConf.is_missing(cfg[sec], k)]
 
 
-SECTIONS = ("model", "teacher", "parallel", "data", "kd", "train")
+SECTIONS = ("model", "teacher", "parallel", "data", "kd", "train", "quant")
 
 
 def schema_overrides(overrides) -> list:

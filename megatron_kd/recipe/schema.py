@@ -13,6 +13,10 @@ MODES = ("offline", "online", "ce")
 ATTENTION_BACKENDS = ("auto", "te", "sdpa", "local")
 PRECISIONS = ("fp32", "bf16", "fp16")
 GATED_ACTIVATIONS = ("swiglu", "quick_geglu")     # gated MLPs (fc1 is 2 x ffn wide); quick_geglu: GPT-OSS
+# quant.format: ModelOpt's fake-quantized formats (models/quant.py maps each to its config); w4a16_awq is int4_awq's
+# other name (4-bit weights, 16-bit activations)
+QUANT_FORMATS = ("none", "fp8", "int8", "int4_awq", "w4a16_awq", "w4a8_awq", "nvfp4")
+QUANT_CUDA_ONLY = ("nvfp4",)                      # ModelOpt fake-quantizes these on CUDA tensors only
 
 
 @dataclass
@@ -166,6 +170,14 @@ class TrainConfig:
 
 
 @dataclass
+class QuantConfig:
+    """The student quantized with NVIDIA ModelOpt (fake quantization: the weights stay in train.precision, each
+    linear layer's weights and inputs pass through quantizers) and then trained: QAT in kd=ce, QAD otherwise."""
+    format: str = "none"                         # none | fp8 | int8 | int4_awq | w4a16_awq | w4a8_awq | nvfp4 (GPU)
+    calib_samples: int = 64                      # training samples the quantizers are calibrated on (amax, AWQ)
+
+
+@dataclass
 class Recipe:
     model: ModelConfig = field(default_factory=ModelConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
@@ -173,6 +185,7 @@ class Recipe:
     data: DataConfig = field(default_factory=DataConfig)
     kd: KDConfig = field(default_factory=KDConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
 
 
 class RecipeError(ValueError):

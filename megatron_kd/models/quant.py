@@ -21,6 +21,7 @@ CONFIGS = {"fp8": "FP8_DEFAULT_CFG", "int8": "INT8_DEFAULT_CFG", "int4_awq": "IN
 assert set(CONFIGS) == set(QUANT_FORMATS) - {"none"}
 OUTPUT_LAYERS = ("output_layer", "lm_head")
 STATE_KEY = "modelopt_state"  # the checkpoint's common-state key of the quantizers' structure
+FORMAT_KEY = "quant_format"    # ... and of the format (also kept on the quantized module under this name)
 
 
 def quant_config(fmt: str) -> dict:
@@ -34,6 +35,7 @@ def quantize(model: torch.nn.Module, fmt: str, forward_loop) -> torch.nn.Module:
     import modelopt.torch.quantization as mtq
     mtq.quantize(model, quant_config(fmt), forward_loop)
     check_output_layer(model)
+    setattr(model, FORMAT_KEY, fmt)
     return model
 
 

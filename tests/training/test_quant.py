@@ -109,3 +109,26 @@ def test_a_quantized_student_trains_under_tp_as_on_one_rank(tmp_path):
     one, two = losses(tmp_path / "tp1"), losses(tmp_path / "tp2")
     for it in (1, 2):
         assert two[it]["loss"] == pytest.approx(one[it]["loss"], rel=1e-5), it
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4_awq", "w4a8_awq"])
+def test_the_planner_counts_the_quantizer_state_modelopt_makes(fmt):
+    from megatron_kd.models import quant
+    from megatron_kd.models.builder import build_gpt
+    from megatron_kd.plan.memory import _linears, plan_memory, quantizer_bytes
+    from megatron_kd.plan.recipe import from_recipe, shape_from_config
+    from megatron_kd.plan.shapes import Layout
+    from megatron_kd.runtime.dist import distributed
+    r = recipe("model.hidden_size=128", "model.ffn_hidden_size=384", "model.num_layers=2",
+               "model.make_vocab_size_divisible_by=8", f"quant.format={fmt}")
+    with distributed(r.parallel, 1, "cpu"):
+        model = build_gpt(r.model, r.parallel, 250, 32, "fp32")
+        tokens = torch.randint(0, 250, (2, 32))
+        quant.quantize(model, fmt, lambda m: m(tokens, torch.arange(32).expand(2, 32), None))
+        measured = quant.quantizer_bytes(model)
+    shape = shape_from_config(r.model, 250, 32)
+    lins = [x for _ in range(2) for x in _linears(shape, Layout(), False)]
+    assert quantizer_bytes(fmt, lins) == measured > 0
+    rp = from_recipe(r)
+    plan = plan_memory(rp.shape, rp.layout, rp.training_for(rp.layout))
+    assert plan.get("quantizer state") == measured

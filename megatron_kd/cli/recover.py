@@ -189,7 +189,7 @@ def format_table(res: dict) -> str:
              "|---|---|---|---|---|---|"]
     for key in ("teacher", "pruned", *WAYS):
         r = rows[key]
-        kl = "-" if "kl" not in r else f"{r['kl']:.4f}"
+        kl = "-" if "kl" not in r else f"{r['kl']:.{4 if res.get('format') is None else 5}f}"  # QAD's KL is small
         got = rec.get(key)
         tt = res["train_s"].get(key)
         lines.append(f"| {names[key]} | {r['ce']:.4f} | {kl} | {'-' if not got else format(got['ce'], '.0%')} | "

@@ -103,6 +103,9 @@ def check_recipe(r: Recipe, world_size: int | None = 1, cuda: bool = False) -> N
     _need(r.quant.calib_samples >= 1, f"quant.calib_samples={r.quant.calib_samples} must be >= 1")
     problem = quant_problem(r.quant.format, cuda)
     _need(problem is None, problem)
+    _need(r.quant.format == "none" or (p.pp == 1 and not p.vpp), f"quant.format={r.quant.format} with parallel.pp="
+          f"{p.pp}: a quantized student trains under TP and DP, not pipeline stages (each stage's quantizers would "
+          "need their own state); set parallel.pp=1")
     if not cuda:
         _check_cpu(r)
     if world_size is not None:

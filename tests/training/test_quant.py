@@ -29,6 +29,8 @@ def test_a_format_this_machine_cannot_run_is_refused_naming_the_key(tmp_path):
         check_recipe(recipe("quant.format=fp8", "quant.calib_samples=0"), None, cuda=False)
     with pytest.raises(RecipeError, match=r"^quant.format=fp8 with parallel.pp=2: .* set parallel.pp=1"):
         check_recipe(recipe("quant.format=fp8", "parallel.pp=2"), None, cuda=True)
+    with pytest.raises(RecipeError, match=r"^quant.format=fp8 with model.fp8=hybrid: .* set model.fp8=null"):
+        check_recipe(recipe("quant.format=fp8", "model.fp8=hybrid"), None, cuda=True)
     # before any work: no save directory is made
     with pytest.raises(RecipeError, match="quant.format=nvfp4"):
         train(tmp_path / "run", "kd=ce", "quant.format=nvfp4", "train.device=cpu")

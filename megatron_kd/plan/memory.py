@@ -66,6 +66,7 @@ class Training:
     cache_buffers: int = 2             # top-K batches resident on the GPU (current + prefetched)
     swiglu_fusion: bool = False        # Megatron's bias_activation_fusion (torch.compile'd SwiGLU)
     fused_norm: bool = True            # CUDA's fused RMSNorm (False: torch's composite CPU path, for CPU checks)
+    quant: str = "none"                # quant.format: ModelOpt's quantizers on every linear but the output layer
 
     def check(self) -> None:
         if self.recompute not in RECOMPUTE:
@@ -352,6 +353,11 @@ def _add_static(p: Plan, pc, osh: _OptimizerSharding) -> float:
     else:
         _add(p, "static", "optimizer", 12 * pc.dense / osh.dsh + 12 * pc.expert / osh.esh,
              f"fp32 main params + Adam m, v; dense / {osh.dsh}" + (f", experts / {osh.esh}" if pc.expert else ""))
+    if tr.quant != "none":
+        lins = [x for i in range(p.stage * pc.layers, (p.stage + 1) * pc.layers)
+                for x in _linears(p.shape, p.layout, p.shape.is_moe and i % p.shape.moe_layer_freq == 0)]
+        _add(p, "static", "quantizer state", quantizer_bytes(tr.quant, lins),
+             f"ModelOpt {tr.quant}: amax / AWQ scales of {len(lins)} linear layers (fp32)")
     if tr.mode == "online":
         tpc = param_counts(tr.teacher, p.layout, p.stage)
         _add(p, "static", "teacher weights", 2 * tpc.total, f"bf16 {tr.teacher.name}, no grads")
@@ -359,6 +365,42 @@ def _add_static(p: Plan, pc, osh: _OptimizerSharding) -> float:
         _add(p, "static", "cache reader", tr.cache_buffers * T * tr.topk * 12,
              f"{tr.cache_buffers} x top-{tr.topk} batches (int64 ids + fp32 log-probs)")
     return p.group_bytes("static")
+
+
+def _linears(shape: ModelShape, lay: Layout, moe: bool) -> list:
+    """(in, out, count) of one layer's linear layers on one rank (the ones ModelOpt quantizes)."""
+    t, h, kv = lay.tp, shape.hidden_size, shape.kv_channels
+    g = 2 if shape.gated_mlp else 1
+    out = [(h, (shape.num_attention_heads + 2 * shape.num_query_groups) * kv // t, 1),
+           (shape.num_attention_heads * kv // t, h, 1)]
+    if moe:
+        f, n = shape.moe_ffn_hidden_size // lay.expert_tp, shape.num_moe_experts // lay.ep
+        out += [(h, g * f, n), (f, h, n)]
+        if shape.moe_shared_expert_intermediate_size:
+            f = shape.moe_shared_expert_intermediate_size // t
+            out += [(h, g * f, 1), (f, h, 1)]
+    else:
+        out += [(h, g * shape.ffn_hidden_size // t, 1), (shape.ffn_hidden_size // t, h, 1)]
+    return out
+
+
+def quantizer_bytes(fmt: str, linears) -> int:
+    """fp32 buffers of ModelOpt's quantizers over `linears` ((in, out, count) each): per-tensor amax (fp8, nvfp4:
+    its block scales are computed on the fly), per-output-channel weight amax (int8), per-128-block weight amax plus
+    the AWQ pre-quant scale per input channel (int4_awq / w4a16_awq / w4a8_awq; w4a8's weights pass a second, fp8
+    per-tensor stage); activations' amax per tensor."""
+    total = 0
+    for i, o, n in linears:
+        if fmt in ("fp8", "nvfp4"):
+            e = 2
+        elif fmt == "int8":
+            e = o + 1
+        elif fmt in ("int4_awq", "w4a16_awq", "w4a8_awq"):
+            e = o * -(-i // 128) + i + 2 * (fmt == "w4a8_awq")  # w4a8: fp8 weight stage + activations
+        else:
+            e = 0
+        total += 4 * e * n
+    return total
 
 
 def _stage_layers(p: Plan, pc) -> tuple[list, list]:

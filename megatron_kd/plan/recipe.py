@@ -214,7 +214,7 @@ def from_recipe(r) -> RecipePlan:
     tr = dict(seq_len=d.seq_length, micro_batch=t.micro_batch_size, recompute=rc, recompute_layers=rc_layers,
               distributed_optimizer=bool(p.use_distributed_optimizer), grad_fp32=True, optimizer=t.optimizer,
               moment_bytes=tuple(2 if x == "bf16" else 4 for x in (t.exp_avg_dtype, t.exp_avg_sq_dtype)),
-              mode=kd.mode, topk=kd.top_k or _cache_top_k(kd, notes))
+              mode=kd.mode, topk=kd.top_k or _cache_top_k(kd, notes), quant=r.quant.format)
     if kd.impl in loss_impls():
         tr["loss"] = kd.impl
     elif kd.impl != "auto":

@@ -14,7 +14,8 @@ from ..kernels import fused_unavailable
 from ..rules import encoding_problem, padded_vocab_size, same_temperature, top_k_fits
 from ..runtime.features import apex_available, te_available
 from .resume_keys import resume_keys_all
-from .schema import ATTENTION_BACKENDS, FP8_FORMATS, FP8_RECIPES, MODES, PRECISIONS, ModelConfig, Recipe, RecipeError
+from .schema import (ATTENTION_BACKENDS, FP8_FORMATS, FP8_RECIPES, MODES, PRECISIONS, QUANT_CUDA_ONLY, QUANT_FORMATS,
+                     ModelConfig, Recipe, RecipeError)
 from .targets import TargetSource
 
 
@@ -114,10 +115,35 @@ def check_recipe(r: Recipe, world_size: int | None = 1, cuda: bool = False) -> N
     _check_data(r)
     _check_train(r)
     _check_fused(r, cuda)
+    _need(r.quant.calib_samples >= 1, f"quant.calib_samples={r.quant.calib_samples} must be >= 1")
+    problem = quant_problem(r.quant.format, cuda)
+    _need(problem is None, problem)
+    _need(r.quant.format == "none" or (p.pp == 1 and not p.vpp), f"quant.format={r.quant.format} with parallel.pp="
+          f"{p.pp}: a quantized student trains under TP and DP, not pipeline stages (each stage's quantizers would "
+          "need their own state); set parallel.pp=1")
+    _need(r.quant.format == "none" or not r.model.fp8, f"quant.format={r.quant.format} with model.fp8="
+          f"{r.model.fp8}: ModelOpt's fake quantization and Transformer Engine's FP8 would both quantize the same "
+          "linear layers; set model.fp8=null")
     if not cuda:
         _check_cpu(r)
     if world_size is not None:
         check_world(r, world_size)
+
+
+def quant_problem(fmt: str, cuda: bool, key: str = "quant.format") -> str | None:
+    """Why the student cannot be quantized as `fmt` here (one sentence naming `key`), or None."""
+    if fmt not in QUANT_FORMATS:
+        return f"{key}={fmt!r}: use one of {', '.join(QUANT_FORMATS)}"
+    if fmt == "none":
+        return None
+    if fmt in QUANT_CUDA_ONLY and not cuda:
+        runs = ", ".join(f for f in QUANT_FORMATS if f not in QUANT_CUDA_ONLY and f != "none")
+        return (f"{key}={fmt} needs a CUDA GPU (ModelOpt fake-quantizes {fmt} on CUDA tensors only); on this "
+                f"machine use one of {runs}")
+    import importlib.util
+    if importlib.util.find_spec("modelopt") is None:
+        return f"{key}={fmt} needs NVIDIA ModelOpt: pip install 'megatron-kd[quant]' (nvidia-modelopt)"
+    return None
 
 
 def _check_kd(r: Recipe) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 RECIPES_PACKAGE = "megatron_kd.recipes"
 SCHEMA_NODE = "megatron_kd"  # the ConfigStore name a recipe's defaults list starts with
-SECTIONS = ("model", "teacher", "parallel", "data", "kd", "train")
+SECTIONS = ("model", "teacher", "parallel", "data", "kd", "train", "quant")
 # Free-form sections of the schema (any TransformerConfig field, yarn_* without the prefix): open to new keys.
 OPEN_DICTS = ("megatron", "yarn")
 # What every recipe shares: Hydra's run directory runs/<recipe>, a sweep's runs/<recipe>_sweep/<N>, the working

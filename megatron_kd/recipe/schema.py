@@ -21,6 +21,10 @@ GATED_ACTIVATIONS = ("swiglu", "quick_geglu")     # gated MLPs (fc1 is 2 x ffn w
 # onto the schema's defaults, and a merge keeps a default over `???`; so a recipe's own `???` (a value the user
 # must give) survives composition only where the schema node holds `???` too (recipe/compose.py).
 RECIPE_SETS = {"recipe_sets": True}
+# quant.format: ModelOpt's fake-quantized formats (models/quant.py maps each to its config); w4a16_awq is int4_awq's
+# other name (4-bit weights, 16-bit activations)
+QUANT_FORMATS = ("none", "fp8", "int8", "int4_awq", "w4a16_awq", "w4a8_awq", "nvfp4")
+QUANT_CUDA_ONLY = ("nvfp4",)                      # ModelOpt fake-quantizes these on CUDA tensors only
 
 
 @dataclass
@@ -180,6 +184,14 @@ class TrainConfig:
 
 
 @dataclass
+class QuantConfig:
+    """The student quantized with NVIDIA ModelOpt (fake quantization: the weights stay in train.precision, each
+    linear layer's weights and inputs pass through quantizers) and then trained: QAT in kd=ce, QAD otherwise."""
+    format: str = "none"                         # none | fp8 | int8 | int4_awq | w4a16_awq | w4a8_awq | nvfp4 (GPU)
+    calib_samples: int = 64                      # training samples the quantizers are calibrated on (amax, AWQ)
+
+
+@dataclass
 class Recipe:
     model: ModelConfig = field(default_factory=ModelConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
@@ -187,6 +199,7 @@ class Recipe:
     data: DataConfig = field(default_factory=DataConfig)
     kd: KDConfig = field(default_factory=KDConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
 
 
 def _schema_error(e) -> RecipeError:

@@ -150,9 +150,42 @@ class Trainer:
 
     # --- the loop -------------------------------------------------------------------------------------------
 
+    def _quantize(self) -> None:
+        """quant.format: the student (its pretrained weights loaded) quantized by ModelOpt and calibrated on the
+        first quant.calib_samples training samples, forward only, through the same schedule as training (so
+        TP ranks calibrate together). A student restored quantized (resume, or quantized train.pretrained)
+        keeps its quantizers and their values."""
+        from ..models import quant
+        from ..models.builder import unwrap
+        r, t = self.r, self.r.train
+        model = unwrap(self.chunks[0])
+        done = getattr(model, quant.FORMAT_KEY, None) if quant.is_quantized(model) else None
+        if done is not None or r.quant.format == "none":
+            if done is not None and r.quant.format not in ("none", done):
+                raise RecipeError(f"quant.format={r.quant.format}: the student loaded from "
+                                  f"{self.load if ckpt.latest_iteration(self.load) is not None else t.pretrained}"
+                                  f" is already quantized as {done}; set quant.format={done} (or none)")
+            return
+        per_batch = t.global_batch_size
+        n = -(-min(r.quant.calib_samples, self.train_n) // per_batch) * per_batch
+        ce = KDStep(KDConfig(mode="ce", impl=r.kd.impl, chunk_size=r.kd.chunk_size), self.vocab,
+                    split_report=False, cp_group=self.step_fn.cp_group)
+
+        @torch.no_grad()
+        def forward_loop(_):
+            data = self._iterators(self.train_ds, n, 0)
+            for _ in range(n // per_batch):
+                forward_backward(ce, data, self.chunks, self.num_micro, r.data.seq_length, t.micro_batch_size,
+                                 forward_only=True)
+        t0 = time.perf_counter()
+        quant.quantize(model, r.quant.format, forward_loop)
+        self.notes.append(f"quantized the student as {r.quant.format} (ModelOpt: {len(quant.enabled_quantizers(model))}"
+                          f" quantizers), calibrated on {n} training samples in {time.perf_counter() - t0:.1f} s")
+
     def fit(self) -> dict:
         r, t = self.r, self.r.train
         start, consumed = self._resume()
+        self._quantize()
         rank0 = is_rank0()
         sink = Sink(self.save, t.iters, start, t.progress, t.tensorboard, rank0)
         for n in self.notes:

@@ -174,13 +174,13 @@ def _hydra_context(name: str, job_name: str | None = None):
     $MEGATRON_KD_RECIPES, or one of the package's recipes; the schema registered."""
     from hydra import initialize_config_dir, initialize_config_module
     register_schema()
+    kw = {"version_base": "1.3", **({"job_name": job_name} if job_name else {})}
     path = Path(name)
     if path.suffix in (".yaml", ".yml"):
-        return path.stem, initialize_config_dir(config_dir=str(path.parent.resolve()), version_base="1.3",
-                                                job_name=job_name)
+        return path.stem, initialize_config_dir(config_dir=str(path.parent.resolve()), **kw)
     if os.environ.get("MEGATRON_KD_RECIPES"):
-        return name, initialize_config_dir(config_dir=str(recipes_dir()), version_base="1.3", job_name=job_name)
-    return name, initialize_config_module(config_module=RECIPES_PACKAGE, version_base="1.3", job_name=job_name)
+        return name, initialize_config_dir(config_dir=str(recipes_dir()), **kw)
+    return name, initialize_config_module(config_module=RECIPES_PACKAGE, **kw)
 
 
 def sweep_jobs(name: str, overrides) -> list:

@@ -82,7 +82,7 @@ def test_a_corpus_too_small_for_the_split_is_refused_not_hung(corpus, tmp_path):
 
 
 def test_a_second_run_into_a_held_save_dir_is_locked_out(in_tmp):
-    from megatron_kd.training.guards import save_lock
+    from megatron_kd.training.safety import save_lock
     save = in_tmp / "held"
     os.makedirs(save)
     with save_lock(str(save)):

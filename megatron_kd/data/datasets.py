@@ -150,24 +150,30 @@ def split_shares(split: str) -> list:
     return [x / total for x in shares] + [0.0] * (3 - len(shares))
 
 
-def check_data(d: DataConfig) -> None:
-    """The data section against its files, before megatron-core reads them: data.path's shape and files, and a
-    data.split that leaves no split with a share empty (megatron-core counts epochs over a split of no document
-    without end)."""
+def check_data_path(d: DataConfig) -> list:
+    """data.path's shape, its files and its sources' names, before anything reads them; returns data_sources."""
     if d.kind != "indexed":
-        return
-    from megatron.core.datasets.blended_megatron_dataset_config import convert_split_vector_to_split_matrix
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-    shares = split_shares(d.split)
+        return []
+    split_shares(d.split)
     sources = data_sources(d.path)
     for _, p in sources:
         _check_prefix(p)
     names = [source_name(p) for _, p in sources]
-    if sources[0][0] is not None and len(set(names)) != len(names):
+    if sources and sources[0][0] is not None and len(set(names)) != len(names):
         raise RecipeError(f"data.path blends sources of one name ({', '.join(names)}): each source's cache is "
                           "kd.cache/<file name>; give the .bin/.idx files distinct names")
-    matrix = convert_split_vector_to_split_matrix(shares)
-    for _, p in sources:
+    return sources
+
+
+def check_data_split(d: DataConfig) -> None:
+    """A data.split that leaves no split with a share empty: megatron-core counts epochs over a split of no
+    document without end (also one no sample is asked of)."""
+    if d.kind != "indexed":
+        return
+    from megatron.core.datasets.blended_megatron_dataset_config import convert_split_vector_to_split_matrix
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    matrix = convert_split_vector_to_split_matrix(split_shares(d.split))
+    for _, p in data_sources(d.path):
         n = len(IndexedDataset(p, mmap=True).sequence_lengths)
         for name, bounds in zip(SPLIT_NAMES, matrix):
             if bounds is not None and int(round(bounds[1] * n)) - int(round(bounds[0] * n)) == 0:
@@ -228,7 +234,7 @@ def build_mixture(d: DataConfig, tokenizer, train_samples: int, valid_samples: i
     from megatron.core.datasets.gpt_dataset import GPTDataset
     sources = mixture_sources(d)
     names = [source_name(p) for _, p in sources]
-    weights = [w for w, _ in sources]  # checked (check_data): finite and > 0, distinct names
+    weights = [w for w, _ in sources]  # checked (check_data_path): finite and > 0, distinct names
     splits = []
     for _, prefix in sources:
         cfg = _config(d, tokenizer, _blend(prefix))

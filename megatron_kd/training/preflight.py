@@ -30,10 +30,9 @@ def check_corpus(d, tok) -> None:
     if d.kind != "indexed" or not d.path:
         return
     import json
-    from ..data.datasets import check_data, data_sources
-    check_data(d)  # data.path's shape and files, data.split's documents: before megatron-core reads them
+    from ..data.datasets import check_data_path, check_data_split
     total = 0
-    for _, p in data_sources(d.path):
+    for _, p in check_data_path(d):  # its shape and files, before anything reads them
         side = p + ".json"
         meta = {}
         if os.path.isfile(side):
@@ -57,6 +56,7 @@ def check_corpus(d, tok) -> None:
     if d.seq_length + 1 > total:
         raise RecipeError(f"data.seq_length={d.seq_length} is longer than the whole corpus ({total} tokens in "
                           f"data.path); lower data.seq_length below {total} or add data")
+    check_data_split(d)  # last: every split megatron-core builds holds a document
 
 
 def check_inputs(r, tok) -> None:

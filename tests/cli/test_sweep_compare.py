@@ -124,10 +124,11 @@ def test_a_sweep_run_that_would_rebuild_the_finished_cache_is_refused(sweep):
 
 
 def test_a_sweep_with_the_recipes_per_run_cache_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
-    """tiny_cpu's kd.cache is ${train.save}/teacher_cache: in a sweep, one cache per run. Every run says so in one
-    sentence and trains nothing."""
+    """tiny_cpu's kd.cache is ${train.save}/teacher_cache: in a sweep, one cache per run. The sweep is refused in
+    one sentence naming its first run before any run starts: nothing trained, no file written."""
     monkeypatch.chdir(tmp_path)
     assert train_cli.main(["-m", *BASE, "train.iters=1", "kd.divergence=forward_kl,jsd"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("megatron-kd train: error:")]
-    assert len(err) == 2 and all("lies in this sweep run's own directory" in e for e in err), err
-    assert not list(tmp_path.rglob("teacher_cache")) and not list(tmp_path.rglob("iter_*"))
+    assert len(err) == 1 and "sweep run 0 (kd.divergence=forward_kl)" in err[0], err
+    assert "lies in this sweep run's own directory" in err[0] and "no run of the sweep was started" in err[0]
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()], "a refused sweep wrote files"

@@ -430,8 +430,9 @@ def corpus(tmp_path_factory):
 
 
 def data_recipe(tmp_path, d, tok, *o):
+    # 40 documents: the default split (969,30,1) would leave the test split none, which preflight refuses
     return recipe(tmp_path / "s", "kd=ce", "data.kind=indexed", f"data.path={d / 'text'}", f"data.tokenizer={tok}",
-                  "data.vocab_size=null", *o)
+                  "data.vocab_size=null", "data.split='90,10,0'", *o)
 
 
 def test_data_of_another_tokenizer_is_refused(corpus, tmp_path):

@@ -1,6 +1,12 @@
 """`megatron-kd cache build|verify|inspect`: the offline teacher top-K cache from the command line.
 
-Teachers and datasets are named as `module:function` factories (called with the JSON --*-args as keyword
+The cache a recipe trains on: --recipe RECIPE and its Hydra overrides give both the teacher (teacher.load, or
+teacher.hf_path; --teacher-hf DIR sets it) and the samples (the run's training samples of data.path):
+
+    megatron-kd cache build --out CACHE --top-k 8 --recipe tiny_cpu --teacher-hf TEACHER_DIR \
+        data.kind=indexed data.path=PREFIX data.tokenizer=TEACHER_DIR data.vocab_size=null train.iters=4
+
+Otherwise teachers and datasets are named as `module:function` factories (called with the JSON --*-args as keyword
 arguments) so any model or data pipeline plugs in; `--teacher hf:DIR` loads a local transformers model and
 `--tokens FILE.npy` reads an int array [num_samples, seq_length + 1]. Under torchrun every rank runs the same
 command; the teacher factory sets up Megatron's model parallel groups itself.
@@ -29,8 +35,22 @@ def _json_arg(text: str, flag: str) -> dict:
     return value
 
 
+RECIPE_HINT = ("--recipe RECIPE data.kind=indexed data.path=PREFIX data.tokenizer=TOKENIZER (the samples a `megatron-kd "
+               "train` of that recipe reads; the recipe's teacher, or --teacher-hf DIR)")
+
+
+def _recipe_overrides(args) -> list:
+    return list(args.overrides) + ([f"teacher.hf_path={args.teacher_hf}"] if args.teacher_hf else [])
+
+
 def _teacher(args):
     from ..teacher.spec import make_teacher
+    if args.teacher is None:
+        from ..teacher.factories import recipe_teacher
+        try:
+            return recipe_teacher(args.recipe, _recipe_overrides(args))
+        except ValueError as e:
+            raise SystemExit(f"error: --recipe {args.recipe}: {e}") from None
     try:
         return make_teacher(args.teacher, _json_arg(args.teacher_args, "--teacher-args"))
     except ValueError as e:
@@ -53,7 +73,16 @@ def _dataset(args):
                              f"got shape {data.shape}")
         return data, args.dataset_id or f"npy:{file_sha256(args.tokens)[:16]}"
     if not args.dataset:
-        raise SystemExit("error: pass --tokens FILE.npy or --dataset module:function")
+        if args.recipe:
+            from ..teacher.factories import recipe_dataset
+            try:
+                return recipe_dataset(args.recipe, _recipe_overrides(args)), args.dataset_id
+            except ValueError as e:
+                raise SystemExit(f"error: --recipe {args.recipe}: {e}") from None
+        raise SystemExit(f"error: name the samples: {RECIPE_HINT}; or --tokens FILE.npy, or --dataset module:function")
+    if ":" not in args.dataset:  # a path, e.g. the prefix `data prepare` wrote
+        raise SystemExit(f"error: --dataset {args.dataset}: --dataset takes a `module:function` factory; for the "
+                         f"samples of a prepared corpus use {RECIPE_HINT.replace('PREFIX', args.dataset)}")
     return _factory(args.dataset)(**_json_arg(args.dataset_args, "--dataset-args")), args.dataset_id
 
 
@@ -63,6 +92,11 @@ def cmd_build(args) -> int:
 
 
 def _build(args) -> int:
+    if (args.overrides or args.teacher_hf) and not args.recipe:
+        raise SystemExit("error: KEY=VALUE overrides and --teacher-hf belong to a recipe: add --recipe RECIPE "
+                         "(e.g. tiny_cpu)")
+    if args.teacher is None and not args.recipe:
+        raise SystemExit(f"error: name the teacher: --teacher SPEC, or {RECIPE_HINT}")
     import torch
     from ..runtime.dist import init_process_group
     from ..teacher.build import build_cache
@@ -186,7 +220,12 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="run a teacher over a dataset and write (or resume) a cache")
     b.add_argument("--out", required=True, help="cache directory (a restart with the same command resumes it)")
-    b.add_argument("--teacher", required=True, help="module:function returning a teacher, or hf:MODEL_DIR")
+    b.add_argument("--recipe", help="a recipe (name or .yaml): its teacher and its run's training samples, with the "
+                                    "Hydra overrides given after the flags")
+    b.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="with --recipe: Hydra overrides of the recipe")
+    b.add_argument("--teacher-hf", metavar="DIR", help="with --recipe: a Hugging Face teacher folder (teacher.hf_path)")
+    b.add_argument("--teacher", help="module:function returning a teacher, hf:MODEL_DIR or mkd:SAVE_DIR (default: "
+                                     "the --recipe's teacher)")
     b.add_argument("--teacher-args", default="{}", help="JSON keyword arguments for the teacher factory")
     b.add_argument("--tokens", help=".npy int array [num_samples, seq_length + 1]")
     b.add_argument("--dataset", help="module:function returning a token dataset (len and [i])")

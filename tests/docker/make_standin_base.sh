@@ -28,7 +28,7 @@ mkdir -p "$ROOT$PY"
 tar -C "$PY" --exclude="./lib/python$VER/site-packages/*" -cf - . | tar -C "$ROOT$PY" -xf -
 python3 -m ensurepip --version > /dev/null
 mkdir -p "$ROOT/opt/wheels"
-python3 -m pip download --no-deps -q -d "$ROOT/opt/wheels" "setuptools>=68" wheel
+python3 -m pip download -q -d "$ROOT/opt/wheels" "setuptools>=68" wheel  # with their dependencies (packaging)
 python3 -m pip install -q --no-warn-script-location --root "$ROOT" --prefix "$PY" --no-compile --ignore-installed "pip==$(python3 -m pip --version | cut -d' ' -f2)" $(pins)
 # ensure the installed interpreter sees them and nothing of the host
 chroot "$ROOT" "$PY/bin/python3" -c "import torch, megatron.core, tokenizers, hydra, matplotlib; print('base ok', torch.__version__)"

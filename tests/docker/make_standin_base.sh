@@ -25,17 +25,16 @@ if [ ! -x "$ROOT/bin/bash" ]; then
 fi
 # CPython without its site-packages, at the same prefix (its libpython is found through that path)
 mkdir -p "$ROOT$PY"
-tar -C "$PY" --exclude="./lib/python$VER/site-packages/*" -cf - . | tar -C "$ROOT$PY" -xf -
-python3 -m ensurepip --version > /dev/null
+[ -x "$ROOT$PY/bin/python3" ] || tar -C "$PY" --exclude="./lib/python$VER/site-packages/*" -cf - . | tar -C "$ROOT$PY" -xf -
 mkdir -p "$ROOT/opt/wheels"
 python3 -m pip download -q -d "$ROOT/opt/wheels" "setuptools>=68" wheel  # with their dependencies (packaging)
-python3 -m pip install -q --no-warn-script-location --root "$ROOT" --prefix "$PY" --no-compile --ignore-installed "pip==$(python3 -m pip --version | cut -d' ' -f2)" $(pins)
-# ensure the installed interpreter sees them and nothing of the host
+[ -d "$ROOT$PY/lib/python$VER/site-packages/torch" ] || python3 -m pip install -q --no-warn-script-location --root "$ROOT" --prefix "$PY" --no-compile --ignore-installed "pip==$(python3 -m pip --version | cut -d' ' -f2)" $(pins)
+# the image's interpreter sees them (and nothing of this machine's)
 chroot "$ROOT" "$PY/bin/python3" -c "import torch, megatron.core, tokenizers, hydra, matplotlib; print('base ok', torch.__version__)"
 for x in python python3 pip pip3; do ln -sf "$PY/bin/$x" "$ROOT/usr/local/bin/$x"; done
 printf '[global]\nno-index = true\nfind-links = /opt/wheels\ndisable-pip-version-check = true\n' > "$ROOT/etc/pip.conf"
 rm -rf "$ROOT/var/cache/apt/archives/"*.deb "$ROOT/var/lib/apt/lists/"*
 tar -C "$ROOT" -c . | docker import \
-    -c "ENV PATH=/usr/local/bin:/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8" \
+    -c "ENV PATH=$PY/bin:/usr/local/bin:/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8" \
     -c 'CMD ["/bin/bash"]' - "$IMAGE"
 docker run --rm "$IMAGE" python -c "import sys, torch, megatron.core; print(sys.version.split()[0], torch.__version__, megatron.core.__version__)"

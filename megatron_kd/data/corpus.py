@@ -15,6 +15,7 @@ import os
 
 import numpy as np
 
+from ..cache.fsio import try_lock
 from ..cache.hashing import tokenizer_id
 from .tokenizer import TokenizerError, end_of_document, load
 
@@ -224,13 +225,9 @@ def outputs(prefix: str, tokenizer_out: str | None) -> list:
 @contextlib.contextmanager
 def _prefix_lock(prefix: str):
     """One `data prepare` per output prefix at a time: an flock the kernel drops when the process dies."""
-    import fcntl
     d, name = os.path.split(os.path.abspath(prefix))
-    fd = os.open(os.path.join(d, f".{name}.prepare.lock"), os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
+    fd = try_lock(os.path.join(d, f".{name}.prepare.lock"))
+    if fd is None:
         raise CorpusError(f"another data prepare is writing {prefix}; wait for it to finish, or choose another "
                           "--output-prefix") from None
     try:

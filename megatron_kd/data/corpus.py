@@ -243,6 +243,9 @@ def prepare(docs, prefix: str, *, tokenizer: str | None = None, vocab_size: int 
     Refuses to replace existing outputs unless overwrite, a second writer of the same prefix while one runs, and
     (with `split`) a corpus too small for that data.split. Everything is written beside under temporary names and
     moved into place at the end, the .json last: an interrupted run leaves the previous outputs as they were."""
+    if not os.path.basename(prefix) or os.path.isdir(prefix):
+        raise CorpusError(f"--output-prefix {prefix} is a folder; give a file prefix inside it, e.g. "
+                          f"{os.path.join(prefix, 'corpus')}")
     if prefix.endswith((".bin", ".idx")):
         raise CorpusError(f"--output-prefix {prefix}: give the prefix without .bin / .idx ({prefix[:-4]})")
     d = os.path.dirname(os.path.abspath(prefix))
@@ -254,7 +257,7 @@ def prepare(docs, prefix: str, *, tokenizer: str | None = None, vocab_size: int 
             raise FileExistsError(f"{', '.join(existing)} already exist; pass --overwrite to replace them, or "
                                   "choose another --output-prefix")
         if not docs:
-            raise CorpusError("no documents to tokenize (every input was empty)")
+            raise CorpusError("no documents to tokenize: every input is empty or whitespace; give files that hold text")
         if tokenizer:
             tok, f = load(tokenizer)  # refused before any work: a bad file or no end-of-document token
             end_of_document(tok, f, eod_token)

@@ -300,9 +300,19 @@ def test_an_interrupted_overwrite_leaves_the_previous_outputs(tmp_path, monkeypa
     assert sorted(os.listdir(tmp_path / "d")) == sorted([".a.prepare.lock", *(os.path.basename(p) for p in kept)])
 
 
-def test_an_output_prefix_with_an_extension_is_refused(tmp_path):
-    refused(*run("--input", jsonl(tmp_path / "a.jsonl"), "--output-prefix", tmp_path / "d/a.bin"),
-            "without .bin / .idx")
+def test_an_output_prefix_with_an_extension_or_a_folder_is_refused(tmp_path):
+    a = jsonl(tmp_path / "a.jsonl")
+    refused(*run("--input", a, "--output-prefix", tmp_path / "d/a.bin"), "without .bin / .idx")
+    refused(*run("--input", a, "--output-prefix", f"{tmp_path}/"), "is a folder", "corpus")
+    refused(*run("--input", a, "--output-prefix", tmp_path), "is a folder")
+    assert not os.path.exists(f"{tmp_path}/.bin") and not os.path.exists(tmp_path / "d")
+
+
+def test_empty_inputs_are_refused(tmp_path):
+    (tmp_path / "e.jsonl").write_text("\n\n")
+    (tmp_path / "e.txt").write_text("  \n")
+    refused(*run("--input", tmp_path / "e.jsonl", tmp_path / "e.txt", "--output-prefix", tmp_path / "d/e"),
+            "every input is empty")
 
 
 def test_prepared_corpus_counts_and_ids_are_consistent(tmp_path):

@@ -28,7 +28,8 @@ mkdir -p "$ROOT$PY"
 [ -x "$ROOT$PY/bin/python3" ] || tar -C "$PY" --exclude="./lib/python$VER/site-packages/*" -cf - . | tar -C "$ROOT$PY" -xf -
 mkdir -p "$ROOT/opt/wheels"
 python3 -m pip download -q -d "$ROOT/opt/wheels" "setuptools>=68" wheel  # with their dependencies (packaging)
-[ -d "$ROOT$PY/lib/python$VER/site-packages/torch" ] || python3 -m pip install -q --no-warn-script-location --root "$ROOT" --prefix "$PY" --no-compile --ignore-installed "pip==$(python3 -m pip --version | cut -d' ' -f2)" $(pins)
+mapfile -t PINS < <(pins)
+[ -d "$ROOT$PY/lib/python$VER/site-packages/torch" ] || python3 -m pip install -q --no-warn-script-location --root "$ROOT" --prefix "$PY" --no-compile --ignore-installed "pip==$(python3 -m pip --version | cut -d' ' -f2)" "${PINS[@]}"
 # the image's interpreter sees them (and nothing of this machine's)
 chroot "$ROOT" "$PY/bin/python3" -c "import torch, megatron.core, tokenizers, hydra, matplotlib; print('base ok', torch.__version__)"
 for x in python python3 pip pip3; do ln -sf "$PY/bin/$x" "$ROOT/usr/local/bin/$x"; done

@@ -5,11 +5,11 @@ mapped lazily, so opening a cache costs two JSON reads (manifest, settings), a s
 samples.idx (16 bytes per sample); every manifest field is cross-checked then (checks.manifest_problems). The
 reader pickles cheaply into DataLoader workers (maps are reopened there).
 """
-import math
 import os
 
 import numpy as np
 
+from ..rules import same_temperature, top_k_fits, vocab_problem
 from .checks import manifest_problems, rebuild_hint, shard_fix
 from .encoding import encoding_of
 from .errors import CacheError
@@ -206,22 +206,26 @@ class CacheReader:
                 f"dataset={self.manifest.get('dataset')!r}). Use the exact data settings of the cache build, "
                 "or rebuild the cache for this data.")
 
-    def check_compatible(self, *, vocab_size=None, top_k=None, temperature=None, seq_length=None) -> None:
-        """Raise if a student run with these settings cannot use this cache."""
+    def check_compatible(self, *, vocab_size=None, top_k=None, temperature=None, seq_length=None,
+                         keys: dict | None = None) -> None:
+        """Raise if a student run with these settings cannot use this cache. keys: the caller's name for each
+        manifest field (e.g. {"top_k": "kd.top_k"}), so the message names the key a user sets."""
+        keys = {"vocab_size": "vocabulary", "top_k": "top_k", "temperature": "temperature",
+                "seq_length": "seq_length", **(keys or {})}
         problems = []
-        if vocab_size is not None and int(vocab_size) != self.vocab_size:
-            problems.append(f"vocabulary: the teacher's is {self.vocab_size} ids, the student's is {vocab_size}; "
+        if vocab_size is not None and vocab_problem(self.vocab_size, vocab_size):
+            problems.append(f"{keys['vocab_size']}: the teacher's is {self.vocab_size} ids, the student's is {vocab_size}; "
                             "top-K ids only mean the same tokens under one tokenizer: use the teacher's tokenizer "
                             "and pass the unpadded vocabulary size")
-        if top_k is not None and int(top_k) > self.top_k:
-            problems.append(f"top_k: the run asks for K={top_k}, the cache stores K={self.top_k}; train with "
+        if top_k is not None and not top_k_fits(top_k, self.top_k):
+            problems.append(f"{keys['top_k']}: the run asks for K={top_k}, the cache stores K={self.top_k}; train with "
                             f"top_k <= {self.top_k} or rebuild with --top-k {top_k}")
-        if temperature is not None and not math.isclose(float(temperature), self.temperature, rel_tol=1e-6):
-            problems.append(f"temperature: the cache was captured at T={self.temperature}, the run uses "
+        if temperature is not None and not same_temperature(self.temperature, temperature):
+            problems.append(f"{keys['temperature']}: the cache was captured at T={self.temperature}, the run uses "
                             f"T={temperature}; set the distillation temperature to {self.temperature} or rebuild "
                             f"with --temperature {temperature}")
         if seq_length is not None and int(seq_length) != self.seq_length:
-            problems.append(f"seq_length: the cache rows have {self.seq_length} positions, the run uses "
+            problems.append(f"{keys['seq_length']}: the cache rows have {self.seq_length} positions, the run uses "
                             f"{seq_length}; use seq_length={self.seq_length} or rebuild the cache")
         if problems:
             raise CacheError(f"cache {self.path} does not fit this run:\n  " + "\n  ".join(problems))

@@ -16,6 +16,8 @@ import json
 import os
 import sys
 
+from ..rules import DEFAULT_TOP_K, cache_encoding, encoding_problem
+
 
 def _factory(spec: str):
     from ..teacher.spec import factory
@@ -62,7 +64,7 @@ def _teacher(args):
 def _dataset(args):
     if args.tokens:
         import numpy as np
-        from ..cache.hashing import file_sha256
+        from ..rules import file_sha256
         try:
             data = np.load(args.tokens, mmap_mode="r")
         except (OSError, ValueError) as e:
@@ -122,10 +124,11 @@ def _build(args) -> int:
 
 def _encoding_args(args):
     """(encoding, top_p, min_k) from --encoding / --top-p / --min-k: --top-p alone means the topp encoding."""
-    encoding = args.encoding or ("topp" if args.top_p is not None else "fp16")
-    if encoding == "topp" and args.top_p is None:
+    encoding = cache_encoding(args.encoding, args.top_p)
+    problem = encoding_problem(encoding, args.top_p, args.min_k)
+    if problem == "needs_top_p":
         raise SystemExit("error: --encoding topp keeps the fewest ids holding a mass P: add --top-p P (e.g. 0.999)")
-    if encoding != "topp" and (args.top_p is not None or args.min_k is not None):
+    if problem == "fixed_k":
         raise SystemExit(f"error: --top-p / --min-k need --encoding topp (the {encoding} encoding stores K ids at "
                          "every position); drop --encoding, or drop --top-p / --min-k")
     return encoding, args.top_p, args.min_k
@@ -230,7 +233,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--tokens", help=".npy int array [num_samples, seq_length + 1]")
     b.add_argument("--dataset", help="module:function returning a token dataset (len and [i])")
     b.add_argument("--dataset-args", default="{}", help="JSON keyword arguments for the dataset factory")
-    b.add_argument("--top-k", type=int, default=100)
+    b.add_argument("--top-k", type=int, default=DEFAULT_TOP_K)
     b.add_argument("--encoding", choices=["fp16", "compact", "topp"], default=None,
                    help="default fp16; topp when --top-p is given")
     b.add_argument("--top-p", type=float, default=None, metavar="P",

@@ -11,6 +11,7 @@ import os
 import torch
 
 from ..cache.hashing import tokenizer_id
+from ..recipe.checks import CACHE_FIELD_KEYS
 from ..recipe.schema import DataConfig, KDConfig, RecipeError, TrainConfig
 
 class FileTokenizer:
@@ -257,13 +258,9 @@ def check_cache(reader, kd: KDConfig, d: DataConfig, train_ds, vocab_size: int, 
     try:
         captured = kd.capture_temperature  # re-tempering
         reader.check_compatible(vocab_size=vocab_size, top_k=kd.top_k, temperature=captured,
-                                seq_length=d.seq_length)
+                                seq_length=d.seq_length, keys=CACHE_FIELD_KEYS)
     except CacheError as e:
-        msg = str(e).replace("top_k: the run", "kd.top_k: the run").replace("temperature: the cache",
-                                                                          "kd.temperature: the cache")
-        msg = msg.replace("seq_length: the cache", "data.seq_length: the cache").replace(
-            "vocabulary: the teacher", "data.tokenizer / data.vocab_size: the teacher")
-        raise RecipeError(f"kd.cache={kd.cache}: {msg}") from None
+        raise RecipeError(f"kd.cache={kd.cache}: {e}") from None
     if len(reader) < needed:
         raise RecipeError(f"kd.cache={kd.cache} holds {len(reader)} samples, the run needs {needed} "
                           "(train.iters x train.global_batch_size); lower train.iters or rebuild the cache with "

@@ -33,6 +33,7 @@ from ..data.datasets import build_datasets, dataset_id, load_tokenizer, samples_
 from ..recipe.checks import check_model, check_recipe, check_vocab
 from ..recipe.hf import resolve_hf
 from ..recipe.schema import Recipe, RecipeError
+from ..rules import DEFAULT_TOP_K
 from ..runtime.dist import distributed, is_rank0, use_cuda
 from ..runtime.features import release_memory
 from .megatron import cache_teacher
@@ -109,7 +110,7 @@ def _teacher_identity(teacher, teacher_id):
     return dict(teacher_id)
 
 
-def build_cache(teacher, dataset, out_dir, *, top_k: int = 100, encoding: str = "fp16", temperature: float = 1.0,
+def build_cache(teacher, dataset, out_dir, *, top_k: int = DEFAULT_TOP_K, encoding: str = "fp16", temperature: float = 1.0,
                 num_samples: int | None = None, samples_per_shard: int | None = None, micro_batch_size: int = 1,
                 chunk_size: int | None = None, teacher_id=None, tokenizer_id: str = "", dataset_id: str | None = None,
                 overwrite: bool = False, progress: bool = True, tp_group=None, dp_rank: int | None = None,

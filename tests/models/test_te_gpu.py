@@ -141,3 +141,24 @@ def test_fp8_trains_and_stays_near_bf16(mcore):
     b.pow(2).mean().backward()
     err = (a - b).abs().max().item() / a.abs().max().item()
     assert torch.isfinite(b).all() and 0 < err < 0.25, err  # FP8 differs from bf16, but not wildly
+
+
+def test_llama_te_spec_top_k_matches_sdpa_spec(mcore):
+    """What a cache built by a TE teacher shares with one built by an SDPA teacher of the same weights: the top-K
+    ids and their log-probs agree to bf16 rounding (both caches are valid; they are not byte-identical)."""
+    ref = _build(_llama("sdpa"), seq=256)
+    te = _build(_llama("te"), seq=256)
+    assert not _copy_by_shape(ref, te)
+    toks = torch.randint(0, 512, (2, 256), device="cuda")
+    with torch.no_grad():
+        la = torch.log_softmax(_logits(ref, toks), -1)
+        lb = torch.log_softmax(_logits(te, toks), -1)
+    k = 32
+    ia, ib = la.topk(k, -1).indices, lb.topk(k, -1).indices
+    top1 = (ia[..., 0] == ib[..., 0]).float().mean().item()
+    overlap = torch.tensor([len(set(x.tolist()) & set(y.tolist())) / k
+                            for x, y in zip(ia.reshape(-1, k), ib.reshape(-1, k))]).mean().item()
+    dlp = (la.gather(-1, ia) - lb.gather(-1, ia)).abs()
+    print(f"TE vs SDPA teacher, same weights: top-1 agreement {top1:.4f}, top-{k} id overlap {overlap:.4f}, "
+          f"log-prob |diff| mean {dlp.mean().item():.2e} max {dlp.max().item():.2e}")
+    assert top1 > 0.9 and overlap > 0.9 and dlp.max().item() < 0.1

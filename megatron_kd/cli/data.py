@@ -20,7 +20,7 @@ Nothing is downloaded. Existing outputs are kept unless --overwrite; one prepare
 import argparse
 import sys
 
-DEFAULT_SPLIT = "95,5,0"  # recipes/data/pydoc.yaml's, which the printed next step trains with
+DEFAULT_SPLIT = "95,5,0"  # megatron_kd/recipes/data/pydoc.yaml's, which the printed next step trains with
 
 
 def build_parser():

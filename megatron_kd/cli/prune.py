@@ -21,7 +21,8 @@ def main(argv=None) -> int:
     p.add_argument("--ffn-size", type=int, metavar="N", help="MLP width to keep in every layer")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     args = p.parse_args(argv)
-    from ..hf.prune import PruneError, prune
+    from ..errors import PruneError
+    from ..hf.prune import prune
     try:
         s = prune(args.hf, args.out, keep_layers=args.keep_layers, ffn_size=args.ffn_size, overwrite=args.overwrite)
     except PruneError as e:

@@ -16,8 +16,9 @@ import os
 import numpy as np
 
 from ..cache.fsio import try_lock
+from ..errors import CorpusError
 from ..cache.hashing import tokenizer_id
-from .tokenizer import TokenizerError, end_of_document, load
+from .tokenizer import end_of_document, load
 
 EOD = "<|endoftext|>"
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -26,9 +27,6 @@ TEXT_RULES = ("blank-line", "line", "file")
 FORMATS = ("JSONL (.jsonl/.json, one object per line), Parquet (.parquet), text (.txt/.md/.text), each of them "
            "optionally gzipped (.gz)")
 
-
-class CorpusError(ValueError):
-    pass
 
 
 def pydoc_documents() -> list:

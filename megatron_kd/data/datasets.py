@@ -18,7 +18,8 @@ class FileTokenizer:
     """A `tokenizers` JSON file, with the few attributes Megatron's GPTDataset reads (eod, pad, vocab_size)."""
 
     def __init__(self, path: str, eod_id: int | None = None):
-        from .tokenizer import TokenizerError, end_of_document, load
+        from ..errors import TokenizerError
+        from .tokenizer import end_of_document, load
         if not os.path.exists(path):
             raise RecipeError(f"data.tokenizer={path!r} does not exist; `megatron-kd data prepare` writes one "
                               "(PREFIX.tokenizer.json next to the .bin/.idx) and prints the path")

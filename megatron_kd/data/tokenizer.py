@@ -7,11 +7,10 @@ o200k end documents with <|endoftext|>, Llama 3 with <|end_of_text|>), else toke
 import json
 import os
 
+from ..errors import TokenizerError
+
 END_OF_DOCUMENT = ("<|endoftext|>", "<|end_of_text|>")
 
-
-class TokenizerError(ValueError):
-    pass
 
 
 def tokenizer_file(path: str) -> str:

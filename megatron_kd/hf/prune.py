@@ -13,12 +13,11 @@ import os
 import re
 import shutil
 
+from ..errors import PruneError
+
 LAYER = re.compile(r"^(model\.layers\.)(\d+)(\..*)$")
 INDEX = "model.safetensors.index.json"
 
-
-class PruneError(ValueError):
-    pass
 
 
 def _shards(src: str) -> list:

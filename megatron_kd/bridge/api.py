@@ -10,7 +10,8 @@ def open_cache(path: str):
 
 def check_cache_against_model(reader, kd: OfflineKDConfig, *, seq_length=None, vocab_size=None) -> None:
     """Fail before any work when the cache cannot serve this student: K, temperature, length, vocabulary."""
-    reader.check_compatible(top_k=kd.top_k, temperature=kd.capture_temperature, seq_length=seq_length)
+    reader.check_compatible(top_k=kd.top_k, temperature=kd.capture_temperature, seq_length=seq_length, tail=kd.tail,
+                            divergence=kd.divergence, train_temperature=kd.temperature)
     if vocab_size is not None and int(reader.vocab_size) > int(vocab_size):
         raise ValueError(f"kd.cache {kd.cache!r}: the teacher's vocabulary ({reader.vocab_size}) is "
                          f"larger than the student's ({vocab_size}); teacher and student must share a tokenizer")

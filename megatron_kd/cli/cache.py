@@ -67,11 +67,13 @@ def _build(args) -> int:
     from ..runtime.dist import init_process_group
     from ..teacher.build import build_cache
     encoding, top_p, min_k = _encoding_args(args)
+    top_k = _top_k_arg(args, encoding)
     init_process_group(torch.cuda.is_available(), launched_only=True)
     # the dataset's arguments first: loading a teacher is the slow part, and the one that may need a package
     dataset, dataset_id = _dataset(args)
     teacher = _teacher(args)
-    m = build_cache(teacher, dataset, args.out, top_k=args.top_k, encoding=encoding, top_p=top_p, min_k=min_k,
+    m = build_cache(teacher, dataset, args.out, top_k=top_k, encoding=encoding, top_p=top_p, min_k=min_k,
+                    samples=args.samples, sample_seed=args.sample_seed,
                     temperature=args.temperature, num_samples=args.num_samples,
                     samples_per_shard=args.samples_per_shard, micro_batch_size=args.micro_batch_size,
                     chunk_size=args.chunk_size, teacher_id=args.teacher_id, tokenizer_id=args.tokenizer_id,
@@ -81,20 +83,40 @@ def _build(args) -> int:
         written = sum(s["bytes"] for s in m["shards"]) / (m["num_samples"] * m["seq_length"])
         kept = (f" (top-P {m['top_p']}: {m['stats']['kept_sum'] / max(1, m['stats']['tokens']):.1f} ids kept per "
                 "position on average)" if m.get("top_p") is not None else "")
+        if m.get("samples") is not None:
+            kept = (f" ({m['samples']} draws per position: {m['stats']['kept_sum'] / max(1, m['stats']['tokens']):.1f} "
+                    "distinct ids on average)")
         print(f"cache complete: {args.out}: {m['num_samples']} samples x {m['seq_length']} positions x "
               f"K={m['top_k']}, {m['encoding']}, {written:.1f} bytes/token{kept}")
     return 0
 
 
 def _encoding_args(args):
-    """(encoding, top_p, min_k) from --encoding / --top-p / --min-k: --top-p alone means the topp encoding."""
-    encoding = args.encoding or ("topp" if args.top_p is not None else "fp16")
+    """(encoding, top_p, min_k) from --encoding / --top-p / --min-k / --samples: --top-p alone means the topp
+    encoding, --samples alone the sampled one."""
+    encoding = args.encoding or ("topp" if args.top_p is not None else "sampled" if args.samples is not None
+                                 else "fp16")
+    if encoding == "sampled" and args.samples is None:
+        raise SystemExit("error: --encoding sampled stores N draws per position: add --samples N (e.g. 16)")
+    if encoding != "sampled" and (args.samples is not None or args.sample_seed is not None):
+        raise SystemExit(f"error: --samples / --sample-seed need --encoding sampled (the {encoding} encoding stores "
+                         "the teacher's top ids, not draws); drop --encoding, or drop --samples / --sample-seed")
     if encoding == "topp" and args.top_p is None:
         raise SystemExit("error: --encoding topp keeps the fewest ids holding a mass P: add --top-p P (e.g. 0.999)")
     if encoding != "topp" and (args.top_p is not None or args.min_k is not None):
         raise SystemExit(f"error: --top-p / --min-k need --encoding topp (the {encoding} encoding stores K ids at "
                          "every position); drop --encoding, or drop --top-p / --min-k")
     return encoding, args.top_p, args.min_k
+
+
+def _top_k_arg(args, encoding):
+    """--top-k (default 100); a sampled cache holds at most --samples ids per position, so it takes no --top-k."""
+    if encoding == "sampled":
+        if args.top_k is not None:
+            raise SystemExit("error: --top-k does not apply to --samples (a sampled cache holds the distinct ids of N "
+                             "draws per position, at most N): drop --top-k")
+        return None
+    return 100 if args.top_k is None else args.top_k
 
 
 def cmd_verify(args) -> int:
@@ -113,7 +135,8 @@ def cmd_verify(args) -> int:
                   f"passes): run `megatron-kd cache verify {args.dir}` without --quick to checksum every shard")
         else:
             from ..cache.reader import load_manifest
-            extra = VARIABLE_CHECKS if load_manifest(args.dir).get("top_p") is not None else ""
+            from ..cache.encoding import encoding_of
+            extra = VARIABLE_CHECKS if encoding_of(load_manifest(args.dir)).variable else ""
             print(f"ok: {args.dir}: checked {FULL_CHECKS}{extra}")
     return 1 if problems else 0
 
@@ -143,6 +166,12 @@ def _fmt(info: dict) -> str:
 
 def _kept_lines(info: dict) -> list:
     out = []
+    if info.get("samples") is not None:
+        q = info["kept_k_quantiles"]
+        out += [f"sampled         N={info['samples']} draws per position (seed {info['sample_seed']}): distinct ids "
+                f"mean {info['kept_k_mean']:.2f}, p10/p50/p90/p99 {q['p10']}/{q['p50']}/{q['p90']}/{q['p99']} "
+                f"(bound: {info['bytes_per_token_max']:.2f} bytes/token); targets count/N, summing to 1",
+                "distinct hist.  " + " ".join(f"{k}:{v}" for k, v in info["kept_k_histogram"].items())]
     if info.get("top_p") is not None:
         q = info["kept_k_quantiles"]
         out += [f"top-P           P={info['top_p']}, min_k={info['min_k']}: kept ids per position mean "
@@ -191,9 +220,13 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--tokens", help=".npy int array [num_samples, seq_length + 1]")
     b.add_argument("--dataset", help="module:function returning a token dataset (len and [i])")
     b.add_argument("--dataset-args", default="{}", help="JSON keyword arguments for the dataset factory")
-    b.add_argument("--top-k", type=int, default=100)
-    b.add_argument("--encoding", choices=["fp16", "compact", "topp"], default=None,
-                   help="default fp16; topp when --top-p is given")
+    b.add_argument("--top-k", type=int, default=None, help="default 100")
+    b.add_argument("--encoding", choices=["fp16", "compact", "topp", "sampled"], default=None,
+                   help="default fp16; topp when --top-p is given, sampled when --samples is")
+    b.add_argument("--samples", type=int, default=None, metavar="N",
+                   help="N draws per position from the teacher's whole distribution at --temperature, stored as the "
+                        "distinct ids and their counts (encoding sampled: unbiased targets; docs/cache-format.md)")
+    b.add_argument("--sample-seed", type=int, default=None, help="with --samples: the draws' seed (default 0)")
     b.add_argument("--top-p", type=float, default=None, metavar="P",
                    help="keep per position the fewest ids (at most --top-k) whose teacher mass reaches P (encoding "
                         "topp); `cache inspect --top-p P` on a K cache previews the size")

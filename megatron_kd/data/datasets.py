@@ -259,10 +259,14 @@ def check_cache(reader, kd: KDConfig, d: DataConfig, train_ds, vocab_size: int, 
     try:
         captured = kd.capture_temperature  # re-tempering
         reader.check_compatible(vocab_size=vocab_size, top_k=kd.top_k, temperature=captured,
-                                seq_length=d.seq_length)
+                                seq_length=d.seq_length, tail=kd.tail, divergence=kd.divergence,
+                                train_temperature=kd.temperature)
     except CacheError as e:
         msg = str(e).replace("top_k: the run", "kd.top_k: the run").replace("temperature: the cache",
                                                                           "kd.temperature: the cache")
+        for key in ("tail", "divergence", "cache_temperature"):
+            msg = msg.replace(f"\n  {key}: ", f"\n  kd.{key}: ")
+        msg = msg.replace("\n  top_k: the run asks", "\n  kd.top_k: the run asks")
         msg = msg.replace("seq_length: the cache", "data.seq_length: the cache").replace(
             "vocabulary: the teacher", "data.tokenizer / data.vocab_size: the teacher")
         raise RecipeError(f"kd.cache={kd.cache}: {msg}") from None

@@ -8,7 +8,7 @@ On the recipe's 8B teacher (random weights, mock tokens, 32K positions per sampl
             bytes/token written, mean distinct ids per position, peak memory, every shard's sha256;
   layout    the first sampled N rebuilt with another micro-batch size and row chunk: its shards' sha256 must match.
 
-H200 (carry .whl-bridge; about 2 minutes):
+H200 (carry .whl-bridge, from ../shared/bridge/fetch_wheels.sh; about 2 minutes):
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-bridge/*.whl
   PYTHONPATH=/tmp/site:$PWD python3 benchmarks/sampled_cache_speed.py --out $OUT/sampled_cache_speed_h200.json
 CPU check of the script (times mean nothing): python benchmarks/sampled_cache_speed.py --tiny

@@ -109,7 +109,7 @@ def _check_kd(r: Recipe) -> None:
     """The kd section: mode, K, the teacher or cache it needs, the loss keys."""
     kd, p = r.kd, r.parallel
     _need(kd.mode in MODES, f"kd.mode={kd.mode!r}: use one of {MODES}")
-    if kd.mode == "online" or (kd.mode == "offline" and kd.build_cache):
+    if kd.mode == "online" or (kd.mode == "offline" and kd.build_cache and kd.cache_encoding != "sampled"):
         _need(kd.top_k is not None, f"kd.top_k=null takes a cache's K; kd.mode={kd.mode}"
               f"{' with kd.build_cache=true' if kd.mode == 'offline' else ''} computes the teacher's top-K itself: "
               "set kd.top_k (e.g. 100)")
@@ -136,6 +136,19 @@ def _check_cache_encoding(kd) -> None:
     from ..cache.encoding import ENCODINGS
     from ..cache.topp import check_top_p
     _need(kd.cache_encoding in ENCODINGS, f"kd.cache_encoding={kd.cache_encoding!r}: use one of {ENCODINGS}")
+    if kd.cache_encoding == "sampled":
+        from ..parallel.sample import check_draws
+        _need(kd.cache_samples is not None, "kd.cache_encoding=sampled stores N draws per position: set "
+              "kd.cache_samples (e.g. 16)")
+        problem = check_draws(kd.cache_samples)
+        _need(problem is None, f"kd.cache_{problem}" if problem else "")
+        _need(kd.top_k is None or kd.top_k == kd.cache_samples, f"kd.top_k={kd.top_k}: a sampled cache holds the "
+              f"distinct ids of its kd.cache_samples={kd.cache_samples} draws, all of them read: set kd.top_k=null "
+              f"or {kd.cache_samples}")
+    else:
+        _need(kd.cache_samples is None and kd.cache_sample_seed is None, f"kd.cache_samples / kd.cache_sample_seed "
+              f"need kd.cache_encoding=sampled (kd.cache_encoding={kd.cache_encoding} stores the teacher's top ids); "
+              "set kd.cache_encoding=sampled or drop them")
     if kd.cache_encoding == "topp":
         _need(kd.cache_top_p is not None, "kd.cache_encoding=topp keeps per position the fewest ids holding a mass "
               "P: set kd.cache_top_p (e.g. 0.999)")
@@ -406,6 +419,7 @@ def _inside(path: str, directory: str) -> bool:
 CACHE_BUILD_KEYS = {
     "top_k": ("kd.top_k", lambda r: r.kd.top_k),
     "encoding": ("kd.cache_encoding", lambda r: r.kd.cache_encoding),
+    "samples": ("kd.cache_samples", lambda r: r.kd.cache_samples),
     "temperature": ("kd.temperature", lambda r: float(r.kd.capture_temperature)),
     "seq_length": ("data.seq_length", lambda r: r.data.seq_length),
     "num_samples": ("train.iters x train.global_batch_size", lambda r: r.train.iters * r.train.global_batch_size),

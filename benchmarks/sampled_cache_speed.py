@@ -23,14 +23,13 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from teacher_pass import SHAPES  # noqa: E402  the recipes teacher_pass.py measures, and its CPU smoke shape
+from teacher_pass import SHAPES, measure_floor, median_time  # noqa: E402  teacher_pass.py's shapes and floor
 
 
 def run(a) -> dict:
     import numpy as np
     import torch
 
-    from megatron_kd.parallel.limits import rows_per_chunk
     from megatron_kd.parallel.sample import start_sample_from_hidden
     from megatron_kd.parallel.topk import topk_from_hidden
     from megatron_kd.recipe.compose import compose
@@ -54,41 +53,16 @@ def run(a) -> dict:
     res["teacher_init_s"] = time.perf_counter() - t0
     data = torch.from_numpy(np.random.default_rng(0).integers(0, vocab, size=(a.samples + 1, seq + 1)))
 
-    def timed(fn, reps):
-        fn()
-        sync()
-        out = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            fn()
-            sync()
-            out.append(time.perf_counter() - t)
-        return sorted(out)[len(out) // 2]
-
     tokens = data[0, :seq][None]
-    box = {}
-
-    def fwd():
-        box["out"] = teacher(tokens)
-
-    res["forward_s"] = timed(fwd, a.reps)
-    out = box.pop("out")
-    hidden = out.hidden.reshape(-1, out.hidden.shape[-1])
-    w = out.weight.to(hidden.dtype)
-    step = rows_per_chunk(w.shape[0])
-
-    def gemm():
-        for i in range(0, hidden.shape[0], step):
-            torch.mm(hidden[i:i + step], w.t())
-
-    res["output_gemm_s"] = timed(gemm, a.reps)
-    res["floor_s"] = res["forward_s"] + res["output_gemm_s"]
+    out, hidden, floor = measure_floor(teacher, tokens, a.reps)
+    res.update(floor)
+    timed = median_time
     res["topk_s"] = timed(lambda: topk_from_hidden(hidden, out.weight, k, None, None, 1.0, None, vocab), a.reps)
     sample = torch.zeros(hidden.shape[0], dtype=torch.int64)
     position = torch.arange(hidden.shape[0], dtype=torch.int64)
     res["sample_s"] = {str(n): timed(lambda n=n: start_sample_from_hidden(
         hidden, out.weight, n, sample, position, None, None, 1.0, None, vocab).result(), a.reps) for n in draws}
-    del out, hidden, w, box
+    del out, hidden
     if cuda:
         torch.cuda.empty_cache()
     ident = {"name": "bench", "config_hash": "0", "weights_hash": "0"}

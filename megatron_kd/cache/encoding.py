@@ -307,6 +307,8 @@ class TopPEncoding(CompactEncoding):
     def _read_ids(self, buf, start, stop):
         """(counts [S], stream starts, per-stream bit offsets [n_streams, S + 1], entry offsets [S + 1], counts of
         [start, stop), the row of each id, the ids ascending per row) after the size and structure checks."""
+        if buf.size < self.min_bytes:
+            raise self._corrupt(f"{buf.size} bytes, fewer than the smallest sample ({self.min_bytes})")
         counts = self.counts(buf)
         if counts.min() < 1 or counts.max() > self.k:
             raise self._corrupt(f"a per-position count outside [1, K={self.k}]")
@@ -373,8 +375,6 @@ class TopPEncoding(CompactEncoding):
         stop = self.seq if stop is None else stop
         n, k = stop - start, self.k
         buf = np.asarray(buf)
-        if buf.size < self.min_bytes:
-            raise self._corrupt(f"{buf.size} bytes, fewer than the smallest sample ({self.min_bytes})")
         counts, starts, begin, entry, c, rows, flat_ids = self._read_ids(buf, start, stop)
         log_mass = np.asarray(self.header.view(buf, "log_mass")[4 * start:4 * stop]).view(np.float32)
         rng16 = np.asarray(self.header.view(buf, "range")[2 * start:2 * stop]).view(np.float16)
@@ -480,8 +480,6 @@ class SampledEncoding(TopPEncoding):
         stop = self.seq if stop is None else stop
         n, N = stop - start, self.draws
         buf = np.asarray(buf)
-        if buf.size < self.min_bytes:
-            raise self._corrupt(f"{buf.size} bytes, fewer than the smallest sample ({self.min_bytes})")
         _, _, _, _, c, rows, flat_ids = self._read_ids(buf, start, stop)
         mult = unpack_bool(self.header.view(buf, "mult"), start * N, n * N).reshape(n, N)
         if not np.array_equal(mult.sum(axis=1), c) or (n and not mult[:, -1].all()):

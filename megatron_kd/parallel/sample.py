@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from .comm import all_reduce_max
-from .limits import rows_per_chunk, temperature_problem
-from .topk import _all_gather_cat
+from .limits import temperature_problem
+from .topk import _all_gather_cat, hidden_source, logits_source
 from .vocab import VocabShard
 
 WEIGHT_SCALE = 2.0 ** 32
@@ -180,26 +180,19 @@ def _setup(local_rows, draws, group, vocab_start_index, temperature, valid_vocab
 def start_sample(logits_shard, draws, sample, position, group=None, vocab_start_index=None, temperature=1.0,
                  valid_vocab_size=None, chunk_size=None, seed: int = 0) -> PendingSample:
     """Draws from logits_shard [n, V_local]; sample / position [n]: each row's sample index and position."""
-    if logits_shard.dim() != 2:
-        raise ValueError(f"logits_shard must be [N, V_local], got shape {tuple(logits_shard.shape)}")
-    shard, draws = _setup(logits_shard.shape[1], draws, group, vocab_start_index, temperature, valid_vocab_size)
-    step = max(1, int(chunk_size or rows_per_chunk(logits_shard.shape[1])))
-    return PendingSample(logits_shard.shape[0], lambda a, b: logits_shard[a:b], draws, shard, group, temperature,
-                         step, logits_shard.device, sample, position, seed)
+    n, rows, logits_of, step = logits_source(logits_shard, chunk_size)
+    shard, draws = _setup(rows, draws, group, vocab_start_index, temperature, valid_vocab_size)
+    return PendingSample(n, logits_of, draws, shard, group, temperature, step, logits_shard.device, sample, position,
+                         seed)
 
 
 def start_sample_from_hidden(hidden, weight_shard, draws, sample, position, group=None, chunk_size=None,
                              temperature=1.0, vocab_start_index=None, valid_vocab_size=None,
                              seed: int = 0) -> PendingSample:
     """start_sample of hidden [n, H] @ weight_shard[V_local, H].T, one [chunk, V_local] block at a time."""
-    if hidden.dim() != 2 or weight_shard.dim() != 2 or hidden.shape[1] != weight_shard.shape[1]:
-        raise ValueError(f"hidden must be [N, H] and weight_shard [V_local, H]; got {tuple(hidden.shape)} and "
-                         f"{tuple(weight_shard.shape)} (pass the output layer's weight, not its transpose)")
-    shard, draws = _setup(weight_shard.shape[0], draws, group, vocab_start_index, temperature, valid_vocab_size)
-    step = max(1, int(chunk_size or rows_per_chunk(weight_shard.shape[0])))
-    w = weight_shard.to(hidden.dtype)
-    return PendingSample(hidden.shape[0], lambda a, b: hidden[a:b] @ w.t(), draws, shard, group, temperature, step,
-                         hidden.device, sample, position, seed)
+    n, rows, logits_of, step = hidden_source(hidden, weight_shard, chunk_size)
+    shard, draws = _setup(rows, draws, group, vocab_start_index, temperature, valid_vocab_size)
+    return PendingSample(n, logits_of, draws, shard, group, temperature, step, hidden.device, sample, position, seed)
 
 
 def vocab_parallel_sample(logits_shard, draws, sample, position, group=None, vocab_start_index=None,

@@ -22,6 +22,9 @@ def usage() -> str:
 
 
 def main(argv=None) -> int:
+    if argv is None:  # the real command line (not a call from Python): torch's cuDNN first where TE could clash
+        from ..runtime.te_compat import reexec_with_torch_cudnn
+        reexec_with_torch_cudnn()
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())

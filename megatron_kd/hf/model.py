@@ -64,9 +64,10 @@ def activation_name(act: str, gated: bool) -> str:
 
 def te_layer_spec(config, vp_stage=None):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-    return get_gpt_layer_with_transformer_engine_spec(num_experts=config.num_moe_experts,
-                                                      moe_grouped_gemm=config.moe_grouped_gemm,
-                                                      qk_layernorm=config.qk_layernorm)
+    from ..runtime.te_compat import fix_te_moe_spec
+    return fix_te_moe_spec(get_gpt_layer_with_transformer_engine_spec(num_experts=config.num_moe_experts,
+                                                                      moe_grouped_gemm=config.moe_grouped_gemm,
+                                                                      qk_layernorm=config.qk_layernorm))
 
 
 class HFModel:
@@ -161,6 +162,7 @@ class HFModel:
         checkpoint's weights (load_weights=False: randomly initialized, e.g. before loading a Megatron save).
         Returns (chunks, provider); the provider is the chunks' TransformerConfig."""
         from megatron.core import parallel_state as ps
+        from ..runtime.te_compat import build_with_te_wgrad_fusion
         prov = self.provider(parallel, **provider_kw)
         prov.perform_initialization = not load_weights
         chunks = []
@@ -169,7 +171,8 @@ class HFModel:
             stage = vp if vpp else None
             first = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
             last = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
-            m = prov.provide(pre_process=first, post_process=last, vp_stage=stage)
+            m = build_with_te_wgrad_fusion(prov, lambda: prov.provide(pre_process=first, post_process=last,
+                                                                       vp_stage=stage))
             exact.fix_model(m, self.exact)
             if stage is not None:
                 m.vp_stage = stage

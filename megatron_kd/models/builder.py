@@ -58,6 +58,8 @@ def transformer_config(m: ModelConfig, p: ParallelConfig, precision: str = "fp32
         masked_softmax_fusion=False,
         persist_layer_norm=False,
     )
+    if m.fp8:  # TE's FP8 for the transformer layers; the output layer and the fused loss stay in bf16
+        kw.update(fp8=m.fp8, fp8_recipe=m.fp8_recipe)
     from . import gpt_oss  # gpt-oss: sinks, window, clamped GLU, YaRN
     kw.update(gpt_oss.config_kwargs(m))
     kw.update(m.megatron or {})
@@ -80,9 +82,10 @@ def layer_spec(m: ModelConfig):
                                                           get_gpt_layer_with_transformer_engine_spec)
     backend = _backend(m)
     if backend == "te":
-        return get_gpt_layer_with_transformer_engine_spec(num_experts=m.num_moe_experts,
-                                                          moe_grouped_gemm=m.moe_grouped_gemm,
-                                                          qk_layernorm=m.qk_layernorm)
+        from ..runtime.te_compat import fix_te_moe_spec
+        return fix_te_moe_spec(get_gpt_layer_with_transformer_engine_spec(num_experts=m.num_moe_experts,
+                                                                          moe_grouped_gemm=m.moe_grouped_gemm,
+                                                                          qk_layernorm=m.qk_layernorm))
     spec = get_gpt_layer_local_spec(num_experts=m.num_moe_experts, moe_grouped_gemm=m.moe_grouped_gemm,
                                     qk_layernorm=m.qk_layernorm, normalization=m.normalization)
     if backend == "sdpa":
@@ -99,12 +102,13 @@ def build_gpt(m: ModelConfig, p: ParallelConfig, vocab_size: int, seq_length: in
     """One GPTModel chunk (on the current device). vocab_size is the tokenizer's; Megatron pads it."""
     from megatron.core.models.gpt.gpt_model import GPTModel
     config = config or transformer_config(m, p, precision)
+    from ..runtime.te_compat import build_with_te_wgrad_fusion
     kw = {} if vp_stage is None else {"vp_stage": vp_stage}
-    model = GPTModel(
+    model = build_with_te_wgrad_fusion(config, lambda: GPTModel(
         config, layer_spec(m), vocab_size=padded_vocab_size(vocab_size, m, p.tp), max_sequence_length=seq_length,
         pre_process=pre_process, post_process=post_process, parallel_output=True,
         share_embeddings_and_output_weights=m.tie_embeddings, position_embedding_type=m.position_embedding_type,
-        rotary_percent=m.rotary_percent, rotary_base=m.rotary_base, **rope_scaling_kwargs(m), **kw)
+        rotary_percent=m.rotary_percent, rotary_base=m.rotary_base, **rope_scaling_kwargs(m), **kw))
     set_rope_scaling(model, m)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())

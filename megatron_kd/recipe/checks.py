@@ -7,12 +7,13 @@ import math
 import os
 from dataclasses import fields
 
+import torch
 import torch.distributed as dist
 
 from ..kernels import fused_unavailable
 from ..runtime.features import apex_available, te_available
 from .resume_keys import resume_keys_all
-from .schema import ATTENTION_BACKENDS, MODES, PRECISIONS, ModelConfig, Recipe, RecipeError
+from .schema import ATTENTION_BACKENDS, FP8_FORMATS, FP8_RECIPES, MODES, PRECISIONS, ModelConfig, Recipe, RecipeError
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -45,6 +46,7 @@ def check_model(m: ModelConfig, section: str, tp: int) -> None:
     _need(m.attention_backend in ATTENTION_BACKENDS,
           f"{section}.attention_backend={m.attention_backend!r}: use one of {ATTENTION_BACKENDS}")
     _need(m.make_vocab_size_divisible_by >= 1, f"{section}.make_vocab_size_divisible_by must be >= 1")
+    check_fp8(m, section)
     if m.hf_path:  # the directory here; Bridge, architecture and layout in recipe.hf.resolve
         from ..hf import check_hf_dir
         check_hf_dir(m.hf_path, f"{section}.hf_path")
@@ -54,6 +56,23 @@ def check_model(m: ModelConfig, section: str, tp: int) -> None:
         bad = sorted(set(m.megatron) - known)
         _need(not bad, f"unknown recipe key(s) {', '.join(f'{section}.megatron.{k}' for k in bad)}: "
               f"{section}.megatron passes fields to Megatron's TransformerConfig, which has no such field")
+
+
+def check_fp8(m: ModelConfig, section: str) -> None:
+    """FP8 runs in Transformer Engine's layers only, and each scaling recipe on the GPUs that have it."""
+    if m.fp8 is None:
+        return
+    _need(m.fp8 in FP8_FORMATS, f"{section}.fp8={m.fp8!r}: use one of {FP8_FORMATS} (or null for bf16)")
+    _need(m.fp8_recipe in FP8_RECIPES, f"{section}.fp8_recipe={m.fp8_recipe!r}: use one of {FP8_RECIPES}")
+    _need(m.attention_backend in ("te", "auto"), f"{section}.fp8={m.fp8} runs in Transformer Engine's layers but "
+          f"{section}.attention_backend={m.attention_backend}; set {section}.attention_backend=te (or auto), or "
+          f"{section}.fp8=null")
+    _need(te_available(), f"{section}.fp8={m.fp8} needs Transformer Engine on a GPU, which does not import here; "
+          f"set {section}.fp8=null (bf16), or run in a container with TE (NeMo / Megatron-Bridge)")
+    if m.fp8_recipe == "mxfp8":
+        major = torch.cuda.get_device_capability()[0]
+        _need(major >= 10, f"{section}.fp8_recipe=mxfp8 needs a Blackwell GPU (compute capability 10+; this one "
+              f"is {major}.x); use {section}.fp8_recipe=tensorwise, delayed or blockwise")
 
 
 def padded_vocab_size(vocab_size: int, m: ModelConfig, tp: int) -> int:

@@ -11,6 +11,8 @@ from ..loss.options import KDLoss
 
 MODES = ("offline", "online", "ce")
 ATTENTION_BACKENDS = ("auto", "te", "sdpa", "local")
+FP8_FORMATS = ("hybrid", "e4m3")
+FP8_RECIPES = ("tensorwise", "delayed", "blockwise", "mxfp8")
 PRECISIONS = ("fp32", "bf16", "fp16")
 GATED_ACTIVATIONS = ("swiglu", "quick_geglu")     # gated MLPs (fc1 is 2 x ffn wide); quick_geglu: GPT-OSS
 
@@ -51,6 +53,10 @@ class ModelConfig:
     moe_ffn_hidden_size: Optional[int] = None
     moe_grouped_gemm: bool = False
     attention_backend: str = "auto"              # auto (TE if importable, else sdpa) | te | sdpa | local
+    # FP8 of Transformer Engine's layers (needs the TE backend): null (off) | hybrid (e4m3 forward, e5m2 gradients)
+    # | e4m3. The embedding, the output layer and the fused KD loss stay in bf16.
+    fp8: Optional[str] = None
+    fp8_recipe: str = "tensorwise"               # Hopper: tensorwise (current scaling) | delayed | blockwise
     recompute_granularity: Optional[str] = None  # null | full | selective
     recompute_method: Optional[str] = None       # uniform | block (with full)
     recompute_num_layers: Optional[int] = None

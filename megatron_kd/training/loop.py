@@ -95,6 +95,10 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, t)
         set_model_hooks(self.config, self.chunks, self.optimizer)
         self.teacher = self._online_teacher() if r.kd.mode == "online" else None
+        if cuda:  # every library has loaded by now: a second cuDNN would slow attention with no word of its own
+            from ..runtime.te_compat import cudnn_clash
+            clash = cudnn_clash()
+            self.notes += [clash] if clash else []
         cp_group = ps.get_context_parallel_group()
         self.step_fn = KDStep(r.kd, self.vocab, self.teacher, split_report=r.kd.log_ce, cp_group=cp_group)
         eval_kd = r.kd if r.kd.mode == "online" else KDConfig(mode="ce", impl=r.kd.impl, chunk_size=r.kd.chunk_size)

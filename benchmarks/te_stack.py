@@ -1,0 +1,198 @@
+"""The users' stack on one GPU: Transformer Engine importable, as in NeMo / Megatron-Bridge containers, beside the
+SDPA path without TE, all in one call; each arm a `megatron-kd train` process of the real CLI.
+
+Parts (--parts picks; each writes into one JSON, rewritten after every arm so a cut run keeps what finished):
+  user    the 32K user path, recipe llama31_8b_to_3b_32k_1xh200 (mock data, lean_adam, 12 of 28 layers recomputed,
+          4 iterations), NO override of the backend or fusions:
+            sdpa_no_te      TE not importable (its folder off PYTHONPATH): auto -> SDPA; builds the cache (SDPA teacher)
+            te_bf16         TE importable: auto -> TE's spec for teacher and student; builds a second cache (TE teacher)
+            te_fp8          TE, model.fp8=hybrid model.fp8_recipe=tensorwise, on the first cache
+            sdpa_te_user    TE importable, model.attention_backend=sdpa, torch's cuDNN NOT first on LD_LIBRARY_PATH
+                            (what a pip install of TE gives): megatron-kd's restart puts it first
+            sdpa_te_clash   the same with the restart turned off (MEGATRON_KD_NO_CUDNN_REEXEC=1): the clash and
+                            the run's warning, for the record
+          then the two caches compared position by position (top-1 agreement, id overlap, log-prob differences).
+  gptoss  GPT-OSS-20B's architecture cut to 4 layers at 32K under TE with the recipe's expert setting
+          (moe_grouped_gemm=false, sequential experts), and with grouped experts, offline KD from a 2-layer teacher.
+  fp8     a 1.1B student trained 200 steps on real text (pydoc, --data PREFIX) with CE, bf16 vs FP8 (TE both),
+          held-out loss every 25 steps; a PNG of both curves.
+
+  source .whlte/device_install.sh && python3 benchmarks/te_stack.py --te-site /tmp/te_site --data .te_data/pydoc_text_document \
+      --out $OUT/te_stack_h200.json
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from long_context import cli, env_info, last, out_write, step_times  # noqa: E402
+
+RECIPE = "llama31_8b_to_3b_32k_1xh200"
+QUIET = ["train.eval_iters=0", "train.eval_interval=null", "train.save_interval=null", "train.save_at_end=false",
+         "train.log_interval=1", "train.progress=true", "train.tensorboard=false"]
+
+
+def envs(te_site):
+    """{name: environment}: TE importable or not; torch's cuDNN first on LD_LIBRARY_PATH or not."""
+    base = dict(os.environ)
+    path = [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p]
+    no_te = dict(base, PYTHONPATH=os.pathsep.join(p for p in path if os.path.abspath(p) != os.path.abspath(te_site)))
+    ld = [p for p in base.get("LD_LIBRARY_PATH", "").split(":") if p]
+    user = dict(base, LD_LIBRARY_PATH=":".join(p for p in ld if "nvidia/cudnn" not in p))
+    user.pop("MEGATRON_KD_NO_CUDNN_REEXEC", None)
+    return {"no_te": no_te, "te": base, "te_user": user, "te_clash": dict(user, MEGATRON_KD_NO_CUDNN_REEXEC="1")}
+
+
+def run_arm(name, args, env, a, out, deadline):
+    save = os.path.join(a.scratch, name)
+    args = [*args, f"train.save={save}", f"hydra.run.dir={save}"]
+    r = out["arms"][name] = {"command": "megatron-kd train " + " ".join(args)}
+    print(f"[{name}] {r['command']}", flush=True)
+    log = os.path.join(a.scratch, f"{name}.log")
+    old = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        rc, dt = cli(["train", *args], log, min(a.arm_s, deadline - time.time()))
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    text = open(log, errors="replace").read()
+    sp = os.path.join(save, "summary.json")
+    s = json.load(open(sp)) if os.path.exists(sp) else {}
+    r.update(rc=rc, wall_s=round(dt, 1), peak_gib=s.get("peak_mem_gib"), tflops=s.get("tflops_per_gpu"),
+             tokens_per_s=s.get("tokens_per_s"), step_s=s.get("step_s"), step_s_all=step_times(save), loss=s.get("loss"),
+             cache_build_tokens_per_s=last(r"([\d,]+) tokens/s \(all ranks\)", text),
+             notes=[ln for ln in text.splitlines() if ln.startswith("note:")][:8],
+             summary_line=next((ln for ln in text.splitlines() if ln.startswith("megatron-kd train: ")), None))
+    evals = []
+    mp = os.path.join(save, "metrics.jsonl")
+    if os.path.exists(mp):
+        for line in open(mp):
+            rec = json.loads(line)
+            if rec.get("kind") in ("eval", "valid"):
+                evals.append(rec)
+        r["train_loss"] = [json.loads(line).get("loss") for line in open(mp) if '"kind": "train"' in line]
+    r["evals"] = evals
+    if rc != 0:
+        r["error_tail"] = text[-3000:]
+    out_write(a.out, out)
+    print(f"[{name}] rc={rc} {dt:.0f}s: {r['summary_line']} peak {r['peak_gib']}", flush=True)
+    for n in r["notes"]:
+        print(f"[{name}]   {n[:300]}", flush=True)
+    return r
+
+
+def compare_caches(a, b):
+    """Position-by-position comparison of two top-K caches of the same samples."""
+    import numpy as np
+    from megatron_kd.cache.reader import CacheReader
+    ra, rb = CacheReader(a), CacheReader(b)
+    top1, overlap, dlp, kl = [], [], [], []
+    for i in range(min(len(ra), len(rb))):
+        x, y = ra.read(i), rb.read(i)
+        ia, ib, la, lb = x["topk_ids"], y["topk_ids"], x["topk_logprobs"], y["topk_logprobs"]
+        top1.append(float((ia[:, 0] == ib[:, 0]).mean()))
+        for p in range(0, ia.shape[0], 256):  # every 256th position: enough for the statistics, fast
+            sa, sb = dict(zip(ia[p].tolist(), la[p].tolist())), dict(zip(ib[p].tolist(), lb[p].tolist()))
+            common = set(sa) & set(sb)
+            overlap.append(len(common) / max(len(sa), 1))
+            dlp += [abs(sa[k] - sb[k]) for k in common]
+            kl.append(sum(np.exp(sa[k]) * (sa[k] - sb[k]) for k in common))
+    return dict(samples=min(len(ra), len(rb)), top1_agreement=statistics.mean(top1),
+                id_overlap_mean=statistics.mean(overlap), id_overlap_min=min(overlap),
+                logprob_absdiff_mean=float(np.mean(dlp)), logprob_absdiff_p99=float(np.percentile(dlp, 99)),
+                logprob_absdiff_max=float(np.max(dlp)), kl_on_common_ids_mean=float(np.mean(kl)),
+                teacher_a=ra.manifest.get("teacher"), teacher_b=rb.manifest.get("teacher"))
+
+
+def part_user(a, out, E, deadline):
+    c1, c2 = os.path.join(a.scratch, "cache_sdpa"), os.path.join(a.scratch, "cache_te")
+    base = ["--config-name", RECIPE, "data.kind=mock", "data.path=null", "train.iters=4", "train.global_batch_size=1",
+            "train.lr_warmup_iters=0", "train.optimizer=lean_adam", "model.recompute_num_layers=12", *QUIET]
+    run_arm("sdpa_no_te", [*base, "kd.build_cache=true", f"kd.cache={c1}"], E["no_te"], a, out, deadline)
+    run_arm("te_bf16", [*base, "kd.build_cache=true", f"kd.cache={c2}"], E["te"], a, out, deadline)
+    run_arm("te_fp8", [*base, f"kd.cache={c1}", "model.fp8=hybrid", "model.fp8_recipe=tensorwise"], E["te"], a,
+            out, deadline)
+    sdpa = [*base, f"kd.cache={c1}", "model.attention_backend=sdpa"]
+    run_arm("sdpa_te_user", sdpa, E["te_user"], a, out, deadline)
+    if os.path.isdir(c1) and os.path.isdir(c2):
+        try:
+            out["cache_te_vs_sdpa"] = compare_caches(c1, c2)
+        except Exception as e:  # noqa: BLE001
+            out["cache_te_vs_sdpa"] = {"error": repr(e)}
+        print("cache TE vs SDPA teacher:", out["cache_te_vs_sdpa"], flush=True)
+    shutil.rmtree(c2, ignore_errors=True)
+    if a.clash_arm:
+        run_arm("sdpa_te_clash", sdpa, E["te_clash"], a, out, deadline)
+    arms = out["arms"]
+    ref = (arms.get("sdpa_no_te") or {}).get("tflops")
+    for k in ("te_bf16", "te_fp8", "sdpa_te_user", "sdpa_te_clash"):
+        t = (arms.get(k) or {}).get("tflops")
+        if ref and t:
+            arms[k]["tflops_over_sdpa_no_te"] = round(t / ref, 4)
+    out_write(a.out, out)
+
+
+def part_gptoss(a, out, E, deadline):
+    cache = os.path.join(a.scratch, "cache_gptoss")
+    base = ["--config-name", "gpt_oss_20b_32k_8xh200", "parallel.ep=1", "parallel.tp=1", "parallel.cp=1",
+            "parallel.overlap_grad_reduce=false", "parallel.overlap_param_gather=false", "data.num_workers=0",
+            "model.num_layers=4",
+            "teacher.num_layers=2", "teacher.num_moe_experts=32", "data.kind=mock", "data.path=null",
+            "train.iters=4", "train.global_batch_size=1", "train.micro_batch_size=1", "train.lr_warmup_iters=0",
+            "model.recompute_granularity=null", "model.recompute_method=null", "model.recompute_num_layers=null",
+            *QUIET]
+    run_arm("gptoss_te_sequential", [*base, "kd.build_cache=true", f"kd.cache={cache}"], E["te"], a, out, deadline)
+    run_arm("gptoss_te_grouped", [*base, f"kd.cache={cache}", "model.moe_grouped_gemm=true"], E["te"], a, out,
+            deadline)
+    run_arm("gptoss_sdpa_no_te", [*base, f"kd.cache={cache}"], E["no_te"], a, out, deadline)
+    shutil.rmtree(cache, ignore_errors=True)
+
+
+def part_fp8(a, out, E, deadline):
+    shape = ["model.num_layers=20", "model.hidden_size=2048", "model.num_attention_heads=16",
+             "model.num_query_groups=8", "model.kv_channels=128", "model.ffn_hidden_size=5632",
+             "model.tie_embeddings=false", "model.rope_scaling=false",
+             "model.recompute_granularity=null", "model.recompute_method=null", "model.recompute_num_layers=null"]
+    tok = os.path.join(os.path.dirname(a.data), "tokenizer.json")
+    base = ["--config-name", RECIPE, "kd=ce", "data=pydoc", f"data.path={a.data}", f"data.tokenizer={tok}",
+            "data.seq_length=2048", "train.iters=200", "train.global_batch_size=8", "train.micro_batch_size=4", "train.lr=3e-4", "train.min_lr=3e-5",
+            "train.lr_warmup_iters=20", "train.optimizer=adam", "train.eval_interval=25", "train.eval_iters=4",
+            "train.save_interval=null", "train.save_at_end=false", "train.log_interval=1", "train.progress=false",
+            "train.tensorboard=false", *shape]
+    run_arm("fp8_curve_bf16", base, E["te"], a, out, deadline)
+    run_arm("fp8_curve_fp8", [*base, "model.fp8=hybrid", "model.fp8_recipe=tensorwise"], E["te"], a, out, deadline)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--te-site", required=True, help="the folder TE is installed in (taken off PYTHONPATH for no-TE)")
+    ap.add_argument("--data", default=".te_data/pydoc_text_document", help="indexed text for the fp8 part")
+    ap.add_argument("--parts", nargs="+", default=["user", "gptoss", "fp8"], choices=["user", "gptoss", "fp8"])
+    ap.add_argument("--budget-s", type=float, default=560)
+    ap.add_argument("--arm-s", type=float, default=150, help="cut one arm at this many seconds")
+    ap.add_argument("--clash-arm", action="store_true", help="also the arm with the cuDNN restart turned off")
+    ap.add_argument("--scratch", default=None)
+    a = ap.parse_args()
+    a.scratch = a.scratch or tempfile.mkdtemp(prefix="te_stack_")
+    deadline = time.time() + a.budget_s
+    out = json.load(open(a.out)) if os.path.exists(a.out) else {"arms": {}}
+    out["env"] = env_info()
+    E = envs(a.te_site)
+    for part in a.parts:
+        {"user": part_user, "gptoss": part_gptoss, "fp8": part_fp8}[part](a, out, E, deadline)
+    out_write(a.out, out)
+    shutil.rmtree(a.scratch, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

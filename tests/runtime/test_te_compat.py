@@ -1,0 +1,130 @@
+"""Transformer Engine beside megatron-core's own layers (megatron_kd/runtime/te_compat.py), on CPU:
+- the weight-gradient fusion flag on a model whose megatron-core linears cannot fuse (no apex): the build succeeds,
+  exactly those linears run unfused, and the model computes what the same model without the flag computes;
+- the cuDNN clash: two cuDNN directories in a process's maps are named with the fix; one is no clash;
+- the restart that puts torch's cuDNN first: the command line and environment it restarts with, and never twice.
+The TE side (TE's linears keeping the fusion, sequential experts under TE's spec, FP8): tests/models/test_te_gpu.py."""
+import os
+
+import pytest
+import torch
+
+from dist_utils import run_ranks
+
+from megatron_kd.runtime import te_compat
+
+
+def _config(**kw):
+    from megatron_kd.recipe.schema import ModelConfig
+    return ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
+                       attention_backend="sdpa", **kw)
+
+
+def _worker(rank, world, out):
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron_kd.models.builder import build_gpt
+    from megatron_kd.recipe.schema import ParallelConfig
+    from megatron_kd.runtime.cpu_patches import apply_cpu_patches
+    apply_cpu_patches()
+    ps.initialize_model_parallel()
+    from megatron.core import tensor_parallel
+    res = {"apex": te_compat.apex_wgrad_available()}
+    toks = torch.randint(0, 64, (2, 16))
+    pos = torch.arange(16).expand(2, 16)
+    outs = {}
+    for name, extra in (("plain", {}), ("fused_flag", {"gradient_accumulation_fusion": True})):
+        tensor_parallel.model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
+        torch.manual_seed(0)
+        m = build_gpt(_config(megatron=extra), ParallelConfig(), 64, 16, "fp32")
+        assert m.config.gradient_accumulation_fusion == bool(extra)
+        linears = [x for x in m.modules() if isinstance(x, (ColumnParallelLinear, RowParallelLinear))]
+        res[name + "_linears"] = len(linears)
+        res[name + "_still_fused"] = sum(x.gradient_accumulation_fusion for x in linears)
+        logits = m(toks, pos, None)
+        logits.float().pow(2).mean().backward()
+        outs[name] = (logits.detach(), {k: p.grad.detach().clone() for k, p in m.named_parameters()})
+    res["logits_equal"] = torch.equal(outs["plain"][0], outs["fused_flag"][0])
+    res["grads_equal"] = all(torch.equal(outs["plain"][1][k], g) for k, g in outs["fused_flag"][1].items())
+    # without the helper, megatron-core itself refuses the flag where apex is missing: what users met at build
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron_kd.models.builder import layer_spec, transformer_config
+    cfg = transformer_config(_config(megatron={"gradient_accumulation_fusion": True}), ParallelConfig())
+    try:
+        GPTModel(cfg, layer_spec(_config()), vocab_size=64, max_sequence_length=16)
+        res["bare_refuses"] = False
+    except RuntimeError as e:
+        res["bare_refuses"] = "fused_weight_gradient_mlp_cuda" in str(e)
+    ps.destroy_model_parallel()
+    torch.save(res, out)
+
+
+def test_wgrad_fusion_flag_builds_without_apex_and_changes_nothing(tmp_path):
+    out = str(tmp_path / "res.pt")
+    run_ranks(1, _worker, out)
+    res = torch.load(out)
+    if res["apex"]:
+        pytest.skip("apex's fused_weight_gradient_mlp_cuda is installed: the flag is megatron-core's own business")
+    assert res["bare_refuses"], "megatron-core no longer refuses the flag without apex: the helper may be moot"
+    assert res["fused_flag_linears"] == res["plain_linears"] > 0
+    assert res["fused_flag_still_fused"] == 0  # every megatron-core linear turned back to autograd accumulation
+    assert res["logits_equal"] and res["grads_equal"]
+
+
+MAPS = """7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/x86_64-linux-gnu/libcudnn_graph.so.9.14.0
+7f02-7f03 r-xp 00000000 08:01 2 /venv/lib/python3.12/site-packages/nvidia/cudnn/lib/libcudnn.so.9
+7f04-7f05 r-xp 00000000 08:01 3 /venv/lib/python3.12/site-packages/nvidia/cudnn/lib/libcudnn_graph.so.9
+7f06-7f07 r--p 00000000 08:01 4 /usr/lib/libc.so.6
+7f08-7f09 rw-p 00000000 00:00 0
+"""
+
+
+def test_cudnn_clash_names_both_directories_and_the_fix(monkeypatch):
+    monkeypatch.setattr(te_compat, "torch_cudnn_dir", lambda: "/venv/lib/python3.12/site-packages/nvidia/cudnn/lib")
+    msg = te_compat.cudnn_clash(MAPS)
+    assert "/usr/lib/x86_64-linux-gnu" in msg and "/venv/lib/python3.12/site-packages/nvidia/cudnn/lib" in msg
+    assert "export LD_LIBRARY_PATH=/venv/lib/python3.12/site-packages/nvidia/cudnn/lib:$LD_LIBRARY_PATH" in msg
+    assert msg.count(".") <= 3 and "\n" not in msg
+
+
+def test_one_cudnn_is_no_clash():
+    one = "\n".join(line for line in MAPS.splitlines() if "/usr/lib/x86_64" not in line)
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU torch's own version check also runs")
+    assert te_compat.cudnn_clash(one) is None
+    assert te_compat.cudnn_clash("") is None
+
+
+def test_torch_cudnn_env_puts_torch_cudnn_first(monkeypatch):
+    monkeypatch.setattr(te_compat, "torch_cudnn_dir", lambda: "/t/cudnn/lib")
+    assert te_compat.torch_cudnn_env({"LD_LIBRARY_PATH": "/a:/b"})["LD_LIBRARY_PATH"] == "/t/cudnn/lib:/a:/b"
+    assert te_compat.torch_cudnn_env({})["LD_LIBRARY_PATH"] == "/t/cudnn/lib"
+    assert te_compat.torch_cudnn_env({"LD_LIBRARY_PATH": "/t/cudnn/lib:/a"}) is None
+    monkeypatch.setattr(te_compat, "torch_cudnn_dir", lambda: None)  # a container's torch: the system cuDNN
+    assert te_compat.torch_cudnn_env({"LD_LIBRARY_PATH": "/a"}) is None
+
+
+def test_reexec_restarts_once_with_torch_cudnn_first(monkeypatch):
+    import importlib.util
+    calls = []
+    monkeypatch.setattr(te_compat, "torch_cudnn_dir", lambda: "/t/cudnn/lib")
+    real_find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda n, *a: object() if n == "transformer_engine" else real_find(n, *a))
+    monkeypatch.setattr(os, "execve", lambda exe, argv, env: calls.append((exe, argv, env)))
+    monkeypatch.setattr("sys.orig_argv", ["/usr/bin/python3", "/usr/bin/megatron-kd", "train", "kd.top_k=8"],
+                        raising=False)
+    monkeypatch.delenv("MEGATRON_KD_NO_CUDNN_REEXEC", raising=False)
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/sys/lib")
+    te_compat.reexec_with_torch_cudnn()
+    assert len(calls) == 1
+    exe, argv, env = calls[0]
+    assert argv[1:] == ["/usr/bin/megatron-kd", "train", "kd.top_k=8"]
+    assert env["LD_LIBRARY_PATH"] == "/t/cudnn/lib:/sys/lib" and env["MEGATRON_KD_NO_CUDNN_REEXEC"] == "1"
+    monkeypatch.setenv("MEGATRON_KD_NO_CUDNN_REEXEC", "1")  # the restarted process: never again
+    te_compat.reexec_with_torch_cudnn()
+    assert len(calls) == 1
+    monkeypatch.delenv("MEGATRON_KD_NO_CUDNN_REEXEC")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "transformer_engine" else real_find(n, *a))
+    te_compat.reexec_with_torch_cudnn()  # no TE: nothing can load a second cuDNN
+    assert len(calls) == 1

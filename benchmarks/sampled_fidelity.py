@@ -32,8 +32,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see offline_vs_online.py
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from offline_vs_online import SMALL, BenchSettings  # noqa: E402
-from topp_fidelity import TopPBench, cache_name, cache_overrides  # noqa: E402
+from offline_vs_online import SMALL, BenchSettings, train_students  # noqa: E402
+from topp_fidelity import TopPBench, cache_name, cache_overrides, redraw, save  # noqa: E402
 from megatron_kd.cli.demo import prepare_out_dir  # noqa: E402
 
 TOP_PS = (0.99, 0.9)
@@ -266,11 +266,7 @@ def main(argv=None) -> int:
     args.out = args.out or f"runs/sampled_fidelity{tag}"
     args.results = args.results or os.path.join(HERE, "results", f"sampled_fidelity{tag}_cpu")
     if args.plot_only:
-        with open(args.results + ".json") as f:
-            res = json.load(f)
-        plot(res, args.results + ".png")
-        print(table(res))
-        return 0
+        return redraw(args.results, plot, table)
     from megatron_kd.runtime.quiet import quiet_megatron_warnings
     quiet_megatron_warnings()
     top_ps = [float(x) for x in args.top_p.split(",") if x]
@@ -304,12 +300,9 @@ def main(argv=None) -> int:
                                      "kept_k_quantiles") if k in i}
         info[m]["ids_per_position"] = i.get("kept_k_mean", i["top_k"])
         bench.say(f"{m}: {json.dumps(info[m])}")
-    commands = {}
-    for m in modes:
-        o = bench.offline(m)
-        commands[m] = "megatron-kd train " + " ".join(o)
-        if bench.stage_train(f"student_{m}", o):
-            return 2
+    commands = train_students(bench, modes, bench.offline)
+    if commands is None:
+        return 2
     t = time.time()
     metrics = evaluate(bench, modes, s.eval_samples)
     bench.times["evaluate"] = time.time() - t
@@ -336,14 +329,7 @@ def main(argv=None) -> int:
                                       f"{BAR_REL:.1%} of online KD's",
            "bar_met": any(v["meets_bar"] for v in verdict.values()), "stage_s": bench.times,
            "total_s": time.time() - t0}
-    os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
-    with open(args.results + ".json", "w") as f:
-        json.dump(res, f, indent=2)
-    plot(res, args.results + ".png")
-    text = table(res)
-    with open(args.results + ".md", "w") as f:
-        f.write(text + "\n")
-    print("\n" + text + "\n", flush=True)
+    save(res, args.results, plot, table)
     bench.say(f"bar ({res['bar']}): {'MET' if res['bar_met'] else 'MISSED'}; total {res['total_s']:.0f} s")
     return 0 if res["bar_met"] else 1
 

@@ -44,7 +44,9 @@ ECE_BINS = 15
 
 
 def split_div(mode: str):
-    """(cache or student kind, divergence) of a mode: 'rkl_' prefixes the reverse-KL students."""
+    """(cache or student kind, divergence) of a mode: 'rkl_' prefixes the reverse-KL students; '@S' suffixes a
+    student trained with train.seed S (the run-to-run spread)."""
+    mode = mode.split("@")[0]
     return (mode[4:], "reverse_kl") if mode.startswith("rkl_") else (mode, "forward_kl")
 
 
@@ -57,6 +59,8 @@ class SampledBench(TopPBench):
         base, div = split_div(mode)
         o = self.common(f"student_{mode}", s.student_iters, s.student_lr)
         o = [x.replace(f"train.eval_interval={s.eval_interval}", f"train.eval_interval={s.student_iters}") for x in o]
+        if "@" in mode:
+            o = [x.replace(f"train.seed={s.seed}", f"train.seed={mode.split('@')[1]}") for x in o]
         teacher = f"teacher.load={os.path.join(self.out, 'teacher')}"
         if base == "online_full":
             return o + ["kd=online", f"kd.top_k={self.vocab}", "kd.tail=none", f"kd.divergence={div}", teacher]
@@ -167,7 +171,8 @@ def label(mode: str) -> str:
         text = f"sampled N={base[8:]}"
     else:
         text = LABELS[base]
-    return text + (", reverse KL" if div == "reverse_kl" else "")
+    seed = f" (train.seed {mode.split('@')[1]})" if "@" in mode else ""
+    return text + (", reverse KL" if div == "reverse_kl" else "") + seed
 
 
 def table(res: dict) -> str:
@@ -256,6 +261,8 @@ def main(argv=None) -> int:
     p.add_argument("--peaked", action="store_true", help="train the teacher --peaked-factor times longer")
     p.add_argument("--peaked-factor", type=float, default=4.0)
     p.add_argument("--no-reverse", action="store_true", help="skip the reverse-KL students")
+    p.add_argument("--seed-check", default="", help="modes to train again with train.seed + 1 (comma-separated, "
+                   "e.g. online_full,sampled_32): the run-to-run spread the differences compare with")
     p.add_argument("--small", action="store_true", help="smoke-test sizes")
     p.add_argument("--teacher-iters", type=int, default=None)
     p.add_argument("--student-iters", type=int, default=None)
@@ -291,6 +298,7 @@ def main(argv=None) -> int:
     modes = caches + ["online_full", "ce"]
     if not args.no_reverse:
         modes += ["rkl_online_full"] + [f"rkl_{c}" for c in caches if not c.startswith("sampled_")]
+    modes += [f"{m}@{s.seed + 1}" for m in args.seed_check.split(",") if m]
     from megatron_kd.cache import inspect_cache
     info = {}
     for m in caches:

@@ -178,10 +178,11 @@ def label(mode: str) -> str:
 def table(res: dict) -> str:
     f = res["final"]
     lines = ["| student | divergence (tail) | cache bytes/token | ids/position | held-out CE | KL to teacher | ECE | "
-             "CE vs online | KL vs online |", "|---|---|---|---|---|---|---|---|---|"]
+             "CE vs online (same seed) | KL vs online (same seed) |", "|---|---|---|---|---|---|---|---|---|"]
     for m in res["modes"]:
         base, div = split_div(m)
-        ref = f["rkl_online_full" if div == "reverse_kl" and "rkl_online_full" in f else "online_full"]
+        seed = "@" + m.split("@")[1] if "@" in m else ""  # against online KD of the same train.seed (paired)
+        ref = f[("rkl_online_full" if div == "reverse_kl" and "rkl_online_full" in f else "online_full") + seed]
         c = res["caches"].get(base)
         b = f"{c['bytes_per_token']:.2f}" if c else "-"
         k = f"{c['ids_per_position']:.1f}" if c else ("V" if base == "online_full" else "-")

@@ -178,11 +178,14 @@ def plot(res: dict, png: str) -> None:
 
 
 def redraw(results: str, plot_fn, table_fn) -> int:
-    """--plot-only: the PNG and the table again, from the results JSON."""
+    """--plot-only: the PNG and the table (.md) again, from the results JSON."""
     with open(results + ".json") as f:
         res = json.load(f)
     plot_fn(res, results + ".png")
-    print(table_fn(res))
+    text = table_fn(res)
+    with open(results + ".md", "w") as f:
+        f.write(text + "\n")
+    print(text)
     return 0
 
 

@@ -8,8 +8,8 @@ on the same model, samples and cache, one H200, one call.
            recipes/bridge/llama32_3b_offline_kd.yaml` (local layers + SDPA attention: no TE here; full recompute,
            bf16, Megatron DDP + Adam, micro/global batch 1); a callback times each step (cuda-synchronized) and
            reads torch.cuda.max_memory_allocated
-  mkd      megatron_kd.training.loop.run with recipes/model/llama32_3b.yaml, the same recompute / optimizer /
-           batch, mock data = the recipe's samples (token hashes checked against the cache)
+  mkd      megatron_kd.training.loop.run with megatron_kd/recipes/model/llama32_3b.yaml, the same recompute /
+           optimizer / batch, mock data = the recipe's samples (token hashes checked against the cache)
 Model TFLOP/s = megatron_kd.training.metrics.train_flops_per_step (6 x params x tokens + 6 L s^2 h, no
 recompute counted) / median step time after the first --warmup steps, the same formula for both.
 
@@ -32,6 +32,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from common import fresh_workdir, run_child  # noqa: E402
 YAML = os.path.join(ROOT, "recipes", "bridge", "llama32_3b_offline_kd.yaml")
+STUDENT_YAML = os.path.join(ROOT, "megatron_kd", "recipes", "model", "llama32_3b.yaml")
 TOPK = 100
 
 
@@ -108,7 +109,7 @@ def child(a):
         from megatron_kd.recipe.schema import (DataConfig, KDConfig, ModelConfig, ParallelConfig, Recipe,
                                                  TrainConfig)
         from megatron_kd.training.loop import run
-        m = ModelConfig(**OmegaConf.to_container(OmegaConf.load(os.path.join(ROOT, "recipes/model/llama32_3b.yaml"))))
+        m = ModelConfig(**OmegaConf.to_container(OmegaConf.load(STUDENT_YAML)))
         if a.smoke:
             m = ModelConfig(num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4,
                             num_query_groups=2, kv_channels=32, tie_embeddings=False)
@@ -133,7 +134,7 @@ def _flops(a, m=None):
     from megatron_kd.recipe.schema import ModelConfig
     from megatron_kd.training.metrics import train_flops_per_step
     if m is None:
-        m = ModelConfig(**OmegaConf.to_container(OmegaConf.load(os.path.join(ROOT, "recipes/model/llama32_3b.yaml"))))
+        m = ModelConfig(**OmegaConf.to_container(OmegaConf.load(STUDENT_YAML)))
         if a.smoke:
             m = ModelConfig(num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4,
                             num_query_groups=2, kv_channels=32, tie_embeddings=False)

@@ -94,6 +94,10 @@ def compare_caches(a, b):
     import numpy as np
     from megatron_kd.cache.reader import CacheReader
     ra, rb = CacheReader(a), CacheReader(b)
+    wa, wb = (r.manifest.get("teacher", {}).get("weights_hash") for r in (ra, rb))
+    if wa != wb:  # two random inits: the caches differ by their weights, not by the kernels
+        return {"comparable": False, "why": f"different teacher weights ({wa} vs {wb})",
+                "teacher_a": ra.manifest.get("teacher"), "teacher_b": rb.manifest.get("teacher")}
     top1, overlap, dlp, kl = [], [], [], []
     for i in range(min(len(ra), len(rb))):
         x, y = ra.read(i), rb.read(i)
@@ -115,28 +119,42 @@ def compare_caches(a, b):
 def part_user(a, out, E, deadline):
     c1, c2 = os.path.join(a.scratch, "cache_sdpa"), os.path.join(a.scratch, "cache_te")
     base = ["--config-name", RECIPE, "data.kind=mock", "data.path=null", "train.iters=4", "train.global_batch_size=1",
-            "train.lr_warmup_iters=0", "train.optimizer=lean_adam", "model.recompute_num_layers=12", *QUIET]
-    run_arm("sdpa_no_te", [*base, "kd.build_cache=true", f"kd.cache={c1}"], E["no_te"], a, out, deadline)
-    run_arm("te_bf16", [*base, "kd.build_cache=true", f"kd.cache={c2}"], E["te"], a, out, deadline)
-    run_arm("te_fp8", [*base, f"kd.cache={c1}", "model.fp8=hybrid", "model.fp8_recipe=tensorwise"], E["te"], a,
-            out, deadline)
-    sdpa = [*base, f"kd.cache={c1}", "model.attention_backend=sdpa"]
-    run_arm("sdpa_te_user", sdpa, E["te_user"], a, out, deadline)
+            "train.lr_warmup_iters=0", "train.optimizer=lean_adam", *QUIET]
+    fp8 = ["model.fp8=hybrid", "model.fp8_recipe=tensorwise"]
+    r0 = a.recompute[0]
+    run_arm(f"sdpa_no_te_r{r0}", [*base, f"model.recompute_num_layers={r0}", "kd.build_cache=true", f"kd.cache={c1}"],
+            E["no_te"], a, out, deadline)
+    # the TE teacher writes its own cache: the teacher pass under TE's spec (random weights of its own init)
+    run_arm(f"te_bf16_r{r0}", [*base, f"model.recompute_num_layers={r0}", "kd.build_cache=true", f"kd.cache={c2}"],
+            E["te"], a, out, deadline)
     if os.path.isdir(c1) and os.path.isdir(c2):
         try:
             out["cache_te_vs_sdpa"] = compare_caches(c1, c2)
         except Exception as e:  # noqa: BLE001
             out["cache_te_vs_sdpa"] = {"error": repr(e)}
-        print("cache TE vs SDPA teacher:", out["cache_te_vs_sdpa"], flush=True)
     shutil.rmtree(c2, ignore_errors=True)
+    run_arm(f"te_fp8_r{r0}", [*base, f"model.recompute_num_layers={r0}", f"kd.cache={c1}", *fp8], E["te"], a, out,
+            deadline)
+    for r in a.recompute[1:]:
+        run_arm(f"sdpa_no_te_r{r}", [*base, f"model.recompute_num_layers={r}", f"kd.cache={c1}"], E["no_te"], a, out,
+                deadline)
+        run_arm(f"te_bf16_r{r}", [*base, f"model.recompute_num_layers={r}", f"kd.cache={c1}"], E["te"], a, out,
+                deadline)
+        run_arm(f"te_fp8_r{r}", [*base, f"model.recompute_num_layers={r}", f"kd.cache={c1}", *fp8], E["te"], a, out,
+                deadline)
+    for r in a.fp8_recompute:
+        run_arm(f"te_fp8_r{r}", [*base, f"model.recompute_num_layers={r}", f"kd.cache={c1}", *fp8], E["te"], a, out,
+                deadline)
+    sdpa = [*base, f"model.recompute_num_layers={r0}", f"kd.cache={c1}", "model.attention_backend=sdpa"]
+    run_arm(f"sdpa_te_user_r{r0}", sdpa, E["te_user"], a, out, deadline)
     if a.clash_arm:
-        run_arm("sdpa_te_clash", sdpa, E["te_clash"], a, out, deadline)
+        run_arm(f"sdpa_te_clash_r{r0}", sdpa, E["te_clash"], a, out, deadline)
     arms = out["arms"]
-    ref = (arms.get("sdpa_no_te") or {}).get("tflops")
-    for k in ("te_bf16", "te_fp8", "sdpa_te_user", "sdpa_te_clash"):
-        t = (arms.get(k) or {}).get("tflops")
-        if ref and t:
-            arms[k]["tflops_over_sdpa_no_te"] = round(t / ref, 4)
+    for k, v in arms.items():
+        r = k.rsplit("_r", 1)[-1]
+        ref = (arms.get(f"sdpa_no_te_r{r}") or {}).get("tflops")
+        if ref and v.get("tflops") and not k.startswith("sdpa_no_te"):
+            v["tflops_over_sdpa_no_te_same_recompute"] = round(v["tflops"] / ref, 4)
     out_write(a.out, out)
 
 
@@ -159,7 +177,7 @@ def part_gptoss(a, out, E, deadline):
 def part_fp8(a, out, E, deadline):
     shape = ["model.num_layers=20", "model.hidden_size=2048", "model.num_attention_heads=16",
              "model.num_query_groups=8", "model.kv_channels=128", "model.ffn_hidden_size=5632",
-             "model.tie_embeddings=false", "model.rope_scaling=false",
+             "model.tie_embeddings=false",
              "model.recompute_granularity=null", "model.recompute_method=null", "model.recompute_num_layers=null"]
     tok = os.path.join(os.path.dirname(a.data), "tokenizer.json")
     base = ["--config-name", RECIPE, "kd=ce", "data=pydoc", f"data.path={a.data}", f"data.tokenizer={tok}",
@@ -179,6 +197,8 @@ def main():
     ap.add_argument("--parts", nargs="+", default=["user", "gptoss", "fp8"], choices=["user", "gptoss", "fp8"])
     ap.add_argument("--budget-s", type=float, default=560)
     ap.add_argument("--arm-s", type=float, default=150, help="cut one arm at this many seconds")
+    ap.add_argument("--recompute", type=int, nargs="+", default=[12], help="recomputed layers of the user arms")
+    ap.add_argument("--fp8-recompute", type=int, nargs="*", default=[], help="more FP8 arms at these recompute counts")
     ap.add_argument("--clash-arm", action="store_true", help="also the arm with the cuDNN restart turned off")
     ap.add_argument("--scratch", default=None)
     a = ap.parse_args()

@@ -1,4 +1,5 @@
 """enable_offline_kd: the one call a Bridge user adds between building a recipe and pretrain()."""
+from ..rules import vocab_problem
 from .config import OfflineKDConfig
 from .step import OfflineKDForwardStep
 
@@ -12,7 +13,8 @@ def check_cache_against_model(reader, kd: OfflineKDConfig, *, seq_length=None, v
     """Fail before any work when the cache cannot serve this student: K, temperature, length, vocabulary."""
     reader.check_compatible(top_k=kd.top_k, temperature=kd.capture_temperature, seq_length=seq_length, tail=kd.tail,
                             divergence=kd.divergence, train_temperature=kd.temperature)
-    if vocab_size is not None and int(reader.vocab_size) > int(vocab_size):
+    # model.vocab_size counts the student's embedding rows, which may pad past the tokenizer (rules.vocab_problem)
+    if vocab_size is not None and vocab_problem(reader.vocab_size, vocab_size, student_rows=True):
         raise ValueError(f"kd.cache {kd.cache!r}: the teacher's vocabulary ({reader.vocab_size}) is "
                          f"larger than the student's ({vocab_size}); teacher and student must share a tokenizer")
 

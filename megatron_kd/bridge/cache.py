@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 
+from ..rules import DEFAULT_TOP_K, cache_encoding
 from .run import add_config_args, load_config
 
 SETUP_FIELDS = ("tokenizer", "token_dtype_code")
@@ -65,7 +66,7 @@ def build(a) -> dict:
     out = a.out or kd.cache
     if not out:
         raise ValueError("no cache directory: set kd.cache in the --config-file (or kd.cache=...) or --out")
-    top_k = a.top_k or kd.top_k or 100
+    top_k = a.top_k or kd.top_k or DEFAULT_TOP_K
     init_process_group(torch.cuda.is_available(), launched_only=True)
     train, tokenizer = bridge_train_samples(cfg)
     vocab = int(getattr(tokenizer, "vocab_size", 0) or 0)
@@ -79,7 +80,7 @@ def build(a) -> dict:
         # tokenizer's ids are no token, so they are neither a KD target nor part of the teacher's softmax
         teacher.vocab_size = vocab
     tok_id = str(getattr(cfg.tokenizer, "tokenizer_model", None) or getattr(cfg.tokenizer, "tokenizer_type", ""))
-    encoding = a.encoding or ("topp" if a.top_p is not None else "sampled" if a.samples is not None else "fp16")
+    encoding = cache_encoding(a.encoding, a.top_p, a.samples)
     if a.samples is not None:  # a sampled cache holds the ids of its draws: build_cache refuses another top_k
         top_k = None if a.top_k is None else top_k
     return build_cache(teacher, train, out, top_k=top_k, encoding=encoding, top_p=a.top_p, min_k=a.min_k,
@@ -99,7 +100,7 @@ def parser() -> argparse.ArgumentParser:
                    "returning a teacher")
     b.add_argument("--teacher-args", default="{}", help='JSON keyword arguments, e.g. \'{"dtype": "bfloat16"}\'')
     b.add_argument("--out", default=None, help="cache directory (default: kd.cache)")
-    b.add_argument("--top-k", type=int, default=None, help="default: kd.top_k, else 100")
+    b.add_argument("--top-k", type=int, default=None, help=f"default: kd.top_k, else {DEFAULT_TOP_K}")
     b.add_argument("--encoding", choices=["fp16", "compact", "topp", "sampled"], default=None,
                    help="default fp16; topp when --top-p is given, sampled when --samples is")
     b.add_argument("--samples", type=int, default=None, metavar="N", help="N draws per position from the teacher's "

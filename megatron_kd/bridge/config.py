@@ -3,6 +3,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
 from ..recipe.schema import OfflineKD
+from ..rules import top_k_fits
 
 
 @dataclass
@@ -26,7 +27,7 @@ class OfflineKDConfig(OfflineKD):
     def validate(self) -> "OfflineKDConfig":
         if not self.cache:
             raise ValueError("kd.cache is required: the directory of the teacher top-K cache")
-        if self.top_k is not None and int(self.top_k) < 1:
+        if self.top_k is not None and not top_k_fits(self.top_k):
             raise ValueError(f"kd.top_k={self.top_k} must be a positive integer (or null: the cache's K)")
         try:
             self.loss_options()

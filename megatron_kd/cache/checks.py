@@ -4,7 +4,7 @@ samples.idx (size and checksum). The reader raises the first problem at open; ve
 import hashlib
 import os
 
-from ..parallel.limits import temperature_problem
+from ..rules import temperature_problem
 from .encoding import encoding_of
 from .format import (MANIFEST, OFFSETS_DTYPE, SAMPLE_INDEX, SAMPLE_INDEX_DTYPE, SETTINGS, SETTINGS_KEYS, field_diff,
                      num_shards, settings_hash, settings_of, shard_name, shard_range, sidecar_name)

@@ -19,6 +19,7 @@ Each field is a stream over the S positions, so positions [a, b) decode without 
 """
 import numpy as np
 
+from ..rules import encoding_problem, top_k_fits
 from .bits import (EliasFano, pack_bool, pack_uint, pack_var, packed_bytes, unpack_bool, unpack_narrow, unpack_uint,
                    unpack_var)
 from .topp import check_top_p, select_top_p
@@ -37,8 +38,9 @@ def get_encoding(name: str, vocab_size: int, top_k: int, seq_length: int, top_p=
             raise ValueError("top_p / min_k select among the top-K; the encoding 'sampled' stores draws from the whole "
                              "distribution: drop them")
         return SampledEncoding(vocab_size, top_k, seq_length)
-    if (name == "topp") != (top_p is not None):
-        raise ValueError("the topp encoding needs top_p, and only it takes one" if name == "topp" else
+    problem = encoding_problem(name, top_p, None)  # min_k alone is the settings' check (it has a default here)
+    if problem:
+        raise ValueError("the topp encoding needs top_p, and only it takes one" if problem == "needs_top_p" else
                          f"top_p={top_p} needs the encoding 'topp' (the encoding {name!r} stores K entries per position)")
     if name == "topp":
         return TopPEncoding(vocab_size, top_k, seq_length, top_p, 1 if min_k is None else min_k)
@@ -77,7 +79,7 @@ class _Base:
 
     def __init__(self, vocab_size: int, top_k: int, seq_length: int):
         self.vocab_size, self.k, self.seq = int(vocab_size), int(top_k), int(seq_length)
-        if self.vocab_size < 1 or self.seq < 1 or not 1 <= self.k <= self.vocab_size:
+        if self.vocab_size < 1 or self.seq < 1 or not top_k_fits(self.k, self.vocab_size):
             raise ValueError(f"need vocab_size >= 1, seq_length >= 1 and 1 <= top_k <= vocab_size; got V={vocab_size}, "
                              f"S={seq_length}, K={top_k}")
 

@@ -1,5 +1,4 @@
-"""One exception type for every cache problem. Messages say what is wrong and how to fix it."""
+"""One exception type for every cache problem (its home: megatron_kd/errors.py, with the package's others)."""
+from ..errors import CacheError
 
-
-class CacheError(ValueError):
-    pass
+__all__ = ["CacheError"]

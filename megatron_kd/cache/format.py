@@ -14,6 +14,7 @@ import os
 
 import numpy as np
 
+from ..rules import encoding_problem, temperature_problem
 from .encoding import ENCODINGS, get_encoding
 from .errors import CacheError
 from .hashing import config_hash
@@ -74,29 +75,28 @@ def make_settings(*, encoding, top_k, vocab_size, temperature, seq_length, num_s
                   dataset="", samples_per_shard=None, top_p=None, min_k=None, samples=None, sample_seed=None) -> dict:
     if encoding not in ENCODINGS:
         raise CacheError(f"unknown encoding {encoding!r}; use one of {', '.join(ENCODINGS)}")
-    if (encoding == "sampled") != (samples is not None):
-        raise CacheError("encoding 'sampled' stores N draws per position: give samples (--samples, e.g. 16)"
-                         if encoding == "sampled" else
-                         f"samples={samples} draws ids from the teacher's distribution, which the encoding "
-                         f"{encoding!r} does not store: use encoding 'sampled' (--encoding sampled), or drop samples")
-    if sample_seed is not None and encoding != "sampled":
-        raise CacheError(f"sample_seed seeds the draws of encoding 'sampled'; the encoding {encoding!r} draws nothing: "
-                         "drop it")
+    problem = encoding_problem(encoding, top_p, min_k, samples, sample_seed)
+    if problem == "needs_samples":
+        raise CacheError("encoding 'sampled' stores N draws per position: give samples (--samples, e.g. 16)")
+    if problem == "not_sampled":
+        raise CacheError(f"samples / sample_seed draw ids from the teacher's distribution, which the encoding "
+                         f"{encoding!r} does not store: use encoding 'sampled' (--encoding sampled), or drop them")
     if encoding == "sampled" and top_k != samples:
         raise CacheError(f"a sampled cache holds at most samples={samples} ids per position; top_k={top_k} "
                          "cannot differ (drop --top-k)")
     if sample_seed is not None and (isinstance(sample_seed, bool) or not isinstance(sample_seed, int)
                                     or not 0 <= sample_seed < 2 ** 63):
         raise CacheError(f"sample_seed={sample_seed!r} must be an integer in [0, 2**63)")
-    if encoding == "topp" and top_p is None:
+    if problem == "needs_top_p":
         raise CacheError("encoding 'topp' keeps the fewest ids holding a mass P per position: give top_p "
                          "(--top-p, e.g. 0.999)")
-    if encoding != "topp" and (top_p is not None or min_k is not None):
+    if problem == "fixed_k":
         raise CacheError(f"top_p / min_k select a variable number of ids per position, which the encoding "
                          f"{encoding!r} does not store: use encoding 'topp' (--encoding topp), or drop top_p / min_k")
-    if not (isinstance(temperature, (int, float)) and 1e-3 <= float(temperature) <= 1e3):
-        raise CacheError(f"temperature={temperature!r}: the capture temperature must be a finite number in "
-                         "[0.001, 1000] (1.0 = the teacher's own distribution)")
+    problem = temperature_problem(temperature)
+    if problem:
+        raise CacheError(f"temperature={temperature!r}: the capture temperature {problem} "
+                         "(1.0 = the teacher's own distribution)")
     if num_samples < 1:
         raise CacheError("the dataset has no samples; pass a non-empty dataset or --num-samples >= 1")
     try:

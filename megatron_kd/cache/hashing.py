@@ -5,6 +5,8 @@ import zlib
 
 import numpy as np
 
+from .. import rules
+
 CHECKSUM = "sha256"
 
 
@@ -24,21 +26,10 @@ def crc32(buf) -> int:
     return zlib.crc32(memoryview(np.ascontiguousarray(buf)).cast("B")) & 0xFFFFFFFF
 
 
-def file_sha256(path, block: int = 1 << 24) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            chunk = f.read(block)
-            if not chunk:
-                break
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def tokenizer_id(path) -> str:
     """A tokenizer file's identity, as caches, dataset ids and .bin sidecars record it: its sha256's first 16
     hex digits."""
-    return file_sha256(path)[:16]
+    return rules.file_sha256(path)[:16]
 
 
 def config_hash(config: dict) -> str:

@@ -5,11 +5,11 @@ mapped lazily, so opening a cache costs two JSON reads (manifest, settings), a s
 samples.idx (16 bytes per sample); every manifest field is cross-checked then (checks.manifest_problems). The
 reader pickles cheaply into DataLoader workers (maps are reopened there).
 """
-import math
 import os
 
 import numpy as np
 
+from ..rules import same_temperature, top_k_fits, vocab_problem
 from .checks import manifest_problems, rebuild_hint, shard_fix
 from .encoding import encoding_of
 from .errors import CacheError
@@ -207,48 +207,54 @@ class CacheReader:
                 f"dataset={self.manifest.get('dataset')!r}). Use the exact data settings of the cache build, "
                 "or rebuild the cache for this data.")
 
-    def check_compatible(self, *, vocab_size=None, top_k=None, temperature=None, seq_length=None, tail=None,
-                         divergence=None, train_temperature=None) -> None:
-        """Raise if a student run with these settings cannot use this cache. temperature: the capture temperature
-        the run expects; tail, divergence, train_temperature: the loss's (a sampled cache's targets are an
-        unbiased estimate for tail none, forward KL, trained at the capture temperature only)."""
-        problems = self.sampled_loss_problems(top_k, tail, divergence, train_temperature)
-        if vocab_size is not None and int(vocab_size) != self.vocab_size:
-            problems.append(f"vocabulary: the teacher's is {self.vocab_size} ids, the student's is {vocab_size}; "
+    def check_compatible(self, *, vocab_size=None, top_k=None, temperature=None, seq_length=None,
+                         keys: dict | None = None, tail=None, divergence=None, train_temperature=None) -> None:
+        """Raise if a student run with these settings cannot use this cache. keys: the caller's name for each
+        manifest field (e.g. {"top_k": "kd.top_k"}), so the message names the key a user sets. temperature: the
+        capture temperature the run expects; tail, divergence, train_temperature: the loss's (a sampled cache's
+        targets are an unbiased estimate for tail none, forward KL, trained at the capture temperature only)."""
+        keys = {"vocab_size": "vocabulary", "top_k": "top_k", "temperature": "temperature",
+                "seq_length": "seq_length", "tail": "tail", "divergence": "divergence",
+                "train_temperature": "cache_temperature", **(keys or {})}
+        problems = self.sampled_loss_problems(top_k, tail, divergence, train_temperature, keys)
+        if vocab_size is not None and vocab_problem(self.vocab_size, vocab_size):
+            problems.append(f"{keys['vocab_size']}: the teacher's is {self.vocab_size} ids, the student's is {vocab_size}; "
                             "top-K ids only mean the same tokens under one tokenizer: use the teacher's tokenizer "
                             "and pass the unpadded vocabulary size")
-        if top_k is not None and int(top_k) > self.top_k and self.samples is None:
-            problems.append(f"top_k: the run asks for K={top_k}, the cache stores K={self.top_k}; train with "
+        if top_k is not None and not top_k_fits(top_k, self.top_k) and self.samples is None:
+            problems.append(f"{keys['top_k']}: the run asks for K={top_k}, the cache stores K={self.top_k}; train with "
                             f"top_k <= {self.top_k} or rebuild with --top-k {top_k}")
-        if temperature is not None and not math.isclose(float(temperature), self.temperature, rel_tol=1e-6):
-            problems.append(f"temperature: the cache was captured at T={self.temperature}, the run uses "
+        if temperature is not None and not same_temperature(self.temperature, temperature):
+            problems.append(f"{keys['temperature']}: the cache was captured at T={self.temperature}, the run uses "
                             f"T={temperature}; set the distillation temperature to {self.temperature} or rebuild "
                             f"with --temperature {temperature}")
         if seq_length is not None and int(seq_length) != self.seq_length:
-            problems.append(f"seq_length: the cache rows have {self.seq_length} positions, the run uses "
+            problems.append(f"{keys['seq_length']}: the cache rows have {self.seq_length} positions, the run uses "
                             f"{seq_length}; use seq_length={self.seq_length} or rebuild the cache")
         if problems:
             raise CacheError(f"cache {self.path} does not fit this run:\n  " + "\n  ".join(problems))
 
-    def sampled_loss_problems(self, top_k=None, tail=None, divergence=None, train_temperature=None) -> list:
+    def sampled_loss_problems(self, top_k=None, tail=None, divergence=None, train_temperature=None,
+                              keys=None) -> list:
         """What keeps a loss from reading a sampled cache's count / N targets as an unbiased estimate of the
-        teacher (docs/loss.md, "Sampled caches"); [] for other caches."""
+        teacher (docs/loss.md, "Sampled caches"); [] for other caches. keys: check_compatible's names."""
         if self.samples is None:
             return []
+        keys = keys or {}
         n, out = self.samples, []
         if top_k is not None and int(top_k) != n:
-            out.append(f"top_k: the run asks for K={top_k}; a sampled cache's targets are the distinct ids of "
+            out.append(f"{keys.get('top_k', 'top_k')}: the run asks for K={top_k}; a sampled cache's targets are the distinct ids of "
                        f"its {n} draws (they sum to 1), and keeping fewer biases them: train with top_k = null (the "
                        "cache's) or rebuild with another --samples")
         if tail is not None and tail != "none":
-            out.append(f"tail: the run uses tail={tail!r}; a sampled cache's targets count / {n} already sum to 1 "
+            out.append(f"{keys.get('tail', 'tail')}: the run uses tail={tail!r}; a sampled cache's targets count / {n} already sum to 1 "
                        "and estimate the whole distribution, which the other tails would distort: use tail none")
         if divergence is not None and divergence != "forward_kl":
-            out.append(f"divergence: the run uses {divergence}; only forward KL's gradient is linear in the "
+            out.append(f"{keys.get('divergence', 'divergence')}: the run uses {divergence}; only forward KL's gradient is linear in the "
                        "teacher's probabilities, so only it has an unbiased estimate from draws (reverse KL and JSD "
                        "take logs of the counts): use forward_kl, or a top-K cache for this divergence")
-        if train_temperature is not None and float(train_temperature) != float(self.temperature):
-            out.append(f"cache_temperature: re-tempering ({self.temperature} -> {train_temperature}) raises "
+        if train_temperature is not None and not same_temperature(train_temperature, self.temperature):
+            out.append(f"{keys.get('train_temperature', 'cache_temperature')}: re-tempering ({self.temperature} -> {train_temperature}) raises "
                        f"count / {n} to a power, which is not an unbiased estimate of the re-tempered teacher: "
                        f"build the cache with --temperature {train_temperature} and drop cache_temperature")
         return out

@@ -11,7 +11,8 @@ from .errors import CacheError
 from .format import (MANIFEST, SAMPLE_INDEX, SAMPLE_INDEX_DTYPE, SETTINGS, field_diff, num_shards, settings_of,
                      sidecar_name)
 from .fsio import read_json
-from .hashing import CHECKSUM, file_sha256
+from ..rules import file_sha256
+from .hashing import CHECKSUM
 
 
 QUICK_CHECKS = ("every manifest field against settings.json and the settings hash its shards were built with, "

@@ -8,24 +8,14 @@ file or a missing one is found before megatron-core reads it (its own errors the
 or a CheckpointException, which derives from BaseException). A damaged latest checkpoint makes the resume fall
 back to the newest intact one, with a message. Hashing is split over the ranks (each hashes every world-th file).
 """
-import hashlib
 import json
 import os
 
 import torch.distributed as dist
 
+from ..rules import file_sha256
+
 MANIFEST = "checksums.json"
-_BLOCK = 8 << 20
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(_BLOCK)
-            if not b:
-                return h.hexdigest()
-            h.update(b)
 
 
 def _files(path: str) -> list:
@@ -57,7 +47,7 @@ def _hashes(path: str, files: list) -> dict:
     for rel in mine:
         p = os.path.join(path, rel)
         try:
-            out[rel] = [os.path.getsize(p), _sha256(p)]
+            out[rel] = [os.path.getsize(p), file_sha256(p)]
         except OSError as e:
             out[rel] = [None, f"unreadable: {e.strerror or e}"]
     return gather(out)

@@ -51,6 +51,32 @@ def _model_state(chunks) -> dict:
     return {k: unwrap(c).sharded_state_dict() for k, c in zip(_model_keys(chunks), chunks)}
 
 
+def _quant_common(chunks) -> dict:
+    """A quantized model's ModelOpt state, for the common state: loading rebuilds its quantizers from it before
+    the values (amax, AWQ scales: sharded like the weights) are read. Empty for a model ModelOpt never touched."""
+    import sys
+    if "modelopt" not in sys.modules:  # nothing was quantized in this process
+        return {}
+    from ..models import quant
+    m = unwrap(chunks[0])
+    return {quant.STATE_KEY: quant.quantizer_state(m), quant.FORMAT_KEY: getattr(m, quant.FORMAT_KEY, None)} \
+        if quant.is_quantized(m) else {}
+
+
+def _quantize_like(common: dict, chunks) -> None:
+    """Quantize still-unquantized chunks as the checkpoint's model was (its ModelOpt state), before its sharded
+    state is named: the quantizers' values load with the weights."""
+    from ..models import quant
+    state = common.get(quant.STATE_KEY)
+    if state is None:
+        return
+    for c in chunks:
+        m = unwrap(c)
+        if not quant.is_quantized(m):
+            quant.restore_quantizers(m, state)
+            setattr(m, quant.FORMAT_KEY, common.get(quant.FORMAT_KEY))
+
+
 def _load_chunks(loaded: dict, chunks) -> None:
     # by build order: sorted() would put model10 before model2 under virtual pipeline
     for key, c in zip(_model_keys(chunks), chunks):
@@ -86,6 +112,7 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, scheduler, com
             shutil.rmtree(path)
         os.makedirs(path)
     barrier()
+    common = {**common, **_quant_common(chunks)}
     sd = _model_state(chunks)
     _notify("save", iteration, optimizer)
     sd["optimizer"] = optimizer.sharded_state_dict(sd, metadata=OPTIM_METADATA)
@@ -124,7 +151,7 @@ def save_weights(root: str, iteration: int, chunks, common: dict) -> str:
     if is_rank0():
         os.makedirs(path, exist_ok=True)
     barrier()
-    return _publish(root, path, iteration, _model_state(chunks), common)
+    return _publish(root, path, iteration, _model_state(chunks), {**common, **_quant_common(chunks)})
 
 
 # Test seam: callables (event, iteration, optimizer) run after each save ("save") and load ("load") of the
@@ -178,10 +205,11 @@ def load_checkpoint(root: str, chunks, optimizer, scheduler) -> dict | None:
     if it is None:
         return None
     path = resolve(root)
+    common = dist_checkpointing.load_common_state_dict(path)
+    _quantize_like(common, chunks)
     sd = _model_state(chunks)
     _materialize_optimizer_state(optimizer)
     sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=True, metadata=OPTIM_METADATA)
-    common = dist_checkpointing.load_common_state_dict(path)
     if tuple(common.get("layout", ())) == _layout():  # RNG streams only resume under the same TP/PP layout
         sd["rng_state"] = _rng_state(_layout())
     with _dcp_notice_off():
@@ -207,11 +235,12 @@ def load_weights(path: str, chunks) -> int:
     from .integrity import require_intact
     require_intact(path)
     d = resolve(path)
+    common = dist_checkpointing.load_common_state_dict(d)
+    _quantize_like(common, chunks)
     sd = _model_state(chunks)
     with _dcp_notice_off():
         loaded = dist_checkpointing.load(sd, d)
     _load_chunks(loaded, chunks)
-    common = dist_checkpointing.load_common_state_dict(d)
     return int(common.get("iteration", 0))
 
 

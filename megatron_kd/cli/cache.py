@@ -10,6 +10,8 @@ import json
 import os
 import sys
 
+from ..rules import DEFAULT_TOP_K, cache_encoding, encoding_problem
+
 
 def _factory(spec: str):
     from ..teacher.spec import factory
@@ -42,7 +44,7 @@ def _teacher(args):
 def _dataset(args):
     if args.tokens:
         import numpy as np
-        from ..cache.hashing import file_sha256
+        from ..rules import file_sha256
         try:
             data = np.load(args.tokens, mmap_mode="r")
         except (OSError, ValueError) as e:
@@ -94,29 +96,29 @@ def _build(args) -> int:
 def _encoding_args(args):
     """(encoding, top_p, min_k) from --encoding / --top-p / --min-k / --samples: --top-p alone means the topp
     encoding, --samples alone the sampled one."""
-    encoding = args.encoding or ("topp" if args.top_p is not None else "sampled" if args.samples is not None
-                                 else "fp16")
-    if encoding == "sampled" and args.samples is None:
+    encoding = cache_encoding(args.encoding, args.top_p, args.samples)
+    problem = encoding_problem(encoding, args.top_p, args.min_k, args.samples, args.sample_seed)
+    if problem == "needs_samples":
         raise SystemExit("error: --encoding sampled stores N draws per position: add --samples N (e.g. 16)")
-    if encoding != "sampled" and (args.samples is not None or args.sample_seed is not None):
+    if problem == "not_sampled":
         raise SystemExit(f"error: --samples / --sample-seed need --encoding sampled (the {encoding} encoding stores "
                          "the teacher's top ids, not draws); drop --encoding, or drop --samples / --sample-seed")
-    if encoding == "topp" and args.top_p is None:
+    if problem == "needs_top_p":
         raise SystemExit("error: --encoding topp keeps the fewest ids holding a mass P: add --top-p P (e.g. 0.999)")
-    if encoding != "topp" and (args.top_p is not None or args.min_k is not None):
+    if problem == "fixed_k":
         raise SystemExit(f"error: --top-p / --min-k need --encoding topp (the {encoding} encoding stores K ids at "
                          "every position); drop --encoding, or drop --top-p / --min-k")
     return encoding, args.top_p, args.min_k
 
 
 def _top_k_arg(args, encoding):
-    """--top-k (default 100); a sampled cache holds at most --samples ids per position, so it takes no --top-k."""
+    """--top-k (default DEFAULT_TOP_K); a sampled cache holds at most --samples ids per position, so it takes no --top-k."""
     if encoding == "sampled":
         if args.top_k is not None:
             raise SystemExit("error: --top-k does not apply to --samples (a sampled cache holds the distinct ids of N "
                              "draws per position, at most N): drop --top-k")
         return None
-    return 100 if args.top_k is None else args.top_k
+    return DEFAULT_TOP_K if args.top_k is None else args.top_k
 
 
 def cmd_verify(args) -> int:
@@ -220,7 +222,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--tokens", help=".npy int array [num_samples, seq_length + 1]")
     b.add_argument("--dataset", help="module:function returning a token dataset (len and [i])")
     b.add_argument("--dataset-args", default="{}", help="JSON keyword arguments for the dataset factory")
-    b.add_argument("--top-k", type=int, default=None, help="default 100")
+    b.add_argument("--top-k", type=int, default=None, help=f"default {DEFAULT_TOP_K}")
     b.add_argument("--encoding", choices=["fp16", "compact", "topp", "sampled"], default=None,
                    help="default fp16; topp when --top-p is given, sampled when --samples is")
     b.add_argument("--samples", type=int, default=None, metavar="N",

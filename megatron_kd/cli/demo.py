@@ -4,6 +4,7 @@
     megatron-kd demo --small            # CI size (2 CPU cores: about 1 minute idle, 6 at load average 8)
     megatron-kd demo --out DIR --overwrite
     megatron-kd demo --recover          # then prune the teacher and win it back three ways (cli/recover.py)
+    megatron-kd demo --recover --quantize fp8   # or quantize it (PTQ) and win it back: QAT, QAD offline, online
 
 Seven stages, each printed as [demo i/7 STAGE] with the time so far and an estimate of the rest:
 1. data: tokenizes the documentation CPython ships (pydoc_data) with a byte-level BPE trained on it
@@ -86,12 +87,20 @@ def build_parser():
                    help="after the demo (run now, or the finished one in --out): prune its teacher to half its "
                         "layers and train the pruned model with CE only, offline top-K KD and online KD, "
                         "each on the students' samples and steps; recover.md in --out")
-    p.add_argument("--recover-lr", type=float, default=RECOVER_LR, metavar="LR",
-                   help=f"--recover: their peak learning rate (default {RECOVER_LR:g})")
+    p.add_argument("--recover-lr", type=float, default=None, metavar="LR",
+                   help=f"--recover: their peak learning rate (default {RECOVER_LR:g}; with --quantize "
+                        f"{QUANT_LR:g})")
+    p.add_argument("--quantize", default=None, metavar="FORMAT",
+                   help="--recover from the teacher fake-quantized as FORMAT by NVIDIA ModelOpt (quant.format: fp8, "
+                        "int8, int4_awq, w4a16_awq, w4a8_awq; nvfp4 on a GPU) instead of pruned: PTQ, then QAT "
+                        "(CE only), QAD offline (the demo's cache) and online; recover_FORMAT.md in --out")
+    p.add_argument("--calib-samples", type=int, default=64, metavar="N",
+                   help="--quantize: training samples the quantizers are calibrated on (default 64)")
     return p
 
 
 RECOVER_LR = 1e-3  # the pruned model starts trained: a third of the students' rate
+QUANT_LR = 1e-4    # the quantized teacher starts next to the teacher: small steps keep it there
 
 
 def settings_from(args) -> Settings:
@@ -112,7 +121,7 @@ def main(argv=None) -> int:
     quiet_megatron_warnings()
     s = settings_from(args)
     out = os.path.abspath(args.out)
-    problem = check_settings(Demo(out, s, progress=False))
+    problem = check_settings(Demo(out, s, progress=False)) or quantize_problem(args)
     if problem:
         print(f"megatron-kd demo: error: {problem}", file=sys.stderr)
         return 2
@@ -128,7 +137,20 @@ def main(argv=None) -> int:
     if rc or not args.recover:
         return rc
     from .recover import run as recover
-    return recover(demo, args.recover_lr)
+    lr = args.recover_lr if args.recover_lr is not None else QUANT_LR if args.quantize else RECOVER_LR
+    return recover(demo, lr, args.quantize, args.calib_samples)
+
+
+def quantize_problem(args) -> str | None:
+    """--quantize / --calib-samples checked before any stage runs (the demo runs on the CPU)."""
+    if args.quantize is None:
+        return None
+    if not args.recover:
+        return "--quantize FORMAT is a kind of --recover: add --recover"
+    if args.calib_samples < 1:
+        return f"--calib-samples={args.calib_samples} must be >= 1"
+    from ..recipe.checks import quant_problem
+    return quant_problem(args.quantize, cuda=False, key="--quantize")
 
 
 def finished_demo(out: str, s: Settings) -> bool:

@@ -6,7 +6,9 @@
 
 One node without --container or --slurm runs launch/torchrun.sh here; --container on one node runs the
 image with docker; --nodes > 1 (or --slurm) submits launch/slurm.sbatch. The per-node torchrun line shown
-under a dry run comes from launch/torchrun.sh itself (DRY_RUN=1), so what is printed is what runs.
+under a dry run comes from launch/torchrun.sh itself (DRY_RUN=1), so what is printed is what runs. The
+scripts are the checkout's launch/ folder, or, installed from a wheel, <prefix>/share/megatron-kd/launch/.
+The recipe is composed first: one that does not compose, or a key the schema lacks, stops here.
 """
 import argparse
 import math
@@ -18,9 +20,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout (megatron-kd is installed editable)
-TORCHRUN_SH = ROOT / "launch" / "torchrun.sh"
-SLURM_SBATCH = ROOT / "launch" / "slurm.sbatch"
+from ..recipe.compose import add_recipe_arguments, named_recipe
+
 # Recipe keys that point the train command at its checkpoint directory (save and load: resume when present).
 # launch/slurm.sbatch uses the same defaults (CKPT_SAVE_KEY, CKPT_LOAD_KEY).
 CKPT_KEYS = ("train.save", "train.load")
@@ -45,8 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megatron-kd launch", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n", 1)[1])
-    p.add_argument("recipe", help="recipe name in recipes/ (e.g. tiny_cpu) or a path to a recipe .yaml")
-    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. kd.top_k=64 parallel.tp=4")
+    add_recipe_arguments(p, "a shipped recipe's name (e.g. tiny_cpu) or a path to a recipe .yaml")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("--nodes", type=int, default=1, help="nodes (default 1; more than one submits to Slurm)")
     p.add_argument("--gpus-per-node", type=int, default=None,
@@ -64,12 +64,37 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_recipe(recipe: str) -> None:
-    """A recipe is a name in recipes/ or a .yaml path; a missing one exits with the list of known names."""
-    from ..recipe.compose import missing_recipe
-    problem = missing_recipe(recipe)
-    if problem:
-        raise SystemExit(f"megatron-kd launch: {problem}")
+def launch_script(name: str) -> Path:
+    """launch/NAME: in the checkout the package is imported from, else where a wheel installs it (pyproject's
+    data-files: <prefix>/share/megatron-kd/launch/); a missing one exits saying where it comes from."""
+    import importlib.util
+    from importlib import metadata
+    checkout = Path(importlib.util.find_spec("megatron_kd").origin).parent.parent / "launch" / name
+    if checkout.is_file():
+        return checkout
+    try:
+        files = metadata.distribution("megatron-kd").files or []
+    except metadata.PackageNotFoundError:
+        files = []
+    for f in files:
+        if f.name == name and f.parent.name == "launch" and Path(f.locate()).is_file():
+            return Path(f.locate()).resolve()
+    raise SystemExit(f"megatron-kd launch: launch/{name} is neither in a checkout beside the package nor installed "
+                     "under <prefix>/share/megatron-kd/launch; reinstall megatron-kd from its wheel or run from a "
+                     "checkout of the repository")
+
+
+def composed(a):
+    """The recipe composed with the overrides and checked against the schema; a recipe that does not compose,
+    or a key the schema lacks, exits in one sentence before any command runs."""
+    from ..recipe.compose import compose
+    from ..recipe.schema import RecipeError, to_recipe
+    try:
+        cfg = compose(a.recipe, a.overrides, save="/dev/null")
+        to_recipe(cfg)
+    except RecipeError as e:
+        raise SystemExit(f"megatron-kd launch: {e}") from None
+    return cfg
 
 
 def recipe_args(recipe: str) -> list:
@@ -98,7 +123,7 @@ def script(path: Path) -> str:
 
 def torchrun_line(args: list, env: dict) -> str:
     """Ask launch/torchrun.sh for the exact torchrun command it would run (DRY_RUN=1)."""
-    out = subprocess.run(["bash", str(TORCHRUN_SH), *args], env={**os.environ, **env, "DRY_RUN": "1"},
+    out = subprocess.run(["bash", str(launch_script("torchrun.sh")), *args], env={**os.environ, **env, "DRY_RUN": "1"},
                          check=True, capture_output=True, text=True)
     return out.stdout.strip()
 
@@ -106,7 +131,7 @@ def torchrun_line(args: list, env: dict) -> str:
 def plan_local(a) -> Plan:
     env = {"NPROC_PER_NODE": str(a.gpus_per_node)} if a.gpus_per_node else {}
     targs = ["train", *recipe_args(a.recipe), *a.overrides]
-    plan = Plan(["bash", script(TORCHRUN_SH), *targs], env)
+    plan = Plan(["bash", script(launch_script("torchrun.sh")), *targs], env)
     plan.notes.append("which runs: " + torchrun_line(targs, env))
     return plan
 
@@ -146,7 +171,7 @@ def plan_slurm(a) -> Plan:
         env["CONTAINER_MOUNTS"] = a.mounts
     argv = ["sbatch", f"--job-name={job}", f"--nodes={a.nodes}", f"--gpus-per-node={gpus}"]
     argv += [f"--{k}={v}" for k, v in (("partition", a.partition), ("account", a.account), ("time", a.time)) if v]
-    plan = Plan(argv + [script(SLURM_SBATCH), recipe, *a.overrides], env)
+    plan = Plan(argv + [script(launch_script("slurm.sbatch")), recipe, *a.overrides], env)
     # What each node runs: torchrun.sh's own dry run, with the values slurm.sbatch derives there as words.
     ckpt = f"{run_dir}/checkpoints"
     targs = ["train", *recipe_args(recipe), *a.overrides, *ckpt_overrides(run_dir)]
@@ -163,7 +188,7 @@ def plan_slurm(a) -> Plan:
 def make_plan(a) -> Plan:
     if a.nodes < 1 or (a.gpus_per_node is not None and a.gpus_per_node < 1):
         raise SystemExit("megatron-kd launch: --nodes and --gpus-per-node must be >= 1")
-    check_recipe(a.recipe)
+    cfg = composed(a)
     if a.nodes > 1 or a.slurm:
         plan = plan_slurm(a)
         workers = a.gpus_per_node or 8
@@ -174,22 +199,18 @@ def make_plan(a) -> Plan:
         plan = plan_local(a)
         m = re.search(r"--nproc-per-node (\d+)", plan.notes[-1])
         workers = int(m.group(1)) if m else None
-    plan.notes += recipe_warnings(a, None if workers is None else workers * a.nodes)
+    plan.notes += recipe_warnings(cfg, None if workers is None else workers * a.nodes)
     return plan
 
 
-def recipe_warnings(a, world: int | None) -> list:
-    """What the command would stop on, said before it runs: values the recipe leaves to the user (`???`) and a
-    world size its layout does not divide into."""
-    try:
-        from omegaconf import OmegaConf
-        from ..recipe.schema import Recipe
-        from ..recipe.compose import compose, missing_keys
-        cfg = compose(a.recipe, a.overrides, save="/dev/null")
-        missing = missing_keys(cfg)
-        par = OmegaConf.merge(OmegaConf.structured(Recipe).parallel, cfg.get("parallel", {}))
-    except Exception as e:  # noqa: BLE001  a dry run still prints the commands; train names the problem
-        return [f"warning: could not compose the recipe to check it ({str(e).splitlines()[0]})"]
+def recipe_warnings(cfg, world: int | None) -> list:
+    """What the command would stop on, said before it runs: values the composed recipe leaves to the user (`???`)
+    and a world size its layout does not divide into."""
+    from omegaconf import OmegaConf
+    from ..recipe.schema import Recipe
+    from ..recipe.compose import missing_keys
+    missing = missing_keys(cfg)
+    par = OmegaConf.merge(OmegaConf.structured(Recipe).parallel, cfg.get("parallel", {}))
     notes = []
     if missing:
         notes.append(f"warning: required, the recipe leaves them `???`: {', '.join(missing)}; pass them as "
@@ -204,7 +225,9 @@ def recipe_warnings(a, world: int | None) -> list:
 
 
 def main(argv=None) -> int:
-    a = build_parser().parse_intermixed_args(argv)
+    parser = build_parser()
+    a = parser.parse_intermixed_args(argv)
+    named_recipe(parser, a)
     plan = make_plan(a)
     print(plan.shell())
     for note in plan.notes:

@@ -4,8 +4,9 @@
     megatron-kd plan gpt-oss-20b --seq 32768 --ep 8 --dp 8
     megatron-kd plan gpt-oss-20b --seq 32768 --search 8          # every layout of 8 GPUs, fitting ones first
     megatron-kd plan gpt-oss-20b --seq 32768 --online gpt-oss-120b --teacher-loss dense --search 8,16,32,64
-    megatron-kd plan gpt_oss_20b_32k_8xh200 parallel.ep=4       # a recipe in recipes/, Hydra overrides
-    megatron-kd plan recipes/gpt_oss_20b_32k_4node_online.yaml --gpus 32
+    megatron-kd plan gpt_oss_20b_32k_8xh200 parallel.ep=4       # a shipped recipe, Hydra overrides
+    megatron-kd plan --config-name gpt_oss_20b_32k_4node_online --gpus 32    # as `megatron-kd train` names it
+    megatron-kd plan my_recipes/my_recipe.yaml --top-k 64
 
 A recipe is composed as `megatron-kd train` composes it and read as training reads it (megatron_kd.plan.recipe).
 The world size is not a recipe key: --gpus gives it (default: the smallest world the layout runs on), and the
@@ -21,6 +22,7 @@ from dataclasses import replace
 
 from ..plan.memory import GIB, H200_GIB, RESERVE_GIB, Training, plan_memory
 from ..plan.recipe import from_recipe, load_recipe, recipe_path
+from ..recipe.compose import add_recipe_arguments, named_recipe
 from ..plan.shapes import Layout, ModelShape, PRESETS, active_params, preset, total_params
 
 
@@ -28,8 +30,7 @@ def build_parser():
     p = argparse.ArgumentParser(prog="megatron-kd plan", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n", 1)[1])
-    p.add_argument("target", help=f"recipe name/path, or a model shape: {', '.join(PRESETS)}")
-    p.add_argument("overrides", nargs="*", help="recipe overrides (Hydra syntax), e.g. parallel.tp=2")
+    add_recipe_arguments(p, f"recipe name/path, or a model shape: {', '.join(PRESETS)}")
     g = p.add_argument_group("layout")
     names = {"tp": "tensor", "pp": "pipeline", "ep": "expert", "etp": "expert tensor", "cp": "context",
              "dp": "data"}
@@ -44,7 +45,7 @@ def build_parser():
     t.add_argument("--recompute", choices=("full", "selective", "none"), help="activation recompute granularity")
     t.add_argument("--recompute-layers", type=int, help="full recompute of only this many layers per stage")
     t.add_argument("--loss", choices=("fused", "chunked", "forward_chunked", "dense"), help="KD loss impl (kd.impl)")
-    t.add_argument("--topk", type=int, help="teacher top-K slots per position (kd.top_k)")
+    t.add_argument("--top-k", type=int, help="teacher top-K slots per position (kd.top_k)")
     t.add_argument("--online", nargs="?", const="", metavar="TEACHER",
                    help="online KD with a teacher shape in memory (default: the recipe's teacher)")
     t.add_argument("--teacher-loss", choices=("topk", "dense"), help="online: teacher top-K or dense logits")
@@ -69,8 +70,8 @@ def build_parser():
 def resolve(a):
     """(shape, layout, training) from the target and flags; recipe notes go to stderr."""
     rp = None
-    if recipe_path(a.target) is not None:
-        rp = from_recipe(load_recipe(a.target, a.overrides))
+    if recipe_path(a.recipe) is not None:
+        rp = from_recipe(load_recipe(a.recipe, a.overrides))
         shape, layout, tr, teacher = rp.shape, rp.layout, rp.training, rp.teacher
         a.cache_teacher = rp.cache_teacher
         for n in rp.notes:
@@ -79,9 +80,9 @@ def resolve(a):
         if a.overrides:
             raise SystemExit(f"megatron-kd plan: overrides {a.overrides} need a recipe, not a shape")
         try:
-            shape = preset(a.target)
+            shape = preset(a.recipe)
         except KeyError as e:
-            raise SystemExit(f"megatron-kd plan: {e.args[0]} (and no recipe {a.target!r} in recipes/)") from None
+            raise SystemExit(f"megatron-kd plan: {e.args[0]} (and no recipe {a.recipe!r} among the recipes)") from None
         layout, tr, teacher = Layout(), Training(), None
     if a.layers:
         shape = shape.with_(num_layers=a.layers, name=f"{shape.name} ({a.layers} layers)")
@@ -103,7 +104,7 @@ def resolve(a):
     tk = {}
     for k, f in (("seq", "seq_len"), ("mbs", "micro_batch"), ("micro_batches", "num_microbatches"),
                  ("recompute", "recompute"), ("recompute_layers", "recompute_layers"), ("loss", "loss"),
-                 ("topk", "topk"), ("teacher_loss", "teacher_loss"), ("adam", "adam_impl")):
+                 ("top_k", "topk"), ("teacher_loss", "teacher_loss"), ("adam", "adam_impl")):
         if getattr(a, k) is not None:
             tk[f] = getattr(a, k)
     if a.recompute is not None and a.recompute != "full" and a.recompute_layers is None:
@@ -201,7 +202,9 @@ def _config_errors() -> tuple:
 
 
 def main(argv=None) -> int:
-    a = build_parser().parse_args(argv)
+    parser = build_parser()
+    a = parser.parse_intermixed_args(argv)
+    named_recipe(parser, a)
     try:
         shape, layout, tr = resolve(a)
         if a.search:
@@ -233,7 +236,7 @@ def main(argv=None) -> int:
     if not fits:
         from ..plan.fit import find_fix, refusal
         fix = find_fix(shape, layout, p.training, a.gpu_gib, a.reserve_gib)
-        why = refusal(p, fix, a.gpu_gib, a.reserve_gib, recipe=recipe_path(a.target) is not None)
+        why = refusal(p, fix, a.gpu_gib, a.reserve_gib, recipe=recipe_path(a.recipe) is not None)
     build = None
     if getattr(a, "cache_teacher", None) is not None:
         from ..plan.memory import GIB, cache_build_peak

@@ -1,16 +1,18 @@
 """`megatron-kd train`: distill a student from a Hydra recipe (offline / online / ce).
 
-    megatron-kd train                                           # recipes/tiny_cpu.yaml
+    megatron-kd train                                           # the tiny_cpu recipe
     megatron-kd train --config-name tiny_cpu kd=ce train.iters=50
     megatron-kd train --config-name RECIPE --cfg job            # print the full resolved recipe, run nothing
     megatron-kd train -m kd.cache=runs/tiny_cache kd.divergence=forward_kl,reverse_kl,jsd train.lr=1e-3,3e-3
                                                                 # a sweep: 6 runs, one cache (Hydra multirun)
     NPROC_PER_NODE=2 launch/torchrun.sh train --config-name tiny_cpu parallel=tp2
 
-A Hydra app over recipes/ (or $MEGATRON_KD_RECIPES; --config-path for a recipe elsewhere). Outputs go to
+A Hydra app over the recipes shipped in the package (megatron_kd/recipes/, Hydra's pkg://megatron_kd.recipes; or
+$MEGATRON_KD_RECIPES; --config-path for a recipe elsewhere). Outputs go to
 train.save (default: the Hydra run dir, runs/<recipe>): checkpoints, metrics.jsonl, summary.json. A run that
 finds a checkpoint there resumes from it. `--cfg job` prints every key of the schema, with its default where
-the recipe leaves it out; recipes/README.md documents every key. Hydra's own flags: --hydra-help.
+the recipe leaves it out; recipes/README.md documents every key. A key that is not in the schema (`kd.topk=3`)
+is refused, naming the keys of its section. Hydra's own flags: --hydra-help.
 
 -m (--multirun) runs one training per combination of the comma-separated values, one after the other, each in
 its own directory hydra.sweep.dir/N (default runs/<recipe>_sweep/0, 1, ...; N: hydra.job.num), all reading one
@@ -21,33 +23,6 @@ tables and plots the runs.
 import sys
 
 USAGE_ERROR = 2
-PRINT_FLAGS = ("--cfg", "-c")
-
-
-def _flag_value(argv: list, names: tuple):
-    """The value of `--name VALUE` / `--name=VALUE` (last one wins), else None."""
-    value = None
-    for i, a in enumerate(argv):
-        for n in names:
-            if a == n and i + 1 < len(argv):
-                value = argv[i + 1]
-            elif a.startswith(n + "="):
-                value = a.split("=", 1)[1]
-    return value
-
-
-def _overrides(argv: list) -> list:
-    """Hydra overrides: the words that are not flags or flag values."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a.startswith("-"):
-            skip = "=" not in a and a in ("--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd",
-                                          "--cfg", "-c", "--package", "-p")
-        else:
-            out.append(a)
-    return out
 
 
 def main(argv=None) -> int:
@@ -56,99 +31,48 @@ def main(argv=None) -> int:
         print(__doc__.rstrip())
         return 0
     from ..runtime.quiet import quiet_megatron_warnings
-    from ..recipe.compose import recipes_dir, schema_overrides
     quiet_megatron_warnings()
-    from ..recipe.compose import missing_recipe
-    name = _flag_value(argv, ("--config-name", "-cn")) or "tiny_cpu"
-    config_path = _flag_value(argv, ("--config-path", "-cp"))
-    if config_path is None:
-        problem = missing_recipe(name, recipes_dir())
-        if problem:
-            print(f"megatron-kd train: error: {problem}", file=sys.stderr)
-            return USAGE_ERROR
-    problem = unknown_section(_overrides(argv))
+    from hydra._internal.utils import _run_hydra, get_args_parser
+    from ..recipe.compose import search_path
+    from ..runtime.interrupt import run_interruptible
+    parser = get_args_parser()
+    args = parser.parse_args(argv)
+    problem = preflight(args.config_name or "tiny_cpu", args.config_path, args.overrides)
     if problem:
         print(f"megatron-kd train: error: {problem}", file=sys.stderr)
         return USAGE_ERROR
-    if _flag_value(argv, PRINT_FLAGS) == "job" and "--package" not in argv and "-p" not in argv:
-        return print_job(name, config_path, _overrides(argv))
-    from ..recipe.checks import recipe_file_error
-    problem = recipe_file_error(name, config_path, _overrides(argv), recipes_dir())
-    if problem:  # before Hydra, which prints the YAML parser's traceback (and no file name for binary content)
-        print(f"megatron-kd train: error: {problem}", file=sys.stderr)
-        return USAGE_ERROR
-    if any(a in PRINT_FLAGS or a.startswith("--cfg=") for a in argv) and "--resolve" not in argv:
-        argv.append("--resolve")  # print values, not interpolations
-    import hydra
-
+    if args.cfg:
+        args.resolve = True  # print values, not interpolations
     box = {"rc": 0}
 
-    @hydra.main(config_path=str(recipes_dir()), config_name="tiny_cpu", version_base="1.3")
     def app(cfg):
         box["rc"] = max(box["rc"], run_config(cfg))  # a sweep: the worst of its runs
 
-    saved = sys.argv
-    sys.argv = ["megatron-kd train"] + schema_overrides(argv)
-    from ..runtime.interrupt import run_interruptible
-
     def call() -> int:
-        app()
+        # what @hydra.main does with sys.argv, done with this argument list
+        _run_hydra(args=args, args_parser=parser, task_function=app, config_path=search_path(),
+                   config_name="tiny_cpu")
         return box["rc"]
-    try:
-        return run_interruptible(call, "the last saved checkpoint is kept")
-    finally:
-        sys.argv = saved
+    return run_interruptible(call, "the last saved checkpoint is kept")
 
 
-def unknown_section(overrides: list) -> str | None:
-    """An override whose first word is no recipe section, named with the valid ones. Hydra's own answer for
-    `trian.iters=5` is to append it as `+trian.iters=5`, which the schema then refuses."""
-    import difflib
-    from ..recipe.compose import SECTIONS
-    for o in overrides:
-        key = o.split("=", 1)[0].lstrip("+~")
-        top = key.split(".", 1)[0].split("/", 1)[0].split("@", 1)[0]
-        if top in SECTIONS or top == "hydra":
-            continue
-        close = difflib.get_close_matches(top, SECTIONS, n=1)
-        hint = f" (did you mean {o.replace(top, close[0], 1)}?)" if close else ""
-        return f"{o!r} names no recipe section: {top!r} is none of {', '.join(SECTIONS)}{hint}"
-    return None
-
-
-def print_job(name: str, config_path, overrides: list) -> int:
-    """`--cfg job`: the recipe merged onto the schema (every key the run reads, defaults included), resolved;
-    `???` marks a value the user must give. Hydra's own `--cfg job` prints only the keys the yaml files set."""
+def preflight(name: str, config_path, overrides: list) -> str | None:
+    """Why the recipe NAME (in --config-path, else the recipes) with these overrides does not compose or does not
+    pass the schema, in one sentence; None when it does. A sweep is checked with the first value of each swept key.
+    Hydra would otherwise print its own multi-line report (or the YAML parser's traceback) and exit 1."""
     from pathlib import Path
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-    from ..recipe.schema import Recipe, RecipeError, _schema_error
-    from ..recipe.compose import compose
+    from ..recipe.checks import recipe_file_error
+    from ..recipe.compose import compose, first_of_each_sweep, recipes_dir
+    from ..recipe.schema import RecipeError, to_recipe
     target = str(Path(config_path) / f"{name}.yaml") if config_path else name
     try:
-        cfg = compose(target, overrides)
-        if "hydra" in cfg:
-            cfg = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])
-        try:
-            merged = OmegaConf.merge(OmegaConf.structured(Recipe), cfg)
-        except OmegaConfBaseException as e:
-            raise _schema_error(e) from None
-        _keep_missing(cfg, merged)
+        overrides = first_of_each_sweep(overrides)
+        to_recipe(compose(target, overrides))
     except RecipeError as e:
-        print(f"megatron-kd train: error: {e}", file=sys.stderr)
-        return USAGE_ERROR
-    print(OmegaConf.to_yaml(merged, resolve=True), end="")
-    return 0
-
-
-def _keep_missing(src, dst) -> None:
-    """OmegaConf's merge lets a schema default win over `???`; put the recipe's `???` back (a required value)."""
-    from omegaconf import DictConfig, OmegaConf
-    for k in src.keys():
-        if OmegaConf.is_missing(src, k):
-            dst[k] = "???"
-        elif isinstance(src[k], DictConfig) and isinstance(dst.get(k), DictConfig):
-            _keep_missing(src[k], dst[k])
+        return recipe_file_error(name, config_path, overrides, recipes_dir()) or str(e)
+    except Exception as e:  # noqa: BLE001  an override Hydra's parser refuses: its own first line
+        return str(e).strip().splitlines()[0]
+    return None
 
 
 def run_config(cfg) -> int:

@@ -11,6 +11,7 @@ import os
 import torch
 
 from ..cache.hashing import tokenizer_id
+from ..recipe.checks import CACHE_FIELD_KEYS
 from ..recipe.schema import DataConfig, KDConfig, RecipeError, TrainConfig
 
 EOD_TOKEN = "<|endoftext|>"
@@ -259,17 +260,10 @@ def check_cache(reader, kd: KDConfig, d: DataConfig, train_ds, vocab_size: int, 
     try:
         captured = kd.capture_temperature  # re-tempering
         reader.check_compatible(vocab_size=vocab_size, top_k=kd.top_k, temperature=captured,
-                                seq_length=d.seq_length, tail=kd.tail, divergence=kd.divergence,
-                                train_temperature=kd.temperature)
+                                seq_length=d.seq_length, keys=CACHE_FIELD_KEYS, tail=kd.tail,
+                                divergence=kd.divergence, train_temperature=kd.temperature)
     except CacheError as e:
-        msg = str(e).replace("top_k: the run", "kd.top_k: the run").replace("temperature: the cache",
-                                                                          "kd.temperature: the cache")
-        for key in ("tail", "divergence", "cache_temperature"):
-            msg = msg.replace(f"\n  {key}: ", f"\n  kd.{key}: ")
-        msg = msg.replace("\n  top_k: the run asks", "\n  kd.top_k: the run asks")
-        msg = msg.replace("seq_length: the cache", "data.seq_length: the cache").replace(
-            "vocabulary: the teacher", "data.tokenizer / data.vocab_size: the teacher")
-        raise RecipeError(f"kd.cache={kd.cache}: {msg}") from None
+        raise RecipeError(f"kd.cache={kd.cache}: {e}") from None
     if len(reader) < needed:
         raise RecipeError(f"kd.cache={kd.cache} holds {len(reader)} samples, the run needs {needed} "
                           "(train.iters x train.global_batch_size); lower train.iters or rebuild the cache with "

@@ -4,14 +4,12 @@ Bridge). Every error names the recipe key and the fix."""
 import json
 import os
 
+from ..errors import HFCheckpointError
+
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 BRIDGE_INSTALL = ("Megatron-Bridge 0.6.2 (`pip install megatron-bridge==0.6.2` under Python >= 3.12, with "
                   "megatron-core 0.19.2 and transformers; or run in the NeMo container, docker/Dockerfile)")
-
-
-class HFCheckpointError(ValueError):
-    """A Hugging Face checkpoint that cannot be used as asked; the message names the key and the fix."""
 
 
 def bridge_available() -> bool:

@@ -209,10 +209,9 @@ def _divergence_grad(st: ChunkStats, t: Targets, opts: LossOptions):
 
 def chunk_loss(st: ChunkStats, t: Targets, opts: LossOptions) -> torch.Tensor:
     """Per-position loss [C] (unweighted)."""
-    T = float(opts.temperature)
     loss = torch.zeros_like(st.lse)
     if opts.needs_kl:
-        loss = loss + (T * T * opts.kl_weight) * divergence_per_row(st, t, opts)
+        loss = loss + opts.kl_scale * divergence_per_row(st, t, opts)
     if opts.needs_ce:
         loss = loss + opts.ce_weight * (st.lse1 - st.zy)
     return loss

@@ -3,7 +3,7 @@ Bridge's `kd` section and the loss call)."""
 from dataclasses import dataclass, fields
 from typing import Optional
 
-from ..parallel.limits import temperature_problem
+from ..rules import same_temperature, temperature_problem
 
 TAILS = ("none", "renormalize", "bucket")
 REDUCTIONS = ("mean", "sum", "none")
@@ -42,6 +42,13 @@ class KDLoss:
         """The temperature the teacher's cache is captured at: cache_temperature when set (the loss re-tempers it
         to `temperature`), else `temperature`."""
         return self.temperature if self.cache_temperature is None else self.cache_temperature
+
+    @property
+    def kl_scale(self) -> float:
+        """The divergence term's factor in the loss: T^2 x kl_weight (T^2 keeps the gradient's size the same
+        across temperatures, as in Hinton et al.)."""
+        t = float(self.temperature)
+        return t * t * float(self.kl_weight)
 
     def loss_options(self, **overrides) -> "LossOptions":
         """The checked LossOptions of these keys (ValueError naming the key when one is wrong)."""
@@ -101,6 +108,6 @@ class LossOptions(KDLoss):
     @property
     def retemper(self) -> float | None:
         """T0 / T when the cache's log-probs must be re-tempered, else None."""
-        if self.cache_temperature is None or float(self.cache_temperature) == float(self.temperature):
+        if self.cache_temperature is None or same_temperature(self.cache_temperature, self.temperature):
             return None
         return float(self.cache_temperature) / float(self.temperature)

@@ -6,7 +6,7 @@ attention swapped for torch SDPA (flash attention on GPU, so 32K sequences fit w
 import torch
 import torch.nn.functional as F
 
-from ..recipe.checks import padded_vocab_size
+from ..rules import padded_vocab_size
 from ..recipe.schema import ModelConfig, ParallelConfig
 from ..runtime.features import te_available
 
@@ -105,8 +105,8 @@ def build_gpt(m: ModelConfig, p: ParallelConfig, vocab_size: int, seq_length: in
     from ..runtime.te_compat import build_with_te_wgrad_fusion
     kw = {} if vp_stage is None else {"vp_stage": vp_stage}
     model = build_with_te_wgrad_fusion(config, lambda: GPTModel(
-        config, layer_spec(m), vocab_size=padded_vocab_size(vocab_size, m, p.tp), max_sequence_length=seq_length,
-        pre_process=pre_process, post_process=post_process, parallel_output=True,
+        config, layer_spec(m), vocab_size=padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, p.tp),
+        max_sequence_length=seq_length, pre_process=pre_process, post_process=post_process, parallel_output=True,
         share_embeddings_and_output_weights=m.tie_embeddings, position_embedding_type=m.position_embedding_type,
         rotary_percent=m.rotary_percent, rotary_base=m.rotary_base, **rope_scaling_kwargs(m), **kw))
     set_rope_scaling(model, m)

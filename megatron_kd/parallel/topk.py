@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from .comm import all_reduce_max, all_reduce_sum, group_size
-from .limits import rows_per_chunk, temperature_problem
+from ..rules import temperature_problem, top_k_fits
+from .limits import rows_per_chunk
 from .vocab import VocabShard
 
 _LOW = 1 << 32
@@ -166,7 +167,7 @@ def _shard_and_k(local_rows, k, group, vocab_start_index, temperature, valid_voc
         raise ValueError(f"temperature={temperature} {problem}")
     shard = VocabShard.build(local_rows, group, vocab_start_index, valid_vocab_size)
     k = int(k)
-    if not 1 <= k <= shard.valid_size:
+    if not top_k_fits(k, shard.valid_size):
         raise ValueError(f"k={k} must be in [1, {shard.valid_size}] (the valid vocabulary size)")
     return shard, k
 

@@ -7,8 +7,8 @@
 `megatron-kd plan RECIPE_OR_SHAPE [--tp --ep --pp --cp --dp --seq --recompute --online ...]` prints it.
 """
 from .memory import GIB, H200_GIB, RESERVE_GIB, Plan, Training, layer_activations, loss_buffers, plan_memory
-from .shapes import PRESETS, Layout, ModelShape, active_params, padded_vocab, param_counts, preset, total_params
+from .shapes import PRESETS, Layout, ModelShape, active_params, param_counts, preset, total_params
 
 __all__ = ["GIB", "H200_GIB", "RESERVE_GIB", "Plan", "Training", "layer_activations", "loss_buffers", "plan_memory",
-           "PRESETS", "Layout", "ModelShape", "active_params", "padded_vocab", "param_counts", "preset",
+           "PRESETS", "Layout", "ModelShape", "active_params", "param_counts", "preset",
            "total_params"]

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field, replace
 
 from ..parallel.limits import LOGITS_PER_CHUNK
 from .attention_bytes import attention_activation_bytes
-from .shapes import Layout, ModelShape, padded_vocab, param_counts
+from ..rules import DEFAULT_TOP_K, padded_vocab_size
+from .shapes import Layout, ModelShape, param_counts
 
 GIB = float(1 << 30)
 RESERVE_GIB = 3.0          # CUDA context, NCCL buffers, allocator rounding: not in max_memory_allocated
@@ -59,12 +60,13 @@ class Training:
     loss: str = "fused"                # our impls (loss_impls())
     main_grad_fusion: bool = True      # fused loss accumulates the output weight grad into main_grad
     mode: str = "offline"              # offline (cache) | online (teacher in memory) | ce
-    topk: int = 100
+    topk: int = DEFAULT_TOP_K
     teacher: ModelShape | None = None  # online: same TP/PP/EP layout as the student
     teacher_loss: str = "topk"         # online: "topk" (teacher top-K chunk by chunk + our loss) | "dense"
     cache_buffers: int = 2             # top-K batches resident on the GPU (current + prefetched)
     swiglu_fusion: bool = False        # Megatron's bias_activation_fusion (torch.compile'd SwiGLU)
     fused_norm: bool = True            # CUDA's fused RMSNorm (False: torch's composite CPU path, for CPU checks)
+    quant: str = "none"                # quant.format: ModelOpt's quantizers on every linear but the output layer
 
     def check(self) -> None:
         if self.recompute not in RECOMPUTE:
@@ -222,7 +224,7 @@ def loss_buffers(shape: ModelShape, lay: Layout, tr: Training, T: int) -> dict:
     """Loss working set on the last stage: {'fwd': bytes at the loss forward, 'held': kept into backward,
     'bwd': peak inside the loss backward, 'tail': held until the embedding backward (tied dummy grad)}."""
     t, h = lay.tp, shape.hidden_size
-    vloc = padded_vocab(shape.vocab_size, t, lay.vocab_divisible_by) // t
+    vloc = padded_vocab_size(shape.vocab_size, lay.vocab_divisible_by, t) // t
     K = tr.topk
     gath = 2 * T * h if lay.sp else 0                  # the loss gathers the sequence-parallel hidden states
     targets = T * K * (8 + 4 + 1 + 8) + T * 16         # ids, log-probs, valid mask, local slot index, weights
@@ -275,7 +277,7 @@ def teacher_forward_peak(teacher: ModelShape, lay: Layout, tr: Training, T: int,
     act = layer_activations(teacher, lay, T, teacher.is_moe)
     fused = exact_fusions and teacher.activation == "swiglu" and not teacher.is_moe and not teacher.add_bias_linear
     layer = max(act.values()) * (1.5 if fused else 3) + 4 * (T // t if lay.sp else T) * h
-    vloc = padded_vocab(teacher.vocab_size, t, lay.vocab_divisible_by) // t
+    vloc = padded_vocab_size(teacher.vocab_size, lay.vocab_divisible_by, t) // t
     if tr.teacher_loss == "dense":
         out = T * vloc * (2 + 4 + 4)                    # bf16 logits, fp32 copy, log-softmax
     else:
@@ -351,6 +353,11 @@ def _add_static(p: Plan, pc, osh: _OptimizerSharding) -> float:
     else:
         _add(p, "static", "optimizer", 12 * pc.dense / osh.dsh + 12 * pc.expert / osh.esh,
              f"fp32 main params + Adam m, v; dense / {osh.dsh}" + (f", experts / {osh.esh}" if pc.expert else ""))
+    if tr.quant != "none":
+        lins = [x for i in range(p.stage * pc.layers, (p.stage + 1) * pc.layers)
+                for x in _linears(p.shape, p.layout, p.shape.is_moe and i % p.shape.moe_layer_freq == 0)]
+        _add(p, "static", "quantizer state", quantizer_bytes(tr.quant, lins),
+             f"ModelOpt {tr.quant}: amax / AWQ scales of {len(lins)} linear layers (fp32)")
     if tr.mode == "online":
         tpc = param_counts(tr.teacher, p.layout, p.stage)
         _add(p, "static", "teacher weights", 2 * tpc.total, f"bf16 {tr.teacher.name}, no grads")
@@ -358,6 +365,42 @@ def _add_static(p: Plan, pc, osh: _OptimizerSharding) -> float:
         _add(p, "static", "cache reader", tr.cache_buffers * T * tr.topk * 12,
              f"{tr.cache_buffers} x top-{tr.topk} batches (int64 ids + fp32 log-probs)")
     return p.group_bytes("static")
+
+
+def _linears(shape: ModelShape, lay: Layout, moe: bool) -> list:
+    """(in, out, count) of one layer's linear layers on one rank (the ones ModelOpt quantizes)."""
+    t, h, kv = lay.tp, shape.hidden_size, shape.kv_channels
+    g = 2 if shape.gated_mlp else 1
+    out = [(h, (shape.num_attention_heads + 2 * shape.num_query_groups) * kv // t, 1),
+           (shape.num_attention_heads * kv // t, h, 1)]
+    if moe:
+        f, n = shape.moe_ffn_hidden_size // lay.expert_tp, shape.num_moe_experts // lay.ep
+        out += [(h, g * f, n), (f, h, n)]
+        if shape.moe_shared_expert_intermediate_size:
+            f = shape.moe_shared_expert_intermediate_size // t
+            out += [(h, g * f, 1), (f, h, 1)]
+    else:
+        out += [(h, g * shape.ffn_hidden_size // t, 1), (shape.ffn_hidden_size // t, h, 1)]
+    return out
+
+
+def quantizer_bytes(fmt: str, linears) -> int:
+    """fp32 buffers of ModelOpt's quantizers over `linears` ((in, out, count) each): per-tensor amax (fp8, nvfp4:
+    its block scales are computed on the fly), per-output-channel weight amax (int8), per-128-block weight amax plus
+    the AWQ pre-quant scale per input channel (int4_awq / w4a16_awq / w4a8_awq; w4a8's weights pass a second, fp8
+    per-tensor stage); activations' amax per tensor."""
+    total = 0
+    for i, o, n in linears:
+        if fmt in ("fp8", "nvfp4"):
+            e = 2
+        elif fmt == "int8":
+            e = o + 1
+        elif fmt in ("int4_awq", "w4a16_awq", "w4a8_awq"):
+            e = o * -(-i // 128) + i + 2 * (fmt == "w4a8_awq")  # w4a8: fp8 weight stage + activations
+        else:
+            e = 0
+        total += 4 * e * n
+    return total
 
 
 def _stage_layers(p: Plan, pc) -> tuple[list, list]:

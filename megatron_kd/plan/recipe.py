@@ -1,7 +1,8 @@
-"""Read a `megatron-kd train` recipe (recipes/NAME.yaml, the schema of recipes/README.md) into what the plan needs.
+"""Read a `megatron-kd train` recipe (a shipped recipe by name or a .yaml path; the schema of recipes/README.md)
+into what the plan needs.
 
-The recipe is composed exactly as training composes it (megatron_kd.recipe.compose.compose: Hydra's compose API,
-`section.key=value` overrides as `++section.key=value`, train.save set so `${hydra:run.dir}` never resolves), its
+The recipe is composed exactly as training composes it (megatron_kd.recipe.compose.compose: Hydra's compose API
+over the schema, so a key the schema lacks is refused by name, train.save set so `${hydra:run.dir}` never resolves), its
 `???` placeholders (kd.cache, data.path: irrelevant to memory) become null, and it is merged into the schema
 dataclasses of megatron_kd.recipe.schema (to_recipe: schema defaults for missing keys, unknown keys refused).
 Every key is then read as megatron_kd/models/builder.py and optim/setup.py read it:
@@ -25,6 +26,7 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ..rules import DEFAULT_TOP_K
 from .memory import Training, loss_impls
 from .shapes import Layout, ModelShape
 
@@ -53,13 +55,13 @@ def _missing_to_none(cfg) -> None:
 
 
 def _cache_top_k(kd, notes: list) -> int:
-    """kd.top_k=null trains with the cache's K: read it from a finished cache, else plan for K=100."""
+    """kd.top_k=null trains with the cache's K: read it from a finished cache, else plan for the default K."""
     from megatron_kd.cache.format import MANIFEST, is_finished
     if is_finished(kd.cache):
         with open(Path(kd.cache) / MANIFEST) as f:
             return int(json.load(f)["top_k"])
-    notes.append("kd.top_k=null (the cache's K) and no finished cache at kd.cache: planned at K=100")
-    return 100
+    notes.append(f"kd.top_k=null (the cache's K) and no finished cache at kd.cache: planned at K={DEFAULT_TOP_K}")
+    return DEFAULT_TOP_K
 
 
 def load_recipe(name: str, overrides=()):
@@ -69,7 +71,7 @@ def load_recipe(name: str, overrides=()):
     from megatron_kd.recipe.compose import compose, recipes_dir
     path = recipe_path(name)
     if path is None:
-        raise FileNotFoundError(f"no recipe {name!r} (recipes/NAME or a .yaml path)")
+        raise FileNotFoundError(f"no recipe {name!r} (a shipped recipe's name or a .yaml path)")
     target = str(path.resolve()) if Path(name).suffix in (".yaml", ".yml") or path.parent != recipes_dir() \
         else path.stem
     cfg = compose(target, list(overrides), save="runs/plan")
@@ -212,7 +214,7 @@ def from_recipe(r) -> RecipePlan:
     tr = dict(seq_len=d.seq_length, micro_batch=t.micro_batch_size, recompute=rc, recompute_layers=rc_layers,
               distributed_optimizer=bool(p.use_distributed_optimizer), grad_fp32=True, optimizer=t.optimizer,
               moment_bytes=tuple(2 if x == "bf16" else 4 for x in (t.exp_avg_dtype, t.exp_avg_sq_dtype)),
-              mode=kd.mode, topk=kd.top_k or _cache_top_k(kd, notes))
+              mode=kd.mode, topk=kd.top_k or _cache_top_k(kd, notes), quant=r.quant.format)
     if kd.impl in loss_impls():
         tr["loss"] = kd.impl
     elif kd.impl != "auto":

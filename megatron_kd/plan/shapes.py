@@ -9,6 +9,8 @@ tests/plan/test_plan.py checks these counts against real GPTModels built on CPU.
 """
 from dataclasses import asdict, dataclass, field, replace
 
+from ..rules import padded_vocab_size
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -19,7 +21,7 @@ class ModelShape:
     num_query_groups: int        # GQA groups (kv heads)
     kv_channels: int             # head dim
     ffn_hidden_size: int         # dense MLP width (per gate: SwiGLU's fc1 is [2 * ffn_hidden_size, hidden_size])
-    vocab_size: int              # tokenizer vocabulary (Megatron pads it, see padded_vocab)
+    vocab_size: int              # tokenizer vocabulary (Megatron pads it: rules.padded_vocab_size)
     tie_embeddings: bool = False
     activation: str = "swiglu"   # swiglu (gated) | gelu | squared_relu
     normalization: str = "RMSNorm"  # RMSNorm (weight) or LayerNorm (weight + bias)
@@ -148,12 +150,6 @@ class Layout:
             raise ValueError(f"ep={self.ep} needs an MoE model; {shape.name} is dense")
 
 
-def padded_vocab(vocab: int, tp: int = 1, divisible_by: int = 128) -> int:
-    """Megatron-LM's padding: a multiple of divisible_by * tp (so every TP shard has the same width)."""
-    q = max(1, divisible_by) * tp
-    return -(-vocab // q) * q
-
-
 @dataclass
 class ParamCounts:
     """Parameters held by one rank (elements), by how the optimizer shards them."""
@@ -212,7 +208,7 @@ def param_counts(shape: ModelShape, layout: Layout = Layout(), stage: int = 0) -
     """Exact parameter elements on one rank of pipeline stage `stage` (Megatron GPTModel, local/TE spec)."""
     layout.check(shape)
     t, h = layout.tp, shape.hidden_size
-    vloc = padded_vocab(shape.vocab_size, t, layout.vocab_divisible_by) // t
+    vloc = padded_vocab_size(shape.vocab_size, layout.vocab_divisible_by, t) // t
     per = shape.num_layers // layout.pp
     first, last = stage == 0, stage == layout.pp - 1
     pc = ParamCounts(layers=per, vocab_local=vloc)

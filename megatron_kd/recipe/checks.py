@@ -11,9 +11,12 @@ import torch
 import torch.distributed as dist
 
 from ..kernels import fused_unavailable
+from ..rules import encoding_problem, padded_vocab_size, same_temperature, top_k_fits
 from ..runtime.features import apex_available, te_available
 from .resume_keys import resume_keys_all
-from .schema import ATTENTION_BACKENDS, FP8_FORMATS, FP8_RECIPES, MODES, PRECISIONS, ModelConfig, Recipe, RecipeError
+from .schema import (ATTENTION_BACKENDS, FP8_FORMATS, FP8_RECIPES, MODES, PRECISIONS, QUANT_CUDA_ONLY, QUANT_FORMATS,
+                     ModelConfig, Recipe, RecipeError)
+from .targets import TargetSource
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -75,19 +78,13 @@ def check_fp8(m: ModelConfig, section: str) -> None:
               f"is {major}.x); use {section}.fp8_recipe=tensorwise, delayed or blockwise")
 
 
-def padded_vocab_size(vocab_size: int, m: ModelConfig, tp: int) -> int:
-    """Megatron's rule: round up to a multiple of make_vocab_size_divisible_by x TP."""
-    step = m.make_vocab_size_divisible_by * tp
-    return -(-vocab_size // step) * step
-
-
 def check_vocab(vocab_size: int, m: ModelConfig, section: str, tp: int) -> int:
     if m.make_vocab_size_divisible_by == 1 and vocab_size % tp:
         raise RecipeError(f"the vocabulary ({vocab_size} ids: data.tokenizer / data.vocab_size) does not divide by "
                           f"parallel.tp={tp}, and {section}.make_vocab_size_divisible_by=1 asks for no padding; set "
                           f"{section}.make_vocab_size_divisible_by (e.g. 128): Megatron pads the vocabulary and the "
                           "padding rows stay out of the loss")
-    padded = padded_vocab_size(vocab_size, m, tp)
+    padded = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, tp)
     _need(padded % tp == 0, f"the padded vocabulary {padded} ({section}.make_vocab_size_divisible_by="
           f"{m.make_vocab_size_divisible_by}) must divide by parallel.tp={tp}")
     return padded
@@ -118,29 +115,56 @@ def check_recipe(r: Recipe, world_size: int | None = 1, cuda: bool = False) -> N
     _check_data(r)
     _check_train(r)
     _check_fused(r, cuda)
+    _need(r.quant.calib_samples >= 1, f"quant.calib_samples={r.quant.calib_samples} must be >= 1")
+    problem = quant_problem(r.quant.format, cuda)
+    _need(problem is None, problem)
+    _need(r.quant.format == "none" or (p.pp == 1 and not p.vpp), f"quant.format={r.quant.format} with parallel.pp="
+          f"{p.pp}: a quantized student trains under TP and DP, not pipeline stages (each stage's quantizers would "
+          "need their own state); set parallel.pp=1")
+    _need(r.quant.format == "none" or not r.model.fp8, f"quant.format={r.quant.format} with model.fp8="
+          f"{r.model.fp8}: ModelOpt's fake quantization and Transformer Engine's FP8 would both quantize the same "
+          "linear layers; set model.fp8=null")
     if not cuda:
         _check_cpu(r)
     if world_size is not None:
         check_world(r, world_size)
 
 
+def quant_problem(fmt: str, cuda: bool, key: str = "quant.format") -> str | None:
+    """Why the student cannot be quantized as `fmt` here (one sentence naming `key`), or None."""
+    if fmt not in QUANT_FORMATS:
+        return f"{key}={fmt!r}: use one of {', '.join(QUANT_FORMATS)}"
+    if fmt == "none":
+        return None
+    if fmt in QUANT_CUDA_ONLY and not cuda:
+        runs = ", ".join(f for f in QUANT_FORMATS if f not in QUANT_CUDA_ONLY and f != "none")
+        return (f"{key}={fmt} needs a CUDA GPU (ModelOpt fake-quantizes {fmt} on CUDA tensors only); on this "
+                f"machine use one of {runs}")
+    import importlib.util
+    if importlib.util.find_spec("modelopt") is None:
+        return f"{key}={fmt} needs NVIDIA ModelOpt: pip install 'megatron-kd[quant]' (nvidia-modelopt)"
+    return None
+
+
 def _check_kd(r: Recipe) -> None:
     """The kd section: mode, K, the teacher or cache it needs, the loss keys."""
     kd, p = r.kd, r.parallel
-    _need(kd.mode in MODES, f"kd.mode={kd.mode!r}: use one of {MODES}")
-    if kd.mode == "online" or (kd.mode == "offline" and kd.build_cache and kd.cache_encoding != "sampled"):
+    src = TargetSource.of(kd)
+    _need(src.known, f"kd.mode={kd.mode!r}: use one of {MODES}")
+    # a sampled cache's K is its number of draws (kd.cache_samples): building one needs no kd.top_k
+    if src.needs_teacher and not (src.builds_cache and kd.cache_encoding == "sampled"):
         _need(kd.top_k is not None, f"kd.top_k=null takes a cache's K; kd.mode={kd.mode}"
-              f"{' with kd.build_cache=true' if kd.mode == 'offline' else ''} computes the teacher's top-K itself: "
+              f"{' with kd.build_cache=true' if src.builds_cache else ''} computes the teacher's top-K itself: "
               "set kd.top_k (e.g. 100)")
-    if kd.mode != "ce" and kd.top_k is not None:
-        _need(kd.top_k >= 1, f"kd.top_k={kd.top_k} must be >= 1")
-    if kd.mode == "online" or (kd.mode == "offline" and kd.build_cache):
+    if src.distills and kd.top_k is not None:
+        _need(top_k_fits(kd.top_k), f"kd.top_k={kd.top_k} must be >= 1")
+    if src.needs_teacher:
         check_model(r.teacher, "teacher", p.tp)
     _check_cache_encoding(kd)
-    if kd.mode == "offline":
+    if src.reads_cache:
         _need(bool(kd.cache), "kd.cache is required in offline mode: the teacher top-K cache directory "
               "(build one with `megatron-kd cache build`, or set kd.build_cache=true)")
-    if kd.mode == "online":  # the teacher computes its targets at kd.temperature every step
+    if src.teacher_each_step:  # the teacher computes its targets at kd.temperature every step
         _need(kd.cache_temperature is None, f"kd.cache_temperature={kd.cache_temperature} re-tempers a cache "
               "captured at that temperature, but kd.mode=online computes the teacher at kd.temperature each step; "
               "set kd.cache_temperature=null")
@@ -155,29 +179,28 @@ def _check_cache_encoding(kd) -> None:
     from ..cache.encoding import ENCODINGS
     from ..cache.topp import check_top_p
     _need(kd.cache_encoding in ENCODINGS, f"kd.cache_encoding={kd.cache_encoding!r}: use one of {ENCODINGS}")
+    mismatch = encoding_problem(kd.cache_encoding, kd.cache_top_p, kd.cache_min_k, kd.cache_samples,
+                                kd.cache_sample_seed)
+    _need(mismatch != "needs_top_p", "kd.cache_encoding=topp keeps per position the fewest ids holding a mass P: "
+          "set kd.cache_top_p (e.g. 0.999)")
+    _need(mismatch != "fixed_k", f"kd.cache_top_p / kd.cache_min_k need kd.cache_encoding=topp (kd.cache_encoding="
+          f"{kd.cache_encoding} stores K ids at every position); set kd.cache_encoding=topp or drop them")
+    _need(mismatch != "needs_samples", "kd.cache_encoding=sampled stores N draws per position: set "
+          "kd.cache_samples (e.g. 16)")
+    _need(mismatch != "not_sampled", f"kd.cache_samples / kd.cache_sample_seed need kd.cache_encoding=sampled "
+          f"(kd.cache_encoding={kd.cache_encoding} stores the teacher's top ids); set kd.cache_encoding=sampled or "
+          "drop them")
     if kd.cache_encoding == "sampled":
         from ..parallel.sample import check_draws
-        _need(kd.cache_samples is not None, "kd.cache_encoding=sampled stores N draws per position: set "
-              "kd.cache_samples (e.g. 16)")
         problem = check_draws(kd.cache_samples)
         _need(problem is None, f"kd.cache_{problem}" if problem else "")
         _need(kd.top_k is None or kd.top_k == kd.cache_samples, f"kd.top_k={kd.top_k}: a sampled cache holds the "
               f"distinct ids of its kd.cache_samples={kd.cache_samples} draws, all of them read: set kd.top_k=null "
               f"or {kd.cache_samples}")
-    else:
-        _need(kd.cache_samples is None and kd.cache_sample_seed is None, f"kd.cache_samples / kd.cache_sample_seed "
-              f"need kd.cache_encoding=sampled (kd.cache_encoding={kd.cache_encoding} stores the teacher's top ids); "
-              "set kd.cache_encoding=sampled or drop them")
     if kd.cache_encoding == "topp":
-        _need(kd.cache_top_p is not None, "kd.cache_encoding=topp keeps per position the fewest ids holding a mass "
-              "P: set kd.cache_top_p (e.g. 0.999)")
         problem = check_top_p(kd.cache_top_p, 1 if kd.cache_min_k is None else kd.cache_min_k,
                               kd.top_k if kd.top_k is not None else 1 << 30)
         _need(problem is None, f"kd.cache_{problem}" if problem else "")
-    else:
-        _need(kd.cache_top_p is None and kd.cache_min_k is None, f"kd.cache_top_p / kd.cache_min_k need "
-              f"kd.cache_encoding=topp (kd.cache_encoding={kd.cache_encoding} stores K ids at every position); set "
-              "kd.cache_encoding=topp or drop them")
 
 
 def _check_data(r: Recipe) -> None:
@@ -301,9 +324,10 @@ def check_run(r: Recipe, world_size: int, cuda: bool, vocab_size: int) -> None:
     """What needs the tokenizer's size, this machine and the world size (after check_recipe; no process group
     or model yet)."""
     check_vocab(vocab_size, r.model, "model", r.parallel.tp)
-    if r.kd.mode == "online" or (r.kd.mode == "offline" and r.kd.build_cache):
+    src = TargetSource.of(r.kd)
+    if src.needs_teacher:
         check_vocab(vocab_size, r.teacher, "teacher", r.parallel.tp)
-        if r.kd.mode == "online":
+        if src.teacher_each_step:
             if r.parallel.pp > 1:
                 raise RecipeError("kd.mode=online runs with parallel.pp=1 (the teacher beside the student is not "
                                   "pipelined); use offline mode (a cache) with pipeline parallel")
@@ -317,7 +341,7 @@ def check_run(r: Recipe, world_size: int, cuda: bool, vocab_size: int) -> None:
     if cuda and p.sequence_parallel and p.tp > 1 and not (te_available() or apex_available()):
         raise RecipeError("parallel.sequence_parallel=true needs Transformer Engine or apex norms (Megatron's torch "
                           "norms refuse it); set it false or run where TE/apex import")
-    if r.kd.mode != "ce" and r.kd.top_k is not None and r.kd.top_k > vocab_size:
+    if src.distills and r.kd.top_k is not None and not top_k_fits(r.kd.top_k, vocab_size):
         raise RecipeError(f"kd.top_k={r.kd.top_k} exceeds the vocabulary ({vocab_size} ids)")
     check_world(r, world_size)
     check_export(r)
@@ -434,15 +458,37 @@ def _inside(path: str, directory: str) -> bool:
     return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
 
 
-# what a finished cache records -> (the recipe key that sets it, its value in a recipe)
-CACHE_BUILD_KEYS = {
-    "top_k": ("kd.top_k", lambda r: r.kd.top_k),
-    "encoding": ("kd.cache_encoding", lambda r: r.kd.cache_encoding),
-    "samples": ("kd.cache_samples", lambda r: r.kd.cache_samples),
-    "temperature": ("kd.temperature", lambda r: float(r.kd.capture_temperature)),
-    "seq_length": ("data.seq_length", lambda r: r.data.seq_length),
-    "num_samples": ("train.iters x train.global_batch_size", lambda r: r.train.iters * r.train.global_batch_size),
+# what a finished cache records -> the recipe key that sets it (messages name the key a user can change); tail,
+# divergence and train_temperature: the loss keys a sampled cache's checks name
+CACHE_FIELD_KEYS = {
+    "top_k": "kd.top_k",
+    "encoding": "kd.cache_encoding",
+    "samples": "kd.cache_samples",
+    "temperature": "kd.temperature",
+    "seq_length": "data.seq_length",
+    "num_samples": "train.iters x train.global_batch_size",
+    "vocab_size": "data.tokenizer / data.vocab_size",
+    "tail": "kd.tail",
+    "divergence": "kd.divergence",
+    "train_temperature": "kd.cache_temperature",
 }
+
+# what a cache build records -> (the recipe key that sets it, its value in a recipe)
+CACHE_BUILD_KEYS = {field: (CACHE_FIELD_KEYS[field], value) for field, value in {
+    "top_k": lambda r: r.kd.top_k,
+    "encoding": lambda r: r.kd.cache_encoding,
+    "samples": lambda r: r.kd.cache_samples,
+    "temperature": lambda r: float(r.kd.capture_temperature),
+    "seq_length": lambda r: r.data.seq_length,
+    "num_samples": lambda r: r.train.iters * r.train.global_batch_size,
+}.items()}
+
+
+def _same_build_value(field: str, cached, wanted) -> bool:
+    """A cache field equals a recipe's value; temperatures by the one temperature equality (the reader's)."""
+    if field == "temperature" and cached is not None and wanted is not None:
+        return same_temperature(cached, wanted)
+    return cached == wanted
 
 
 def check_sweep_run(r: Recipe) -> None:
@@ -450,7 +496,7 @@ def check_sweep_run(r: Recipe) -> None:
     kd.cache lies in the run's own directory (each run would build its own, one teacher pass each), or when
     kd.build_cache=true meets the finished cache built with other settings (this run would rebuild it)."""
     kd = r.kd
-    if kd.mode != "offline" or not kd.cache:
+    if not TargetSource.of(kd).reads_cache or not kd.cache:
         return
     if _inside(kd.cache, r.train.save):
         raise RecipeError(f"kd.cache={kd.cache} lies in this sweep run's own directory (train.save={r.train.save}), "
@@ -465,35 +511,14 @@ def check_sweep_run(r: Recipe) -> None:
         m = load_manifest(kd.cache)
     except CacheError:
         return  # the cache checks report it, naming the fix
-    diff = [(key, m.get(field), get(r)) for field, (key, get) in CACHE_BUILD_KEYS.items() if m.get(field) != get(r)]
+    diff = [(key, m.get(field), get(r)) for field, (key, get) in CACHE_BUILD_KEYS.items()
+            if not _same_build_value(field, m.get(field), get(r))]
     if diff:
         what = ", ".join(f"{key}={b} (the cache: {a})" for key, a, b in diff)
         raise RecipeError(f"kd.cache={kd.cache} is the sweep's finished cache and this run asks kd.build_cache=true "
                           f"with {what}, which would rebuild it; set kd.build_cache=false to read it as it is (any "
                           f"kd.top_k up to its {m.get('top_k')}, up to its {m.get('num_samples')} samples), or give "
                           "these values their own kd.cache")
-
-
-def check_save_dir(save: str) -> None:
-    """train.save must be a directory this process can write (made when missing), before any model is built."""
-    if os.path.exists(save) and not os.path.isdir(save):
-        raise RecipeError(f"train.save={save} is a file, not a directory; point train.save at a directory (it is "
-                          "made when missing)")
-    parent = save
-    while not os.path.exists(parent):
-        parent = os.path.dirname(os.path.abspath(parent))
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise RecipeError(f"train.save={save}: {parent} is not writable (read-only filesystem or permissions); "
-                          "point train.save at a writable directory")
-    try:
-        os.makedirs(save, exist_ok=True)
-        probe = os.path.join(save, f".write-probe-{os.getpid()}")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
-    except OSError as e:
-        raise RecipeError(f"train.save={save} cannot be written ({e.strerror or e}); point train.save at a "
-                          "writable directory") from None
 
 
 def yaml_file_problem(path: str) -> str | None:

@@ -1,15 +1,43 @@
-"""Where recipes live, which names refer to one, and how to compose one outside the Hydra app (demo, tests,
-factories, plan)."""
+"""Where recipes live, which names refer to one, and how one is composed: the `megatron-kd train` app, plan,
+launch, the demo and tests all compose through Hydra with the schema registered here.
+
+Recipes ship inside the package (megatron_kd/recipes/, Hydra's `pkg://megatron_kd.recipes`), so a wheel finds them
+as a checkout does; $MEGATRON_KD_RECIPES names another directory instead. Every recipe lists `megatron_kd` first
+in its defaults: the schema of recipe/schema.py as a ConfigStore node, which gives every key its default and
+type, so that Hydra's struct mode refuses a key that does not exist (`kd.topk=3`) while any real key can be set
+without `+`; it also holds the Hydra settings every recipe shares (run and sweep directories, no log files).
+"""
 import os
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+RECIPES_PACKAGE = "megatron_kd.recipes"
+SCHEMA_NODE = "megatron_kd"  # the ConfigStore name a recipe's defaults list starts with
+SECTIONS = ("model", "teacher", "parallel", "data", "kd", "train", "quant")
+# Free-form sections of the schema (any TransformerConfig field, yarn_* without the prefix): open to new keys.
+OPEN_DICTS = ("megatron", "yarn")
+# What every recipe shares: Hydra's run directory runs/<recipe>, a sweep's runs/<recipe>_sweep/<N>, the working
+# directory left alone, and no log files (the run writes its own metrics.jsonl).
+HYDRA_SETTINGS = {
+    "defaults": [{"override hydra/job_logging": "none"}, {"override hydra/hydra_logging": "none"}, "_self_"],
+    "hydra": {"run": {"dir": "runs/${hydra:job.config_name}"},
+              "sweep": {"dir": "runs/${hydra.job.config_name}_sweep", "subdir": "${hydra.job.num}"},
+              "job": {"chdir": False}},
+}
 
 
 def recipes_dir() -> Path:
-    """$MEGATRON_KD_RECIPES, else the checkout's recipes/ (megatron-kd is installed editable)."""
+    """$MEGATRON_KD_RECIPES, else the recipes shipped in the package."""
     env = os.environ.get("MEGATRON_KD_RECIPES")
-    return Path(env).resolve() if env else ROOT / "recipes"
+    if env:
+        return Path(env).resolve()
+    from importlib import util
+    return Path(util.find_spec(RECIPES_PACKAGE).origin).parent
+
+
+def search_path() -> str:
+    """Hydra's config path of the recipes: the package's (pkg://) unless $MEGATRON_KD_RECIPES names a directory."""
+    env = os.environ.get("MEGATRON_KD_RECIPES")
+    return str(Path(env).resolve()) if env else f"pkg://{RECIPES_PACKAGE}"
 
 
 def recipe_file(name: str, directory: Path | None = None) -> Path | None:
@@ -46,37 +74,124 @@ def missing_keys(cfg) -> list:
             for k in cfg[sec] if OmegaConf.is_missing(cfg[sec], k)]
 
 
-SECTIONS = ("model", "teacher", "parallel", "data", "kd", "train")
+def schema_node():
+    """The recipe schema as Hydra composes it: every key with its type and default (`???` for a key each recipe
+    states, schema.RECIPE_SETS), the free-form dicts open, and the shared Hydra settings."""
+    from dataclasses import fields
+    from omegaconf import OmegaConf
+    from .schema import Recipe
+    node = OmegaConf.structured(Recipe)
+    for sec in fields(Recipe):
+        for f in fields(sec.default_factory()):
+            if f.metadata.get("recipe_sets"):
+                node[sec.name][f.name] = "???"
+            elif f.name in OPEN_DICTS:
+                OmegaConf.set_struct(node[sec.name][f.name], False)
+    return OmegaConf.merge(OmegaConf.create(HYDRA_SETTINGS), node)
 
 
-def schema_overrides(overrides) -> list:
-    """`section.key=value` -> `++section.key=value`: a schema key can be set even when the recipe's group file
-    leaves it out (its schema default applies otherwise). Misspelt keys still fail, in the schema check, by name."""
+def register_schema() -> None:
+    """Store the schema in Hydra's ConfigStore under SCHEMA_NODE (once per process)."""
+    from hydra.core.config_store import ConfigStore
+    store = ConfigStore.instance()
+    if f"{SCHEMA_NODE}.yaml" not in store.repo:
+        store.store(name=SCHEMA_NODE, node=schema_node())
+
+
+def first_of_each_sweep(overrides) -> list:
+    """A sweep's overrides (`kd.divergence=forward_kl,jsd`) as its first run sets them, for a check before any
+    run starts; other overrides as given."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
     out = []
-    for o in overrides:
-        key = o.split("=", 1)[0]
-        if "=" in o and not o.startswith(("+", "~")) and "@" not in key and key.split(".")[0] in SECTIONS \
-                and "." in key:
-            o = "++" + o
-        out.append(o)
+    for o in OverridesParser.create().parse_overrides(list(overrides)):
+        if o.is_sweep_override():
+            out.append(f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}")
+        else:
+            out.append(o.input_line)
     return out
 
 
+def composition_error(e, overrides=()):
+    """Hydra's or OmegaConf's exception of a recipe that does not compose, as a RecipeError of one sentence that
+    names the key (and the valid keys of its section, or the valid sections) or the group option."""
+    import difflib
+    import re
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+    from .schema import RecipeError, _schema_error
+    # an override's error is Hydra's cause; a recipe file's is its context, the file named as "In 'NAME':"
+    cause = e if isinstance(e, OmegaConfBaseException) else e.__cause__ or e.__context__
+    if isinstance(cause, OmegaConfBaseException):
+        found = re.match(r"In '([^']+)': ", str(e)) if cause is e.__context__ else None
+        where = f"recipe file {found.group(1)}: " if found else ""
+        key = getattr(cause, "full_key", None) or ""
+        if isinstance(cause, ConfigKeyError) and key and "." not in key and key not in SECTIONS:
+            given = [o for o in overrides if o.lstrip("+~").split("=", 1)[0].split(".", 1)[0] == key]
+            close = difflib.get_close_matches(key, SECTIONS, n=1)
+            hint = f" (did you mean {given[0].lstrip('+~').replace(key, close[0], 1)}?)" if close and given else ""
+            what = f"{given[0]!r} names" if given else f"the key {key!r} names"
+            return RecipeError(f"{where}{what} no recipe section: {key!r} is none of {', '.join(SECTIONS)}{hint}")
+        return RecipeError(f"{where}{_schema_error(cause)}")
+    options = getattr(e, "options", None)
+    text = str(e).split("\nConfig search path", 1)[0].split("\nAvailable options", 1)[0]
+    text = "; ".join(line.strip().rstrip(".") for line in text.splitlines() if line.strip())
+    if options:
+        text += f"; the options are {', '.join(options)}"
+    return RecipeError(f"recipe: {text}")
+
+
 def compose(name: str = "tiny_cpu", overrides=(), save: str | None = None):
-    """The recipe `name` with Hydra overrides, as `megatron-kd train --config-name name ...` sees it.
+    """The recipe `name` (a recipe name or a .yaml path) with Hydra overrides, as `megatron-kd train --config-name
+    name ...` sees it; a recipe or override that does not compose raises RecipeError (one sentence).
 
     train.save defaults to runs/<name> (the app's hydra.run.dir) since there is no Hydra run here.
     """
-    from hydra import compose as hydra_compose, initialize_config_dir
+    import yaml
+    from hydra import compose as hydra_compose, initialize_config_dir, initialize_config_module
+    from hydra.errors import HydraException
     from omegaconf import OmegaConf, open_dict
-    overrides = schema_overrides(overrides)
+    from omegaconf.errors import OmegaConfBaseException
+    from .schema import RecipeError
+    overrides = list(overrides)
+    problem = missing_recipe(name)
+    if problem:
+        raise RecipeError(problem)
+    register_schema()
     path = Path(name)
-    cfg_dir, cfg_name = (path.parent.resolve(), path.stem) if path.suffix in (".yaml", ".yml") else \
-        (recipes_dir(), name)
-    with initialize_config_dir(config_dir=str(cfg_dir), version_base="1.3"):
-        cfg = hydra_compose(config_name=cfg_name, overrides=overrides)
-    if save is not None or not any(o.split("=", 1)[0].lstrip("+") == "train.save" for o in overrides):
+    if path.suffix in (".yaml", ".yml"):
+        cfg_name, context = path.stem, initialize_config_dir(config_dir=str(path.parent.resolve()),
+                                                             version_base="1.3")
+    elif os.environ.get("MEGATRON_KD_RECIPES"):
+        cfg_name, context = name, initialize_config_dir(config_dir=str(recipes_dir()), version_base="1.3")
+    else:
+        cfg_name, context = name, initialize_config_module(config_module=RECIPES_PACKAGE, version_base="1.3")
+    try:
+        with context:
+            cfg = hydra_compose(config_name=cfg_name, overrides=overrides)
+    except (HydraException, OmegaConfBaseException, yaml.YAMLError) as e:
+        raise composition_error(e, overrides) from None
+    if "train" in cfg and (save is not None or not any(o.split("=", 1)[0].lstrip("+") == "train.save"
+                                                      for o in overrides)):
         with open_dict(cfg):
             cfg.train.save = save or f"runs/{cfg_name}"
     OmegaConf.resolve(cfg)
     return cfg
+
+
+def add_recipe_arguments(parser, target_help: str) -> None:
+    """The recipe arguments of every command that takes one (plan, launch): a first word, or `--config-name NAME
+    [--config-path DIR]` as `megatron-kd train` takes them; then Hydra overrides."""
+    parser.add_argument("recipe", nargs="?", help=target_help)
+    parser.add_argument("overrides", nargs="*", help="recipe overrides (Hydra syntax), e.g. kd.top_k=64 parallel.tp=2")
+    parser.add_argument("--config-name", "-cn", help="the recipe, as `megatron-kd train --config-name` takes it")
+    parser.add_argument("--config-path", "-cp", help="the directory of --config-name (default: the shipped recipes)")
+
+
+def named_recipe(parser, a) -> None:
+    """Set a.recipe (a recipe name or .yaml path) and a.overrides from add_recipe_arguments' arguments; argparse
+    gives the first override to `recipe` when --config-name names the recipe."""
+    if a.config_name:
+        if a.recipe is not None:
+            a.overrides.insert(0, a.recipe)
+        a.recipe = str(Path(a.config_path) / f"{a.config_name}.yaml") if a.config_path else a.config_name
+    elif a.recipe is None or a.config_path:
+        parser.error("name the recipe: RECIPE (a name or a .yaml path), or --config-name NAME [--config-path DIR]")

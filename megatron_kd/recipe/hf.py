@@ -14,6 +14,7 @@ from ..hf.checks import (HFCheckpointError, check_hf_dir, check_layout, check_sa
                          tokenizer_size)
 from ..hf.model import open_hf
 from .schema import Recipe, RecipeError
+from .targets import TargetSource
 
 
 def resolve_hf(r: Recipe, teacher: bool | None = None) -> None:
@@ -26,7 +27,8 @@ def resolve_hf(r: Recipe, teacher: bool | None = None) -> None:
 
 
 def teacher_used(r) -> bool:
-    return r.kd.mode == "online" or (r.kd.mode == "offline" and (r.kd.build_cache or _cache_missing(r.kd.cache)))
+    src = TargetSource.of(r.kd)
+    return src.needs_teacher or (src.reads_cache and _cache_missing(r.kd.cache))
 
 
 def _cache_missing(cache) -> bool:

@@ -1,12 +1,14 @@
-"""The recipe schema: what `recipes/` may contain.
+"""The recipe schema: what a recipe (megatron_kd/recipes/, or one of a user's) may contain.
 
-A recipe is composed by Hydra from the groups model, teacher, parallel, data, kd, train (recipes/README.md).
+A recipe is composed by Hydra from the groups model, teacher, parallel, data, kd, train (recipes/README.md) over
+these dataclasses, registered in Hydra's ConfigStore by recipe/compose.py.
 `to_recipe` merges it into the dataclasses below, so a misspelt or unknown key fails at once with its full
 name; recipe/checks.py then checks what depends on several sections (TP dividing heads, batch sizes, modes).
 """
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
+from ..errors import RecipeError, RunError  # noqa: F401  (users import them from here too)
 from ..loss.options import KDLoss
 
 MODES = ("offline", "online", "ce")
@@ -15,6 +17,14 @@ FP8_FORMATS = ("hybrid", "e4m3")
 FP8_RECIPES = ("tensorwise", "delayed", "blockwise", "mxfp8")
 PRECISIONS = ("fp32", "bf16", "fp16")
 GATED_ACTIVATIONS = ("swiglu", "quick_geglu")     # gated MLPs (fc1 is 2 x ffn wide); quick_geglu: GPT-OSS
+# A key each recipe states, null included: a composed recipe that leaves it out shows `???`. Hydra merges a recipe
+# onto the schema's defaults, and a merge keeps a default over `???`; so a recipe's own `???` (a value the user
+# must give) survives composition only where the schema node holds `???` too (recipe/compose.py).
+RECIPE_SETS = {"recipe_sets": True}
+# quant.format: ModelOpt's fake-quantized formats (models/quant.py maps each to its config); w4a16_awq is int4_awq's
+# other name (4-bit weights, 16-bit activations)
+QUANT_FORMATS = ("none", "fp8", "int8", "int4_awq", "w4a16_awq", "w4a8_awq", "nvfp4")
+QUANT_CUDA_ONLY = ("nvfp4",)                      # ModelOpt fake-quantizes these on CUDA tensors only
 
 
 @dataclass
@@ -97,7 +107,8 @@ class ParallelConfig:
 @dataclass
 class DataConfig:
     kind: str = "mock"                           # mock | indexed
-    path: Any = None                             # indexed: prefix (or list: weight, prefix, ...) of .bin/.idx
+    path: Any = field(default=None, metadata=RECIPE_SETS)  # indexed: prefix (or list: weight, prefix, ...) of
+                                                 # .bin/.idx; null: none (mock data)
     tokenizer: Optional[str] = None              # a tokenizers JSON file (`megatron-kd data prepare` writes one)
     vocab_size: Optional[int] = None             # unpadded vocabulary; None: from the tokenizer
     seq_length: int = 128
@@ -114,7 +125,8 @@ class DataConfig:
 class OfflineKD(KDLoss):
     """The keys of offline KD that a recipe's `kd` section and a Bridge YAML's `kd` section share: the loss keys
     (loss.KDLoss) plus the cache and how it is read. One name and one default each, in both dialects."""
-    cache: Optional[str] = None                  # offline: the teacher top-K cache directory
+    cache: Optional[str] = field(default=None, metadata=RECIPE_SETS)  # offline: the teacher top-K cache
+                                                 # directory; null: none (online and ce modes)
     top_k: Optional[int] = None                  # K to train with; null: the cache's K (online and building a
                                                  # cache need a number)
     check_tokens: bool = True                    # compare each sample's token hash with the cache's
@@ -174,6 +186,14 @@ class TrainConfig:
 
 
 @dataclass
+class QuantConfig:
+    """The student quantized with NVIDIA ModelOpt (fake quantization: the weights stay in train.precision, each
+    linear layer's weights and inputs pass through quantizers) and then trained: QAT in kd=ce, QAD otherwise."""
+    format: str = "none"                         # none | fp8 | int8 | int4_awq | w4a16_awq | w4a8_awq | nvfp4 (GPU)
+    calib_samples: int = 64                      # training samples the quantizers are calibrated on (amax, AWQ)
+
+
+@dataclass
 class Recipe:
     model: ModelConfig = field(default_factory=ModelConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
@@ -181,14 +201,7 @@ class Recipe:
     data: DataConfig = field(default_factory=DataConfig)
     kd: KDConfig = field(default_factory=KDConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-
-
-class RecipeError(ValueError):
-    """A recipe problem, found before any work; the message names the key and the fix."""
-
-
-class RunError(RecipeError):
-    """A problem met while training (not in the recipe itself), reported like a recipe problem: one sentence."""
+    quant: QuantConfig = field(default_factory=QuantConfig)
 
 
 def _schema_error(e) -> RecipeError:
@@ -210,8 +223,8 @@ def to_recipe(cfg) -> Recipe:
     """An OmegaConf/dict recipe -> Recipe dataclasses; unknown keys and wrong types raise RecipeError."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
-    if not OmegaConf.is_config(cfg):
-        cfg = OmegaConf.create(cfg)
+    # as plain containers: a key added to a composed recipe's typed node (Hydra's `+kd.topk=3`) is then refused too
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg) if OmegaConf.is_config(cfg) else cfg)
     cfg = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"]) if "hydra" in cfg else cfg
     schema = OmegaConf.structured(Recipe)
     try:

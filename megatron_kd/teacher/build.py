@@ -34,6 +34,7 @@ from ..data.datasets import build_datasets, dataset_id, load_tokenizer, samples_
 from ..recipe.checks import check_model, check_recipe, check_vocab
 from ..recipe.hf import resolve_hf
 from ..recipe.schema import Recipe, RecipeError
+from ..rules import DEFAULT_TOP_K, cache_encoding
 from ..runtime.dist import distributed, is_rank0, use_cuda
 from ..runtime.features import release_memory
 from .megatron import cache_teacher
@@ -136,18 +137,17 @@ def build_cache(teacher, dataset, out_dir, *, top_k: int | None = None, encoding
     teacher_id: overrides teacher.identity() (a dict, or a string used as the name).
     top_p, min_k: with encoding "topp", keep per position the fewest of the top_k ids whose mass reaches top_p
     (at least min_k); the selection is applied to each sample's top-K by the encoding (cache/topp.py).
-    top_k: default 100. encoding: default "fp16", or "sampled" when samples is given.
+    top_k: default DEFAULT_TOP_K. encoding: default "fp16", or "topp" / "sampled" when top_p / samples is given.
     samples, sample_seed: encoding "sampled": per position, samples draws from the teacher's whole distribution at
     the temperature (parallel/sample.py), stored as the distinct ids and their counts; top_k is then samples.
     """
-    if encoding is None:
-        encoding = "sampled" if samples is not None else "fp16"
+    encoding = cache_encoding(encoding, top_p, samples)
     if encoding == "sampled" and samples is not None:
         if top_k is not None and top_k != samples:
             raise CacheError(f"a sampled cache holds at most samples={samples} ids per position; top_k={top_k} "
                              "cannot differ (drop top_k / --top-k)")
         top_k = samples
-    top_k = 100 if top_k is None else top_k
+    top_k = DEFAULT_TOP_K if top_k is None else top_k
     tp_group = tp_group if tp_group is not None else getattr(teacher, "tp_group", None)
     pp_group = getattr(teacher, "pp_group", None)
     dp_rank, dp_size = _data_parallel(tp_group, pp_group, dp_rank, dp_size)

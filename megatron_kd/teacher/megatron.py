@@ -107,6 +107,18 @@ def _plain(v):
     return getattr(v, "__name__", None) or str(v)
 
 
+def layer_backend(model) -> str:
+    """Which kernels computed the teacher's forward, recorded with its cache: te (Transformer Engine's layers, +fp8
+    when its FP8 ran), sdpa (torch SDPA / FlexAttention core attention) or local (megatron-core's own). Two backends
+    agree only to bf16 rounding, so a cache says which one it came from."""
+    names = {type(mod).__module__ for mod in model.modules()}
+    if any("transformer_engine" in n for n in names):
+        return "te" + ("+fp8" if getattr(model.config, "fp8", None) else "")
+    if any(n.endswith("models.attention") for n in names):
+        return "sdpa"
+    return "local"
+
+
 def megatron_weights_hash(model, tp_group, pp_group=None) -> str:
     """A TP/PP-layout-invariant fingerprint: exact int64 sums of each tensor's bit patterns (and their squares).
 
@@ -197,7 +209,8 @@ class MegatronTeacher:
         cfg["position_embedding_type"] = getattr(self.model, "position_embedding_type", None)
         cfg["share_embeddings_and_output_weights"] = getattr(self.model, "share_embeddings_and_output_weights", None)
         return {"name": self.name, "config_hash": config_hash(cfg),
-                "weights_hash": megatron_weights_hash(self.model, self.tp_group, self.pp_group)}
+                "weights_hash": megatron_weights_hash(self.model, self.tp_group, self.pp_group),
+                "backend": layer_backend(self.model)}
 
     def flush(self) -> None:
         """Wait for this stage's outstanding sends (the builder calls it after its last micro-batch)."""

@@ -15,37 +15,27 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import integrity as ckpt_integrity, store as ckpt
-from ..data.datasets import (Mixture, build_datasets, check_cache, load_tokenizer, loader, samples_needed,
+from ..checkpoint import store as ckpt
+from ..data.datasets import (Mixture, build_datasets, check_cache, loader, samples_needed,
                              source_caches, with_cache)
 from ..export.to_hf import export_at_end
 from ..models.builder import build_model_chunks, wrap_float16
 from ..optim.setup import build_optimizer, build_scheduler, set_model_hooks, wrap_ddp
-from ..recipe.checks import check_recipe, check_run, check_save_dir
-from ..recipe.hf import resolve_hf
 from ..recipe.schema import KDConfig, Recipe, RecipeError
+from ..recipe.targets import TargetSource
 from ..runtime.dist import barrier, distributed, is_rank0, set_seed, use_cuda
 from ..runtime.features import release_memory
 from ..teacher.build import build_teacher_cache
 from ..teacher.megatron import OnlineTeacher, build_teacher
 from .metrics import Sink, forward_flops_per_step, peak_memory_gib, train_flops_per_step
 from .schedule import forward_backward
-from . import guards
+from . import guards, resume, safety
+from .preflight import preflight
 from .step import KDStep
 
 
 def recipe_dict(r: Recipe) -> dict:
     return dataclasses.asdict(r)
-
-
-def preflight(r: Recipe, world_size: int, cuda: bool):
-    """Checks that need neither a process group nor a model; returns the tokenizer."""
-    resolve_hf(r)
-    check_recipe(r, None, cuda)
-    tok = load_tokenizer(r.data)
-    check_run(r, world_size, cuda, tok.vocab_size)
-    guards.check_inputs(r, tok)
-    return tok
 
 
 def run(r: Recipe, save: str) -> dict:
@@ -54,14 +44,10 @@ def run(r: Recipe, save: str) -> dict:
     cuda = use_cuda(r.train.device)
     tok = preflight(r, world, cuda)
     load = r.train.load or save
-    latest_save = ckpt.latest_iteration(save)
-    if os.path.abspath(load) != os.path.abspath(save) and latest_save is not None:
-        raise RecipeError(f"train.save={save} already holds checkpoints of a run (iteration {latest_save}) and "
-                          f"train.load={load} points elsewhere: resuming into it would mix two runs. Use another "
-                          "train.save, or resume that run (train.load = train.save).")
-    check_save_dir(save)
-    guards.check_resume_early(r, load)
-    with guards.save_lock(save, is_rank0()), distributed(r.parallel, r.train.seed, r.train.device) as cuda:
+    resume.check_save_and_load(save, load)
+    safety.check_save_dir(save)
+    resume.check_resume_early(r, load)
+    with safety.save_lock(save, is_rank0()), distributed(r.parallel, r.train.seed, r.train.device) as cuda:
         try:
             summary = Trainer(r, save, load, tok, cuda).fit()
         finally:
@@ -85,7 +71,8 @@ class Trainer:
 
         self.train_ds, self.valid_ds = build_datasets(r.data, tok, self.train_n, self.valid_n)
         self.train_set = self.train_ds
-        if r.kd.mode == "offline":
+        self.targets = TargetSource.of(r.kd)
+        if self.targets.reads_cache:
             self.train_set = self._offline_data()
         set_seed(t.seed)  # the student's init must not depend on what ran before (e.g. a cache build)
         self.chunks, self.config = build_model_chunks(r.model, r.parallel, self.vocab, r.data.seq_length,
@@ -94,14 +81,15 @@ class Trainer:
         self.optimizer = build_optimizer(self.chunks, t, r.parallel, cuda)
         self.scheduler = build_scheduler(self.optimizer, t)
         set_model_hooks(self.config, self.chunks, self.optimizer)
-        self.teacher = self._online_teacher() if r.kd.mode == "online" else None
+        self.teacher = self._online_teacher() if self.targets.teacher_each_step else None
         if cuda:  # every library has loaded by now: a second cuDNN would slow attention with no word of its own
             from ..runtime.te_compat import cudnn_clash
             clash = cudnn_clash()
             self.notes += [clash] if clash else []
         cp_group = ps.get_context_parallel_group()
         self.step_fn = KDStep(r.kd, self.vocab, self.teacher, split_report=r.kd.log_ce, cp_group=cp_group)
-        eval_kd = r.kd if r.kd.mode == "online" else KDConfig(mode="ce", impl=r.kd.impl, chunk_size=r.kd.chunk_size)
+        eval_kd = r.kd if self.targets.teacher_each_step else KDConfig(mode="ce", impl=r.kd.impl,
+                                                                        chunk_size=r.kd.chunk_size)
         self.eval_fn = KDStep(eval_kd, self.vocab, self.teacher, cp_group=cp_group)
         self.flops = train_flops_per_step(r.model, self.vocab, r.data.seq_length, t.global_batch_size)
         if self.teacher is not None:
@@ -155,33 +143,49 @@ class Trainer:
 
     def _resume(self):
         """(iteration, consumed samples) to start from."""
-        r = self.r
-        it, fallback = ckpt_integrity.newest_intact(self.load)
-        if it is None:
-            if r.train.pretrained:
-                ckpt.load_weights(r.train.pretrained, self.chunks)
-                self.optimizer.reload_model_params()
-            return 0, 0
-        if fallback and is_rank0():
-            print(f"note: {fallback[0]}", flush=True)
-        if it != ckpt.latest_iteration(self.load):
-            ckpt_integrity.use_iteration(self.load, it, is_rank0())
-        common = guards.read_common_at(self.load, it)
-        self.notes += guards.check_resume(r, self.load, common)
-        if guards.schedule_changed(common, r):  # intended (train.resume_changes): the recipe's schedule applies
-            self.scheduler.override_opt_param_scheduler = True
-        try:
-            common = ckpt.load_checkpoint(self.load, self.chunks, self.optimizer, self.scheduler)
-        except BaseException as e:  # torch's CheckpointException derives from BaseException
-            raise guards.load_failed(e, self.load, it) from e
-        guards.apply_optimizer_settings(self.optimizer, r.train)
-        return int(common["iteration"]), int(common["consumed_samples"])
+        start, consumed, notes = resume.load_state(self.r, self.load, self.chunks, self.optimizer, self.scheduler,
+                                                   is_rank0())
+        self.notes += notes
+        return start, consumed
 
     # --- the loop -------------------------------------------------------------------------------------------
+
+    def _quantize(self) -> None:
+        """quant.format: the student (its pretrained weights loaded) quantized by ModelOpt and calibrated on the
+        first quant.calib_samples training samples, forward only, through the same schedule as training (so
+        TP ranks calibrate together). A student restored quantized (resume, or quantized train.pretrained)
+        keeps its quantizers and their values."""
+        from ..models import quant
+        from ..models.builder import unwrap
+        r, t = self.r, self.r.train
+        model = unwrap(self.chunks[0])
+        done = getattr(model, quant.FORMAT_KEY, None) if quant.is_quantized(model) else None
+        if done is not None or r.quant.format == "none":
+            if done is not None and r.quant.format not in ("none", done):
+                raise RecipeError(f"quant.format={r.quant.format}: the student loaded from "
+                                  f"{self.load if ckpt.latest_iteration(self.load) is not None else t.pretrained}"
+                                  f" is already quantized as {done}; set quant.format={done} (or none)")
+            return
+        per_batch = t.global_batch_size
+        n = -(-min(r.quant.calib_samples, self.train_n) // per_batch) * per_batch
+        ce = KDStep(KDConfig(mode="ce", impl=r.kd.impl, chunk_size=r.kd.chunk_size), self.vocab,
+                    split_report=False, cp_group=self.step_fn.cp_group)
+
+        @torch.no_grad()
+        def forward_loop(_):
+            data = self._iterators(self.train_ds, n, 0)
+            for _ in range(n // per_batch):
+                forward_backward(ce, data, self.chunks, self.num_micro, r.data.seq_length, t.micro_batch_size,
+                                 forward_only=True)
+        t0 = time.perf_counter()
+        quant.quantize(model, r.quant.format, forward_loop)
+        self.notes.append(f"quantized the student as {r.quant.format} (ModelOpt: {len(quant.enabled_quantizers(model))}"
+                          f" quantizers), calibrated on {n} training samples in {time.perf_counter() - t0:.1f} s")
 
     def fit(self) -> dict:
         r, t = self.r, self.r.train
         start, consumed = self._resume()
+        self._quantize()
         rank0 = is_rank0()
         sink = Sink(self.save, t.iters, start, t.progress, t.tensorboard, rank0)
         for n in self.notes:
@@ -197,7 +201,7 @@ class Trainer:
         times, last_eval, losses = [], {}, {}
         stop = t.stop_at or t.iters
         for it in range(start + 1, stop + 1):
-            guards.stop_if_signalled()
+            safety.stop_if_signalled()
             t0 = time.perf_counter()
             for c in self.chunks:
                 c.zero_grad_buffer()
@@ -249,16 +253,16 @@ class Trainer:
 
     def _save(self, it: int, consumed: int) -> None:
         common = {"consumed_samples": consumed, "recipe": recipe_dict(self.r),
-                  "cache_teacher": guards.cache_teacher(self.r.kd)}
+                  "cache_teacher": resume.cache_teacher(self.r.kd)}
         guards.check_weights_finite(self.chunks, it)
-        guards.check_free_space(self.save, guards.checkpoint_bytes(self.save, self.chunks, self.optimizer), it)
-        guards.checkpoint_writer_ready()
-        with guards.signals_deferred():
+        safety.check_free_space(self.save, safety.checkpoint_bytes(self.save, self.chunks, self.optimizer), it)
+        safety.checkpoint_writer_ready()
+        with safety.signals_deferred():
             try:
                 ckpt.save_checkpoint(self.save, it, self.chunks, self.optimizer, self.scheduler, common)
             except BaseException as e:
-                guards.remove_partial(self.save, it, is_rank0())
-                raise guards.save_failed(e, self.save, it) from e
+                safety.remove_partial(self.save, it, is_rank0())
+                raise safety.save_failed(e, self.save, it) from e
 
     @torch.no_grad()
     def evaluate(self, it: int, sink) -> dict:

@@ -16,6 +16,7 @@ import torch
 
 from ..loss import KDLoss, topk_kl_loss
 from ..recipe.schema import KDConfig
+from ..recipe.targets import TargetSource
 from ..models.hook import forward_with_head, output_layout
 from ..models.builder import unwrap
 from ..optim.setup import loss_scale
@@ -25,7 +26,7 @@ BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask",
 
 def loss_kwargs(kd: KDConfig) -> dict:
     """topk_kl_loss options of a mode: ce mode is CE alone (weight 1)."""
-    if kd.mode == "ce":
+    if not TargetSource.of(kd).distills:
         return dict(kl_weight=0.0, ce_weight=1.0, temperature=1.0, tail="none", impl=kd.impl, chunk_size=kd.chunk_size)
     return {f.name: getattr(kd, f.name) for f in fields(KDLoss)}
 
@@ -86,7 +87,7 @@ class KDHead:
                 self.kl_bucket = metrics["kl_bucket"]
             if self.ce is not None or not kw["ce_weight"]:
                 ce_part = kw["ce_weight"] * self.ce if kw["ce_weight"] else 0.0
-                self.kl = (total.detach() - ce_part) / (kw["temperature"] ** 2 * kw["kl_weight"])
+                self.kl = (total.detach() - ce_part) / self.kd.kl_scale
         at = torch.zeros(labels.shape, dtype=total.dtype, device=total.device)
         at[0, 0] = 1.0
         return total * at  # [s, b]: the sum at (0, 0); its gradient goes straight into the loss's backward
@@ -134,7 +135,8 @@ class KDStep:
 
     def __init__(self, kd: KDConfig, valid_vocab_size: int, teacher=None, split_report: bool = True,
                  device=None, cp_group=None):
-        if kd.mode == "online" and teacher is None:
+        self.targets = TargetSource.of(kd)
+        if self.targets.teacher_each_step and teacher is None:
             raise ValueError("online mode needs a teacher (megatron_kd.teacher.megatron.OnlineTeacher)")
         self.kd, self.valid_vocab_size, self.teacher = kd, valid_vocab_size, teacher
         self.split_report, self.cp_group = split_report, cp_group
@@ -146,9 +148,9 @@ class KDStep:
         if not unwrap(model).post_process:  # an earlier pipeline stage: hidden states out, no loss here
             out = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"))
             return out, partial(loss_func, batch["loss_mask"], None)
-        if self.kd.mode == "online":
+        if self.targets.teacher_each_step:
             batch["topk_ids"], batch["topk_logprobs"] = self.teacher.topk(batch)
-        elif self.kd.mode == "ce":
+        elif not self.targets.distills:
             batch.pop("topk_ids", None)
             batch.pop("topk_logprobs", None)
         elif "topk_ids" not in batch:

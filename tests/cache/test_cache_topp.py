@@ -211,7 +211,7 @@ def test_tokens_dataset_reads_empty_slots(built):
 
 def _reseal(path, i, buf):
     """Put new bytes for sample i and update every checksum (as if the encoder had written them)."""
-    from megatron_kd.cache.hashing import file_sha256
+    from megatron_kd.rules import file_sha256
     m = json.load(open(path / "manifest.json"))
     r = CacheReader(path)
     j, row = divmod(i, m["samples_per_shard"])

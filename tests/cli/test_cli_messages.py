@@ -171,6 +171,10 @@ def test_a_misspelt_section_names_the_sections(capsys):
 
 def test_kd_impl_fused_is_refused_where_it_cannot_run(capsys, monkeypatch, tmp_path):
     args = ["kd.impl=fused", "train.iters=1", f"train.save={tmp_path}", f"hydra.run.dir={tmp_path}"]
+    try:  # imported whole first, so that monkeypatch restores a triton whose submodules match it (importing it
+        import triton  # noqa: F401  again beside cached triton.* leaves triton.backends unset, which torch reads)
+    except ImportError:
+        pass
     monkeypatch.setitem(sys.modules, "triton", None)  # as if not installed: `import triton` raises ImportError
     assert train_cli.main(args) == 2
     line = assert_one_sentence(capsys.readouterr().err)

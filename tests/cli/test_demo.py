@@ -145,3 +145,28 @@ def test_recover_prunes_the_teacher_and_wins_it_back_three_ways(finished):
         src = k.replace("decoder.layers.1.", "decoder.layers.2.")
         if torch.is_tensor(v):
             assert torch.equal(v, t[src]), k
+
+
+def test_recover_quantize_wins_a_quantized_teacher_back_three_ways(finished):
+    """--recover --quantize: a format the CPU cannot run is refused naming the flag, before any stage; fp8 PTQ of
+    the teacher (ModelOpt state in its checkpoint), then QAT, QAD offline (the demo's cache, not rebuilt) and online;
+    QAD lowers the KL to the teacher below CE only's."""
+    out, _ = finished
+    p = demo(out, "--recover", "--quantize", "nvfp4")
+    assert p.returncode == 2 and p.stderr.strip().startswith("megatron-kd demo: error: --quantize=nvfp4 needs a CUDA")
+    assert not (out / "ptq_nvfp4").exists()
+    manifest = out / "cache" / "manifest.json"
+    before = manifest.stat().st_mtime_ns
+    p = demo(out, "--recover", "--quantize", "fp8")
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    assert manifest.stat().st_mtime_ns == before
+    from megatron_kd.checkpoint.store import read_common
+    from megatron_kd.models.quant import FORMAT_KEY, STATE_KEY
+    common = read_common(str(out / "ptq_fp8"))
+    assert common[FORMAT_KEY] == "fp8" and STATE_KEY in common
+    res = json.loads((out / "recover_fp8.json").read_text())
+    rows = res["rows"]
+    assert res["format"] == "fp8" and rows["pruned"]["kl"] > 0
+    assert rows["offline"]["kl"] < rows["ce"]["kl"] and rows["online"]["kl"] < rows["ce"]["kl"], rows
+    table = [line for line in (out / "recover_fp8.md").read_text().splitlines() if line.startswith("|")]
+    assert len(table) == 7 and table[3].startswith("| PTQ: teacher quantized as fp8 + calibrated |")

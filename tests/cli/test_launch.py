@@ -33,7 +33,8 @@ def clean_env():
 def recipe(tmp_path):
     p = tmp_path / "recipes" / "my_recipe.yaml"
     p.parent.mkdir()
-    p.write_text("# placeholder: the launcher only passes the path to Hydra\n")
+    # the schema alone: the launcher composes it (a misspelt key stops it there) and passes the path to Hydra
+    p.write_text("defaults:\n  - megatron_kd\n  - _self_\n")
     return p
 
 
@@ -97,11 +98,11 @@ def test_two_cpu_workers_all_reduce_through_torchrun_sh():
 
 
 def _train_available():
-    return (ROOT / "megatron_kd" / "cli" / "train.py").is_file() and (ROOT / "recipes" / "tiny_cpu.yaml").is_file()
+    return (ROOT / "megatron_kd" / "cli" / "train.py").is_file() and (ROOT / "megatron_kd" / "recipes" / "tiny_cpu.yaml").is_file()
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _train_available(), reason="megatron-kd train / recipes/tiny_cpu.yaml not in the tree yet")
+@pytest.mark.skipif(not _train_available(), reason="megatron-kd train / the tiny_cpu recipe not in the tree yet")
 def test_two_cpu_workers_train_stop_and_resume_through_torchrun_sh(tmp_path):
     """What a Slurm requeue does: the job stops after a checkpoint, the same command runs again and resumes."""
     save = tmp_path / "run"

@@ -241,7 +241,7 @@ def test_recipes_are_the_real_architectures(recipe, layers, experts):
     import os
     from omegaconf import OmegaConf
     from megatron_kd.models.gpt_oss import hf_model_fields
-    root = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "model")
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "megatron_kd", "recipes", "model")
     base = OmegaConf.load(os.path.join(root, "gpt_oss_20b.yaml"))
     m = OmegaConf.to_container(OmegaConf.merge(base, OmegaConf.load(os.path.join(root, f"{recipe}.yaml"))))
     hf = transformers.GptOssConfig(num_hidden_layers=layers, num_local_experts=experts, vocab_size=201088,

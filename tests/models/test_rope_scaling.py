@@ -108,7 +108,7 @@ def test_resume_from_a_checkpoint_made_before_the_keys_is_compared_at_plain_rope
     architecture change (refused), resuming it with scaling off is not."""
     import dataclasses
     from megatron_kd.recipe.schema import Recipe
-    from megatron_kd.training.guards import resume_differences
+    from megatron_kd.training.resume import resume_differences
     from megatron_kd.recipe.checks import ROPE_SCALING_KEYS
     r = Recipe()
     old = dataclasses.asdict(r)

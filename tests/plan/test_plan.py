@@ -12,7 +12,8 @@ from megatron_kd.loss import FusedSettings
 from megatron_kd.plan import GIB, Layout, ModelShape, Training, layer_activations, plan_memory, preset
 from megatron_kd.plan.memory import loss_buffers
 from megatron_kd.plan.recipe import model_config, parallel_config
-from megatron_kd.plan.shapes import padded_vocab, param_counts, total_params
+from megatron_kd.plan.shapes import param_counts, total_params
+from megatron_kd.rules import padded_vocab_size
 
 Z_BYTES, E_BYTES = FusedSettings().z_mib << 20, FusedSettings().e_mib << 20  # the fused loss's default budgets
 
@@ -93,7 +94,7 @@ def test_preset_totals_are_the_published_counts():
 
 
 def test_padded_vocab_and_sharding():
-    assert padded_vocab(128256, 1) == 128256 and padded_vocab(201088, 2) == 201216
+    assert padded_vocab_size(128256, 128, 1) == 128256 and padded_vocab_size(201088, 128, 2) == 201216
     s = preset("gpt-oss-20b")
     full = param_counts(s, Layout(vocab_divisible_by=1))
     ep8 = param_counts(s, Layout(ep=8, dp=8, vocab_divisible_by=1))
@@ -295,7 +296,7 @@ def test_real_recipes_are_read_as_training_reads_them(name):
 
 
 def test_recipe_by_path_overrides_and_gpus():
-    path = os.path.join(ROOT, "recipes", "gpt_oss_20b_32k_8xh200.yaml")
+    path = os.path.join(ROOT, "megatron_kd", "recipes", "gpt_oss_20b_32k_8xh200.yaml")
     rc, out = _cli(path)
     assert rc == 0 and "recompute full (16 of 24 layers, block)" in out and "peak" in out
     base = json.loads(_cli(path, "--json")[1])

@@ -17,11 +17,12 @@ import sys
 import pytest
 import torch
 
+from megatron_kd import rules
 from megatron_kd.checkpoint import integrity as ckpt_integrity, store as ckpt
 from megatron_kd.recipe.checks import check_recipe
 from megatron_kd.recipe.compose import compose
 from megatron_kd.recipe.schema import RecipeError, to_recipe
-from megatron_kd.training import guards, loop as train_mod
+from megatron_kd.training import guards, loop as train_mod, resume, safety
 from megatron_kd.training.loop import preflight, run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -60,7 +61,7 @@ def finished(tmp_path_factory):
 
 def copy_at(finished, dst, iteration: int | None = None):
     """A copy of the finished run (its cache path follows train.save), its tracker set back to `iteration`."""
-    shutil.copytree(finished, dst, ignore=shutil.ignore_patterns(guards.LOCK_NAME))
+    shutil.copytree(finished, dst, ignore=shutil.ignore_patterns(safety.LOCK_NAME))
     if iteration is not None:
         (dst / ckpt.TRACKER).write_text(str(iteration))
     return dst
@@ -107,12 +108,12 @@ def test_resume_with_a_cache_of_another_teacher_is_refused(finished, tmp_path):
     (other / "manifest.json").write_text(json.dumps(m))
     r = recipe(d, "train.iters=6", f"kd.cache={other}", "kd.build_cache=false")
     with pytest.raises(RecipeError, match=r"kd\.cache_teacher.*train\.resume_changes=\[kd\.cache_teacher\]"):
-        guards.check_resume_early(r, str(d))
+        resume.check_resume_early(r, str(d))
 
 
 def test_same_settings_and_a_moved_copy_resume(finished, tmp_path):
     d = copy_at(finished, tmp_path / "res", 3)  # kd.cache moved with train.save: not a change
-    guards.check_resume_early(recipe(d, "train.iters=6", "train.stop_at=5"), str(d))
+    resume.check_resume_early(recipe(d, "train.iters=6", "train.stop_at=5"), str(d))
 
 
 def test_resume_changes_must_name_compared_keys(tmp_path):
@@ -192,7 +193,7 @@ def test_a_tracker_naming_a_missing_iteration(finished, tmp_path):
     shutil.rmtree(d / "iter_0000003")
     shutil.rmtree(d / "iter_0000006")
     with pytest.raises(RecipeError) as e:
-        guards.check_resume_early(recipe(d, "train.iters=12"), str(d))
+        resume.check_resume_early(recipe(d, "train.iters=12"), str(d))
     one_sentence(str(e.value))
     assert "names iteration 9" in str(e.value) and "no intact checkpoint" in str(e.value)
 
@@ -297,7 +298,7 @@ def test_a_second_run_into_the_same_save_is_refused(tmp_path, monkeypatch):
     d = tmp_path / "s"
     d.mkdir()
     no_model(monkeypatch)
-    with guards.save_lock(str(d)):  # the first run holds train.save
+    with safety.save_lock(str(d)):  # the first run holds train.save
         with pytest.raises(RecipeError, match=r"train\.save=.* is in use by another megatron-kd train \(pid \d+"):
             train(d, "kd=ce", "train.iters=1")
     assert not (d / "metrics.jsonl").exists()
@@ -391,9 +392,9 @@ def test_a_full_disk_during_a_save_is_named(tmp_path, monkeypatch):
 def test_too_little_free_space_is_refused_before_the_save(tmp_path, monkeypatch):
     class Usage:
         free = 1 << 20
-    monkeypatch.setattr(guards.shutil, "disk_usage", lambda p: Usage)
+    monkeypatch.setattr(rules.shutil, "disk_usage", lambda p: Usage)
     with pytest.raises(RecipeError, match=r"train\.save=.* has 0\.00 GiB free, the checkpoint of iteration 3 needs"):
-        guards.check_free_space(str(tmp_path), 2 << 30, 3)
+        safety.check_free_space(str(tmp_path), 2 << 30, 3)
 
 
 @pytest.mark.slow
@@ -506,11 +507,9 @@ def test_kill_9_leaves_no_process_behind(tmp_path):
 
 
 def test_a_cache_build_that_cannot_fit_is_refused_before_the_teacher_runs(tmp_path, monkeypatch):
-    from megatron_kd.cache import space
-
     class Usage:
         free = 1024
-    monkeypatch.setattr(space.shutil, "disk_usage", lambda p: Usage)
+    monkeypatch.setattr(rules.shutil, "disk_usage", lambda p: Usage)
     with pytest.raises(RecipeError) as e:
         train(tmp_path / "s", "train.iters=2")
     one_sentence(str(e.value))

@@ -1,0 +1,140 @@
+"""Quantized students (recipe section quant, NVIDIA ModelOpt): refused formats, the output layer left unquantized
+for the fused loss, resume with the quantizers' state, TP."""
+import pytest
+import torch
+
+from megatron_kd.recipe.checks import check_recipe
+from megatron_kd.recipe.compose import compose
+from megatron_kd.recipe.schema import RecipeError, to_recipe
+
+from dist_utils import run_ranks
+from train_harness import BASE, losses, train
+
+pytest.importorskip("modelopt.torch.quantization")
+
+
+def recipe(*overrides):
+    return to_recipe(compose("tiny_cpu", [*BASE, *overrides]))
+
+
+def test_a_format_this_machine_cannot_run_is_refused_naming_the_key(tmp_path, monkeypatch):
+    with pytest.raises(RecipeError) as e:
+        check_recipe(recipe("quant.format=nvfp4"), None, cuda=False)
+    msg = str(e.value)
+    assert msg.startswith("quant.format=nvfp4 needs a CUDA GPU") and "fp8" in msg and "\n" not in msg
+    check_recipe(recipe("quant.format=nvfp4"), None, cuda=True)  # a GPU runs it
+    with pytest.raises(RecipeError, match=r"^quant.format='fp4': use one of none, fp8"):
+        check_recipe(recipe("quant.format=fp4"), None, cuda=False)
+    with pytest.raises(RecipeError, match=r"^quant.calib_samples=0 must be >= 1"):
+        check_recipe(recipe("quant.format=fp8", "quant.calib_samples=0"), None, cuda=False)
+    with pytest.raises(RecipeError, match=r"^quant.format=fp8 with parallel.pp=2: .* set parallel.pp=1"):
+        check_recipe(recipe("quant.format=fp8", "parallel.pp=2"), None, cuda=True)
+    with monkeypatch.context() as m:  # as where Transformer Engine imports
+        m.setattr("megatron_kd.recipe.checks.te_available", lambda: True)
+        with pytest.raises(RecipeError, match=r"^quant.format=fp8 with model.fp8=hybrid: .* set model.fp8=null"):
+            check_recipe(recipe("quant.format=fp8", "model.fp8=hybrid"), None, cuda=True)
+    # before any work: no save directory is made
+    with pytest.raises(RecipeError, match="quant.format=nvfp4"):
+        train(tmp_path / "run", "kd=ce", "quant.format=nvfp4", "train.device=cpu")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4_awq"])
+def test_the_fused_loss_reads_the_output_layer_the_quantized_model_multiplies_by(fmt):
+    """The loss takes hidden states and the output layer's weight; the quantized model's own logits (its output
+    layer's forward, quantizers and all) must give the same CE, so the output layer must stay unquantized."""
+    from megatron_kd.models import quant
+    from megatron_kd.models.builder import build_gpt
+    from megatron_kd.runtime.dist import distributed
+    from megatron_kd.training.evaluate import _ce
+    r = recipe("model.hidden_size=128", "model.ffn_hidden_size=256", "model.make_vocab_size_divisible_by=8")
+    torch.manual_seed(0)
+    with distributed(r.parallel, 1, "cpu"):
+        model = build_gpt(r.model, r.parallel, 250, 32, "fp32")
+        tokens = torch.randint(0, 250, (2, 32))
+        pos = torch.arange(32).expand(2, 32)
+        quant.quantize(model, fmt, lambda m: m(tokens, pos, None))
+        assert quant.enabled_quantizers(model) and not [n for n in quant.enabled_quantizers(model)
+                                                        if "output_layer" in n or "embedding" in n]
+        model.eval()
+        with torch.no_grad():
+            labels = torch.roll(tokens, -1, 1)
+            logits = model(tokens, pos, None).double()[..., :250]  # [b, s, V]: the padded ids are no tokens
+            ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+            got = _ce(model, {"tokens": tokens, "position_ids": pos, "labels": labels}, 250)  # [b, s]
+        assert torch.allclose(got.double().flatten(), ref, rtol=1e-5, atol=1e-5)
+        # and quantization is live: the unquantized model gives other logits
+        with torch.no_grad(), quant_disabled(model):
+            plain = model(tokens, pos, None).double()[..., :250]
+        assert (plain - logits).abs().max() > 1e-4
+
+
+class quant_disabled:
+    def __init__(self, model):
+        import modelopt.torch.quantization as mtq
+        self.model, self.mtq = model, mtq
+
+    def __enter__(self):
+        self.mtq.disable_quantizer(self.model, "*")
+
+    def __exit__(self, *exc):
+        self.mtq.enable_quantizer(self.model, "*")
+        self.mtq.disable_quantizer(self.model, "*output_layer*")
+
+
+def test_resume_keeps_the_quantizer_state(tmp_path):
+    """A run stopped and resumed gives the uninterrupted run's losses: the quantizers come back with their
+    calibrated values (recalibrating on resume, or losing amax, changes every later step)."""
+    q = ["kd=ce", "quant.format=int8", "quant.calib_samples=4", "train.iters=4"]
+    train(tmp_path / "whole", *q)
+    train(tmp_path / "parts", *q, "train.stop_at=2")
+    train(tmp_path / "parts", *q)
+    whole, parts = losses(tmp_path / "whole"), losses(tmp_path / "parts")
+    assert sorted(parts) == sorted(whole) == [1, 2, 3, 4]
+    for it in whole:
+        assert parts[it]["loss"] == pytest.approx(whole[it]["loss"], rel=1e-6, abs=1e-7), it
+    from megatron_kd.checkpoint.store import read_common
+    from megatron_kd.models.quant import FORMAT_KEY, STATE_KEY
+    common = read_common(str(tmp_path / "parts"))
+    assert common[FORMAT_KEY] == "int8" and common[STATE_KEY]["modelopt_state_dict"]
+    # quant.format=none on resume keeps the checkpoint's quantizers; another format is refused by name
+    with pytest.raises(RecipeError, match=r"quant.format=fp8: the student loaded from .* is already quantized "
+                                          r"as int8; set quant.format=int8"):
+        train(tmp_path / "parts", "kd=ce", "quant.format=fp8", "quant.calib_samples=4", "train.iters=5")
+
+
+def _tp_run(rank, world, save, fmt):
+    train(save, "kd=ce", f"quant.format={fmt}", "quant.calib_samples=4", "train.iters=2", "parallel.tp=2")
+
+
+@pytest.mark.slow
+def test_a_quantized_student_trains_under_tp_as_on_one_rank(tmp_path):
+    q = ["kd=ce", "quant.format=int8", "quant.calib_samples=4", "train.iters=2"]
+    train(tmp_path / "tp1", *q)
+    run_ranks(2, _tp_run, tmp_path / "tp2", "int8")
+    one, two = losses(tmp_path / "tp1"), losses(tmp_path / "tp2")
+    for it in (1, 2):
+        assert two[it]["loss"] == pytest.approx(one[it]["loss"], rel=1e-5), it
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4_awq", "w4a8_awq"])
+def test_the_planner_counts_the_quantizer_state_modelopt_makes(fmt):
+    from megatron_kd.models import quant
+    from megatron_kd.models.builder import build_gpt
+    from megatron_kd.plan.memory import _linears, plan_memory, quantizer_bytes
+    from megatron_kd.plan.recipe import from_recipe, shape_from_config
+    from megatron_kd.plan.shapes import Layout
+    from megatron_kd.runtime.dist import distributed
+    r = recipe("model.hidden_size=128", "model.ffn_hidden_size=384", "model.num_layers=2",
+               "model.make_vocab_size_divisible_by=8", f"quant.format={fmt}")
+    with distributed(r.parallel, 1, "cpu"):
+        model = build_gpt(r.model, r.parallel, 250, 32, "fp32")
+        tokens = torch.randint(0, 250, (2, 32))
+        quant.quantize(model, fmt, lambda m: m(tokens, torch.arange(32).expand(2, 32), None))
+        measured = quant.quantizer_bytes(model)
+    shape = shape_from_config(r.model, 250, 32)
+    lins = [x for _ in range(2) for x in _linears(shape, Layout(), False)]
+    assert quantizer_bytes(fmt, lins) == measured > 0
+    rp = from_recipe(r)
+    plan = plan_memory(rp.shape, rp.layout, rp.training_for(rp.layout))
+    assert plan.get("quantizer state") == measured

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .comm import all_reduce_max
-from .limits import temperature_problem
+from ..rules import temperature_problem
 from .topk import _all_gather_cat, hidden_source, logits_source
 from .vocab import VocabShard
 

@@ -103,11 +103,13 @@ def _build(args) -> int:
     from ..runtime.dist import init_process_group
     from ..teacher.build import build_cache
     encoding, top_p, min_k = _encoding_args(args)
+    top_k = _top_k_arg(args, encoding)
     init_process_group(torch.cuda.is_available(), launched_only=True)
     # the dataset's arguments first: loading a teacher is the slow part, and the one that may need a package
     dataset, dataset_id = _dataset(args)
     teacher = _teacher(args)
-    m = build_cache(teacher, dataset, args.out, top_k=args.top_k, encoding=encoding, top_p=top_p, min_k=min_k,
+    m = build_cache(teacher, dataset, args.out, top_k=top_k, encoding=encoding, top_p=top_p, min_k=min_k,
+                    samples=args.samples, sample_seed=args.sample_seed,
                     temperature=args.temperature, num_samples=args.num_samples,
                     samples_per_shard=args.samples_per_shard, micro_batch_size=args.micro_batch_size,
                     chunk_size=args.chunk_size, teacher_id=args.teacher_id, tokenizer_id=args.tokenizer_id,
@@ -117,21 +119,40 @@ def _build(args) -> int:
         written = sum(s["bytes"] for s in m["shards"]) / (m["num_samples"] * m["seq_length"])
         kept = (f" (top-P {m['top_p']}: {m['stats']['kept_sum'] / max(1, m['stats']['tokens']):.1f} ids kept per "
                 "position on average)" if m.get("top_p") is not None else "")
+        if m.get("samples") is not None:
+            kept = (f" ({m['samples']} draws per position: {m['stats']['kept_sum'] / max(1, m['stats']['tokens']):.1f} "
+                    "distinct ids on average)")
         print(f"cache complete: {args.out}: {m['num_samples']} samples x {m['seq_length']} positions x "
               f"K={m['top_k']}, {m['encoding']}, {written:.1f} bytes/token{kept}")
     return 0
 
 
 def _encoding_args(args):
-    """(encoding, top_p, min_k) from --encoding / --top-p / --min-k: --top-p alone means the topp encoding."""
-    encoding = cache_encoding(args.encoding, args.top_p)
-    problem = encoding_problem(encoding, args.top_p, args.min_k)
+    """(encoding, top_p, min_k) from --encoding / --top-p / --min-k / --samples: --top-p alone means the topp
+    encoding, --samples alone the sampled one."""
+    encoding = cache_encoding(args.encoding, args.top_p, args.samples)
+    problem = encoding_problem(encoding, args.top_p, args.min_k, args.samples, args.sample_seed)
+    if problem == "needs_samples":
+        raise SystemExit("error: --encoding sampled stores N draws per position: add --samples N (e.g. 16)")
+    if problem == "not_sampled":
+        raise SystemExit(f"error: --samples / --sample-seed need --encoding sampled (the {encoding} encoding stores "
+                         "the teacher's top ids, not draws); drop --encoding, or drop --samples / --sample-seed")
     if problem == "needs_top_p":
         raise SystemExit("error: --encoding topp keeps the fewest ids holding a mass P: add --top-p P (e.g. 0.999)")
     if problem == "fixed_k":
         raise SystemExit(f"error: --top-p / --min-k need --encoding topp (the {encoding} encoding stores K ids at "
                          "every position); drop --encoding, or drop --top-p / --min-k")
     return encoding, args.top_p, args.min_k
+
+
+def _top_k_arg(args, encoding):
+    """--top-k (default DEFAULT_TOP_K); a sampled cache holds at most --samples ids per position, so it takes no --top-k."""
+    if encoding == "sampled":
+        if args.top_k is not None:
+            raise SystemExit("error: --top-k does not apply to --samples (a sampled cache holds the distinct ids of N "
+                             "draws per position, at most N): drop --top-k")
+        return None
+    return DEFAULT_TOP_K if args.top_k is None else args.top_k
 
 
 def cmd_verify(args) -> int:
@@ -150,7 +171,8 @@ def cmd_verify(args) -> int:
                   f"passes): run `megatron-kd cache verify {args.dir}` without --quick to checksum every shard")
         else:
             from ..cache.reader import load_manifest
-            extra = VARIABLE_CHECKS if load_manifest(args.dir).get("top_p") is not None else ""
+            from ..cache.encoding import encoding_of
+            extra = VARIABLE_CHECKS if encoding_of(load_manifest(args.dir)).variable else ""
             print(f"ok: {args.dir}: checked {FULL_CHECKS}{extra}")
     return 1 if problems else 0
 
@@ -180,6 +202,12 @@ def _fmt(info: dict) -> str:
 
 def _kept_lines(info: dict) -> list:
     out = []
+    if info.get("samples") is not None:
+        q = info["kept_k_quantiles"]
+        out += [f"sampled         N={info['samples']} draws per position (seed {info['sample_seed']}): distinct ids "
+                f"mean {info['kept_k_mean']:.2f}, p10/p50/p90/p99 {q['p10']}/{q['p50']}/{q['p90']}/{q['p99']} "
+                f"(bound: {info['bytes_per_token_max']:.2f} bytes/token); targets count/N, summing to 1",
+                "distinct hist.  " + " ".join(f"{k}:{v}" for k, v in info["kept_k_histogram"].items())]
     if info.get("top_p") is not None:
         q = info["kept_k_quantiles"]
         out += [f"top-P           P={info['top_p']}, min_k={info['min_k']}: kept ids per position mean "
@@ -233,9 +261,13 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--tokens", help=".npy int array [num_samples, seq_length + 1]")
     b.add_argument("--dataset", help="module:function returning a token dataset (len and [i])")
     b.add_argument("--dataset-args", default="{}", help="JSON keyword arguments for the dataset factory")
-    b.add_argument("--top-k", type=int, default=DEFAULT_TOP_K)
-    b.add_argument("--encoding", choices=["fp16", "compact", "topp"], default=None,
-                   help="default fp16; topp when --top-p is given")
+    b.add_argument("--top-k", type=int, default=None, help=f"default {DEFAULT_TOP_K}")
+    b.add_argument("--encoding", choices=["fp16", "compact", "topp", "sampled"], default=None,
+                   help="default fp16; topp when --top-p is given, sampled when --samples is")
+    b.add_argument("--samples", type=int, default=None, metavar="N",
+                   help="N draws per position from the teacher's whole distribution at --temperature, stored as the "
+                        "distinct ids and their counts (encoding sampled: unbiased targets; docs/cache-format.md)")
+    b.add_argument("--sample-seed", type=int, default=None, help="with --samples: the draws' seed (default 0)")
     b.add_argument("--top-p", type=float, default=None, metavar="P",
                    help="keep per position the fewest ids (at most --top-k) whose teacher mass reaches P (encoding "
                         "topp); `cache inspect --top-p P` on a K cache previews the size")

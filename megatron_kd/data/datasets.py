@@ -259,7 +259,8 @@ def check_cache(reader, kd: KDConfig, d: DataConfig, train_ds, vocab_size: int, 
     try:
         captured = kd.capture_temperature  # re-tempering
         reader.check_compatible(vocab_size=vocab_size, top_k=kd.top_k, temperature=captured,
-                                seq_length=d.seq_length, keys=CACHE_FIELD_KEYS)
+                                seq_length=d.seq_length, keys=CACHE_FIELD_KEYS, tail=kd.tail,
+                                divergence=kd.divergence, train_temperature=kd.temperature)
     except CacheError as e:
         raise RecipeError(f"kd.cache={kd.cache}: {e}") from None
     if len(reader) < needed:

@@ -456,11 +456,12 @@ def sweep_plot(res: dict, png: str) -> None:
     plt.close(fig)
 
 
-def train_students(bench: Bench, modes) -> dict | None:
-    """One `megatron-kd train` process per mode (finished ones are kept); {mode: command}, None on a failure."""
+def train_students(bench: Bench, modes, overrides=None) -> dict | None:
+    """One `megatron-kd train` process per mode (finished ones are kept); {mode: command}, None on a failure.
+    overrides: mode -> the run's overrides (default bench.student_overrides)."""
     commands = {}
     for m in modes:
-        o = bench.student_overrides(m)
+        o = (overrides or bench.student_overrides)(m)
         commands[m] = "megatron-kd train " + " ".join(o)
         if bench.stage_train(f"student_{m}", o):
             return None

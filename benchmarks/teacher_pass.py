@@ -54,7 +54,6 @@ def child(a) -> dict:
     from megatron_kd.teacher import build as build_mod
     from megatron_kd.teacher.build import build_cache
     from megatron_kd.teacher.megatron import start_cache_teacher
-    from megatron_kd.parallel.limits import rows_per_chunk
     from megatron_kd.parallel.topk import topk_from_hidden
 
     cuda = torch.cuda.is_available()
@@ -76,38 +75,13 @@ def child(a) -> dict:
     g = np.random.default_rng(0)
     data = torch.from_numpy(g.integers(0, vocab, size=(a.samples + 1, seq + 1)))
 
-    def timed(fn, reps):
-        fn()
-        sync()
-        out = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            fn()
-            sync()
-            out.append(time.perf_counter() - t)
-        return sorted(out)[len(out) // 2]
-
     tokens = data[0, :seq][None]
-    box = {}
-
-    def fwd():
-        box["out"] = teacher(tokens)
-
-    res["forward_s"] = timed(fwd, a.reps)
-    out = box.pop("out")
-    hidden = out.hidden.reshape(-1, out.hidden.shape[-1])
-    w = out.weight.to(hidden.dtype)
-    step = a.chunk_size or rows_per_chunk(w.shape[0])
-
-    def gemm():
-        for i in range(0, hidden.shape[0], step):
-            torch.mm(hidden[i:i + step], w.t())
-
-    res["output_gemm_s"] = timed(gemm, a.reps)
-    res["floor_s"] = res["forward_s"] + res["output_gemm_s"]
+    out, hidden, floor = measure_floor(teacher, tokens, a.reps, a.chunk_size)
+    res.update(floor)
+    timed = median_time
     res["topk_s"] = timed(lambda: topk_from_hidden(hidden, out.weight, k, None, a.chunk_size, 1.0, None, vocab),
                           a.reps)
-    del out, hidden, w, box
+    del out, hidden
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -140,6 +114,48 @@ def child(a) -> dict:
     if a.hf:
         res["hf"] = hf_forward(r, tokens, timed)
     return res
+
+
+def median_time(fn, reps) -> float:
+    """Median wall seconds of fn() over reps calls after one warm-up, the device synchronized around each."""
+    import time
+
+    import torch
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    fn()
+    sync()
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        sync()
+        out.append(time.perf_counter() - t)
+    return sorted(out)[len(out) // 2]
+
+
+def measure_floor(teacher, tokens, reps, chunk_size=None):
+    """(the teacher's output, its hidden states [s, H], {forward_s, output_gemm_s, floor_s}): the bare forward
+    (output layer bypassed) and the output GEMM over the row chunks the top-K uses."""
+    import torch
+    from megatron_kd.parallel.limits import rows_per_chunk
+    box = {}
+
+    def fwd():
+        box["out"] = teacher(tokens)
+
+    res = {"forward_s": median_time(fwd, reps)}
+    out = box.pop("out")
+    hidden = out.hidden.reshape(-1, out.hidden.shape[-1])
+    w = out.weight.to(hidden.dtype)
+    step = chunk_size or rows_per_chunk(w.shape[0])
+
+    def gemm():
+        for i in range(0, hidden.shape[0], step):
+            torch.mm(hidden[i:i + step], w.t())
+
+    res["output_gemm_s"] = median_time(gemm, reps)
+    res["floor_s"] = res["forward_s"] + res["output_gemm_s"]
+    return out, hidden, res
 
 
 def profile(a, build, seq) -> dict:

@@ -26,7 +26,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see offline_vs_online.py
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from offline_vs_online import SMALL, Bench, BenchSettings  # noqa: E402
+from offline_vs_online import SMALL, Bench, BenchSettings, train_students  # noqa: E402
 from megatron_kd.cli.demo import prepare_out_dir, recipe_overrides  # noqa: E402
 
 TOP_PS = (0.99, 0.999, 0.9999)
@@ -177,6 +177,30 @@ def plot(res: dict, png: str) -> None:
     plt.close(fig)
 
 
+def redraw(results: str, plot_fn, table_fn) -> int:
+    """--plot-only: the PNG and the table (.md) again, from the results JSON."""
+    with open(results + ".json") as f:
+        res = json.load(f)
+    plot_fn(res, results + ".png")
+    text = table_fn(res)
+    with open(results + ".md", "w") as f:
+        f.write(text + "\n")
+    print(text)
+    return 0
+
+
+def save(res: dict, results: str, plot_fn, table_fn) -> None:
+    """results.json, .png and .md (the table, also printed)."""
+    os.makedirs(os.path.dirname(os.path.abspath(results)), exist_ok=True)
+    with open(results + ".json", "w") as f:
+        json.dump(res, f, indent=2)
+    plot_fn(res, results + ".png")
+    text = table_fn(res)
+    with open(results + ".md", "w") as f:
+        f.write(text + "\n")
+    print("\n" + text + "\n", flush=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -189,11 +213,7 @@ def main(argv=None) -> int:
     p.add_argument("--plot-only", action="store_true", help="redraw the PNG and table from the results JSON")
     args = p.parse_args(argv)
     if args.plot_only:
-        with open(args.results + ".json") as f:
-            res = json.load(f)
-        plot(res, args.results + ".png")
-        print(table(res))
-        return 0
+        return redraw(args.results, plot, table)
     from megatron_kd.runtime.quiet import quiet_megatron_warnings
     quiet_megatron_warnings()
     top_ps = [float(x) for x in args.top_p.split(",")]
@@ -221,12 +241,9 @@ def main(argv=None) -> int:
             if k in i:
                 info[m][k] = i[k]
         bench.say(f"{m}: {json.dumps({k: v for k, v in info[m].items() if k != 'kept_k_histogram'})}")
-    commands = {}
-    for m in modes:
-        o = bench.offline(m)
-        commands[m] = "megatron-kd train " + " ".join(o)
-        if bench.stage_train(f"student_{m}", o):
-            return 2
+    commands = train_students(bench, modes, bench.offline)
+    if commands is None:
+        return 2
     from megatron_kd.checkpoint.store import iter_dir
     from megatron_kd.training.evaluate import compare
     t = time.time()
@@ -256,14 +273,7 @@ def main(argv=None) -> int:
                   "compact cache's bytes/token",
            "bar_met": any(v["meets_bar"] for v in verdict.values()), "stage_s": bench.times,
            "total_s": time.time() - t0}
-    os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
-    with open(args.results + ".json", "w") as f:
-        json.dump(res, f, indent=2)
-    plot(res, args.results + ".png")
-    text = table(res)
-    with open(args.results + ".md", "w") as f:
-        f.write(text + "\n")
-    print("\n" + text + "\n", flush=True)
+    save(res, args.results, plot, table)
     print(json.dumps({"teacher_stats": res["teacher_stats"], "verdict": verdict}, indent=1), flush=True)
     bench.say(f"bar ({res['bar']}): {'MET' if res['bar_met'] else 'MISSED'}; total {res['total_s']:.0f} s")
     return 0 if res["bar_met"] else 1

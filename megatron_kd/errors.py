@@ -19,3 +19,15 @@ class CacheError(ValueError):
 
 class HFCheckpointError(ValueError):
     """A Hugging Face checkpoint that cannot be used as asked; the message names the key and the fix."""
+
+
+class CorpusError(ValueError):
+    """A corpus `data prepare` cannot tokenize as asked: the message names the file (and line) and the fix."""
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be used as given (not a file, no end-of-document token); names the flag that fixes it."""
+
+
+class PruneError(ValueError):
+    """A pruning that does not fit the checkpoint; found before anything is written."""

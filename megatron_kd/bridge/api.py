@@ -11,7 +11,8 @@ def open_cache(path: str):
 
 def check_cache_against_model(reader, kd: OfflineKDConfig, *, seq_length=None, vocab_size=None) -> None:
     """Fail before any work when the cache cannot serve this student: K, temperature, length, vocabulary."""
-    reader.check_compatible(top_k=kd.top_k, temperature=kd.capture_temperature, seq_length=seq_length)
+    reader.check_compatible(top_k=kd.top_k, temperature=kd.capture_temperature, seq_length=seq_length, tail=kd.tail,
+                            divergence=kd.divergence, train_temperature=kd.temperature)
     # model.vocab_size counts the student's embedding rows, which may pad past the tokenizer (rules.vocab_problem)
     if vocab_size is not None and vocab_problem(reader.vocab_size, vocab_size, student_rows=True):
         raise ValueError(f"kd.cache {kd.cache!r}: the teacher's vocabulary ({reader.vocab_size}) is "

@@ -80,8 +80,11 @@ def build(a) -> dict:
         # tokenizer's ids are no token, so they are neither a KD target nor part of the teacher's softmax
         teacher.vocab_size = vocab
     tok_id = str(getattr(cfg.tokenizer, "tokenizer_model", None) or getattr(cfg.tokenizer, "tokenizer_type", ""))
-    encoding = cache_encoding(a.encoding, a.top_p)
+    encoding = cache_encoding(a.encoding, a.top_p, a.samples)
+    if a.samples is not None:  # a sampled cache holds the ids of its draws: build_cache refuses another top_k
+        top_k = None if a.top_k is None else top_k
     return build_cache(teacher, train, out, top_k=top_k, encoding=encoding, top_p=a.top_p, min_k=a.min_k,
+                       samples=a.samples, sample_seed=a.sample_seed,
                        temperature=kd.capture_temperature,
                        num_samples=len(train), micro_batch_size=a.micro_batch_size, chunk_size=kd.chunk_size,
                        tokenizer_id=tok_id, dataset_id=str(getattr(train, "unique_description_hash", "")),
@@ -98,8 +101,11 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--teacher-args", default="{}", help='JSON keyword arguments, e.g. \'{"dtype": "bfloat16"}\'')
     b.add_argument("--out", default=None, help="cache directory (default: kd.cache)")
     b.add_argument("--top-k", type=int, default=None, help=f"default: kd.top_k, else {DEFAULT_TOP_K}")
-    b.add_argument("--encoding", choices=["fp16", "compact", "topp"], default=None,
-                   help="default fp16; topp when --top-p is given")
+    b.add_argument("--encoding", choices=["fp16", "compact", "topp", "sampled"], default=None,
+                   help="default fp16; topp when --top-p is given, sampled when --samples is")
+    b.add_argument("--samples", type=int, default=None, metavar="N", help="N draws per position from the teacher's "
+                   "whole distribution, stored as ids and counts (encoding sampled; docs/cache-format.md)")
+    b.add_argument("--sample-seed", type=int, default=None, help="with --samples: the draws' seed (default 0)")
     b.add_argument("--top-p", type=float, default=None, metavar="P", help="keep per position the fewest ids (at "
                    "most --top-k) whose teacher mass reaches P (encoding topp; docs/cache-format.md)")
     b.add_argument("--min-k", type=int, default=None, help="with --top-p: keep at least this many ids (default 1)")

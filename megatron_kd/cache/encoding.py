@@ -14,6 +14,8 @@ Each field is a stream over the S positions, so positions [a, b) decode without 
   stored as compact stores K, plus the per-position count. The sample's byte size follows from its counts, so a
   shard ends with a table of sample offsets (writer.py); positions [a, b) decode from the counts' prefix sums.
   Unused slots read as id -1 / log-prob -inf.
+- "sampled" (unbiased, variable size): per position the distinct ids of N draws from the teacher's full
+  distribution (parallel/sample.py) and their counts; the reader returns log(count / N).
 """
 import numpy as np
 
@@ -22,7 +24,7 @@ from .bits import (EliasFano, pack_bool, pack_uint, pack_var, packed_bytes, unpa
                    unpack_var)
 from .topp import check_top_p, select_top_p
 
-ENCODINGS = ("fp16", "compact", "topp")
+ENCODINGS = ("fp16", "compact", "topp", "sampled")
 _FP16_MIN = float(np.finfo(np.float16).min)
 
 
@@ -31,6 +33,11 @@ def id_bits(vocab_size: int) -> int:
 
 
 def get_encoding(name: str, vocab_size: int, top_k: int, seq_length: int, top_p=None, min_k=None):
+    if name == "sampled":  # top_k: the draws per position, the most distinct ids a position can hold
+        if top_p is not None or min_k is not None:
+            raise ValueError("top_p / min_k select among the top-K; the encoding 'sampled' stores draws from the whole "
+                             "distribution: drop them")
+        return SampledEncoding(vocab_size, top_k, seq_length)
     problem = encoding_problem(name, top_p, None)  # min_k alone is the settings' check (it has a default here)
     if problem:
         raise ValueError("the topp encoding needs top_p, and only it takes one" if problem == "needs_top_p" else
@@ -287,6 +294,51 @@ class TopPEncoding(CompactEncoding):
         """The per-position counts of a sample's bytes (int64 [S])."""
         return unpack_narrow(self.header.view(buf, "counts"), self.count_bits, self.seq)
 
+    def _id_streams(self, flat_ids, counts):
+        """The Elias-Fano upper and low streams (packed) of each position's ids, ascending, concatenated."""
+        rows = np.repeat(np.arange(counts.size), counts)
+        entry_start = np.cumsum(counts) - counts
+        rank = np.arange(rows.size) - entry_start[rows]
+        low_w = self.low_bits_of[counts][rows]
+        up_bits = self.upper_bits_of[counts]
+        up_start = np.cumsum(up_bits) - up_bits
+        upper = np.zeros(int(up_bits.sum()), dtype=bool)
+        upper[up_start[rows] + (flat_ids >> low_w) + rank] = True
+        return pack_bool(upper), pack_var(flat_ids & ((1 << low_w) - 1), low_w)
+
+    def _read_ids(self, buf, start, stop):
+        """(counts [S], stream starts, per-stream bit offsets [n_streams, S + 1], entry offsets [S + 1], counts of
+        [start, stop), the row of each id, the ids ascending per row) after the size and structure checks."""
+        if buf.size < self.min_bytes:
+            raise self._corrupt(f"{buf.size} bytes, fewer than the smallest sample ({self.min_bytes})")
+        counts = self.counts(buf)
+        if counts.min() < 1 or counts.max() > self.k:
+            raise self._corrupt(f"a per-position count outside [1, K={self.k}]")
+        starts, total = self._layout(counts)
+        if total != buf.size:
+            raise self._corrupt(f"its counts describe {total} bytes, it holds {buf.size}")
+        bits = self._stream_bits(counts)
+        begin = np.concatenate([np.zeros((bits.shape[0], 1), np.int64), np.cumsum(bits, axis=1)], axis=1)
+        entry = np.concatenate([[0], np.cumsum(counts)])
+        c = counts[start:stop]
+        rows = np.repeat(np.arange(stop - start), c)
+        rank = np.arange(rows.size) + entry[start] - np.repeat(entry[start:stop], c)  # repeat: cheaper than a gather
+        # the upper bitmaps of rows [start, stop) hold one 1 per id, inside its own row
+        up0 = begin[0, start]
+        ones = np.flatnonzero(unpack_bool(buf[starts[0]:], up0, begin[0, stop] - up0))
+        if ones.size != rows.size:
+            raise self._corrupt(f"the Elias-Fano bitmaps hold {ones.size} ids, the counts say {rows.size}")
+        in_row = ones + up0 - np.repeat(begin[0, start:stop], c)
+        high = in_row - rank
+        if rows.size and (in_row.min() < 0 or (in_row >= np.repeat(self.upper_bits_of[c], c)).any()):
+            raise self._corrupt("a count disagrees with the ids stored for its position")
+        low_w = np.repeat(self.low_bits_of[c], c)
+        low = unpack_var(buf[starts[1]:], np.repeat(begin[1, start:stop], c) + rank * low_w, low_w)
+        flat_ids = (high << low_w) | low
+        if rows.size > 1 and ((np.diff(flat_ids) <= 0) & (np.diff(rows) == 0)).any():
+            raise self._corrupt("a position's ids repeat")
+        return counts, starts, begin, entry, c, rows, flat_ids
+
     def encode(self, ids, logp) -> np.ndarray:
         ids, logp = self._check(ids, logp)
         sel_ids, sel_lp, counts = select_top_p(ids, logp, self.top_p, self.min_k)
@@ -306,23 +358,13 @@ class TopPEncoding(CompactEncoding):
         rng16, codes, ref = self._quantize(r, valid)
         refined = np.arange(self.m) < self.refined_of[counts][:, None]
 
-        rows = np.repeat(np.arange(s), counts)
-        entry_start = np.cumsum(counts) - counts
-        rank = np.arange(rows.size) - entry_start[rows]
-        flat_ids = ids[valid]
-        low_w = self.low_bits_of[counts][rows]
-        bits = self._stream_bits(counts)
-        up_start = np.cumsum(bits[0]) - bits[0]
-        upper = np.zeros(int(bits[0].sum()), dtype=bool)
-        upper[up_start[rows] + (flat_ids >> low_w) + rank] = True
-
         starts, total = self._layout(counts)
         out = np.zeros(total, dtype=np.uint8)
         self.header.view(out, "counts")[:] = pack_uint(counts, self.count_bits)
         self.header.view(out, "log_mass")[:] = log_mass.view(np.uint8)
         self.header.view(out, "range")[:] = rng16.view(np.uint8)
-        streams = (pack_bool(upper), pack_var(flat_ids & ((1 << low_w) - 1), low_w),
-                   pack_uint(codes[valid], self.coarse_bits), pack_uint(ref[refined], self.refine_bits))
+        streams = (*self._id_streams(ids[valid], counts), pack_uint(codes[valid], self.coarse_bits),
+                   pack_uint(ref[refined], self.refine_bits))
         for a, data in zip(starts, streams):
             out[a:a + data.size] = data
         return out
@@ -335,38 +377,9 @@ class TopPEncoding(CompactEncoding):
         stop = self.seq if stop is None else stop
         n, k = stop - start, self.k
         buf = np.asarray(buf)
-        if buf.size < self.min_bytes:
-            raise self._corrupt(f"{buf.size} bytes, fewer than the smallest sample ({self.min_bytes})")
-        counts = self.counts(buf)
-        if counts.min() < 1 or counts.max() > k:
-            raise self._corrupt(f"a per-position count outside [1, K={k}]")
-        starts, total = self._layout(counts)
-        if total != buf.size:
-            raise self._corrupt(f"its counts describe {total} bytes, it holds {buf.size}")
-        bits = self._stream_bits(counts)
-        begin = np.concatenate([np.zeros((4, 1), np.int64), np.cumsum(bits, axis=1)], axis=1)  # [4, S + 1]
-        entry = np.concatenate([[0], np.cumsum(counts)])
-        c = counts[start:stop]
-        rows = np.repeat(np.arange(n), c)
-        e0 = entry[start]
-        rank = np.arange(rows.size) + e0 - np.repeat(entry[start:stop], c)  # repeat: cheaper than a gather
+        counts, starts, begin, entry, c, rows, flat_ids = self._read_ids(buf, start, stop)
         log_mass = np.asarray(self.header.view(buf, "log_mass")[4 * start:4 * stop]).view(np.float32)
         rng16 = np.asarray(self.header.view(buf, "range")[2 * start:2 * stop]).view(np.float16)
-
-        # ids: the upper bitmaps of rows [start, stop) hold one 1 per kept id, inside its own row
-        up0 = begin[0, start]
-        ones = np.flatnonzero(unpack_bool(buf[starts[0]:], up0, begin[0, stop] - up0))
-        if ones.size != rows.size:
-            raise self._corrupt(f"the Elias-Fano bitmaps hold {ones.size} ids, the counts say {rows.size}")
-        in_row = ones + up0 - np.repeat(begin[0, start:stop], c)
-        high = in_row - rank
-        if rows.size and (in_row.min() < 0 or (in_row >= np.repeat(self.upper_bits_of[c], c)).any()):
-            raise self._corrupt("a count disagrees with the ids stored for its position")
-        low_w = np.repeat(self.low_bits_of[c], c)
-        low = unpack_var(buf[starts[1]:], np.repeat(begin[1, start:stop], c) + rank * low_w, low_w)
-        flat_ids = (high << low_w) | low
-        if rows.size > 1 and ((np.diff(flat_ids) <= 0) & (np.diff(rows) == 0)).any():
-            raise self._corrupt("a position's ids repeat")
 
         valid = np.arange(k) < c[:, None]
         ids = np.full((n, k), -1, dtype=np.int64)
@@ -383,3 +396,107 @@ class TopPEncoding(CompactEncoding):
         x += (log_mass.astype(np.float64) - np.log(np.exp(x).sum(axis=1)))[:, None]
         order = np.argsort(-x, axis=1, kind="stable")  # by log-prob, ties by id, unused slots last
         return np.take_along_axis(ids, order, 1), np.take_along_axis(x, order, 1).astype(np.float32)
+
+
+class SampledEncoding(TopPEncoding):
+    """N draws per position from the teacher's full distribution (parallel/sample.py), as the distinct ids drawn and
+    how often each was drawn; the reader returns log(count / N), so the targets sum to 1 exactly.
+
+    Sample layout: per position the number k of distinct ids (count_bits each, the fewest bits that hold N) and a
+    multiplicity bitmap of N bits (per id, ascending: count - 1 zeros then a one; the counts sum to N, so N bits
+    hold them all), fixed per position; then two streams whose sizes follow from k, each padded to 8 bytes: the
+    Elias-Fano upper bitmaps and low bits of the ids, as topp stores them. Position t's bits start at the prefix
+    sums of these sizes over positions < t, so [a, b) decodes from the counts alone.
+    """
+    name = "sampled"
+    top_p = None
+
+    def __init__(self, vocab_size, draws, seq_length):
+        from ..parallel.sample import check_draws
+        problem = check_draws(draws)
+        if problem:
+            raise ValueError(problem)
+        _Base.__init__(self, vocab_size, min(int(draws), int(vocab_size)), seq_length)
+        self.draws = int(draws)
+        if self.k != self.draws:
+            raise ValueError(f"samples={draws} draws per position need a vocabulary of at least {draws} ids "
+                             f"(V={vocab_size}); draw fewer")
+        self.count_bits = self.k.bit_length()
+        ks = np.arange(self.k + 1)
+        self.low_bits_of = np.array([EliasFano(self.vocab_size, max(1, k)).low_bits for k in ks], dtype=np.int64)
+        self.upper_bits_of = ks + ((self.vocab_size - 1) >> self.low_bits_of) + 1
+        s = self.seq
+        self.header = _Fields([("counts", packed_bytes(s, self.count_bits)), ("mult", packed_bytes(s * self.draws, 1))])
+        per_k = self._stream_bits(np.arange(1, self.k + 1))
+        self.max_bytes = self.header.total + sum(_pad8((s * int(b) + 7) // 8) for b in per_k.max(axis=1))
+        self.min_bytes = self.header.total + sum(_pad8((s * int(b) + 7) // 8) for b in per_k.min(axis=1))
+
+    def select(self, ids, logp):
+        """Every id drawn is kept: the kept count of the statistics is the number of distinct ids per position."""
+        return ids, logp
+
+    def _stream_bits(self, counts):
+        """Per position: bits of the upper and low streams [2, n]."""
+        return np.stack([self.upper_bits_of[counts], counts * self.low_bits_of[counts]])
+
+    def frequencies(self, logp) -> np.ndarray:
+        """Counts (int64) from log(count / N) values (-inf: 0)."""
+        lp = np.asarray(logp, dtype=np.float64)
+        return np.where(np.isneginf(lp), 0, np.rint(np.exp(np.where(np.isneginf(lp), 0.0, lp)) * self.draws)
+                        ).astype(np.int64)
+
+    def log_frequencies(self, counts) -> np.ndarray:
+        """float32 log(count / N), -inf at 0: parallel/sample.py's log_frequencies, in numpy."""
+        with np.errstate(divide="ignore"):
+            return np.log(np.asarray(counts, dtype=np.float64) / float(self.draws)).astype(np.float32)
+
+    def encode(self, ids, logp) -> np.ndarray:
+        ids, logp = self._check(ids, logp)
+        counts = self.frequencies(logp)
+        counts[ids < 0] = 0
+        live = counts > 0
+        if (ids[live] < 0).any() or not np.array_equal(self.log_frequencies(counts)[live], logp[live]):
+            raise ValueError(f"sampled targets must be log(count / {self.draws}) of distinct ids drawn (the "
+                             "sampler's output); got other log-probs")
+        if (counts.sum(axis=1) != self.draws).any():
+            raise ValueError(f"a position's counts do not sum to samples={self.draws}")
+        order = np.argsort(np.where(live, ids, np.iinfo(np.int64).max), axis=1, kind="stable")
+        ids, counts = np.take_along_axis(ids, order, 1), np.take_along_axis(counts, order, 1)
+        live = counts > 0
+        k = live.sum(axis=1)
+        if (np.diff(ids, axis=1)[live[:, 1:]] == 0).any():
+            raise ValueError("sampled ids repeat within a position; pass each distinct id once with its count")
+        s = self.seq
+        # multiplicity bitmap: a one at the last draw of each id, in ascending id order within the position
+        mult = np.zeros(s * self.draws, dtype=bool)
+        mult[(np.arange(s)[:, None] * self.draws + np.cumsum(counts, axis=1) - 1)[live]] = True
+        starts, total = self._layout(k)
+        out = np.zeros(total, dtype=np.uint8)
+        self.header.view(out, "counts")[:] = pack_uint(k, self.count_bits)
+        self.header.view(out, "mult")[:] = pack_bool(mult)
+        for a, data in zip(starts, self._id_streams(ids[live], k)):
+            out[a:a + data.size] = data
+        return out
+
+    def decode(self, buf, start: int = 0, stop: int | None = None):
+        stop = self.seq if stop is None else stop
+        n, N = stop - start, self.draws
+        buf = np.asarray(buf)
+        _, _, _, _, c, rows, flat_ids = self._read_ids(buf, start, stop)
+        mult = unpack_bool(self.header.view(buf, "mult"), start * N, n * N).reshape(n, N)
+        if not np.array_equal(mult.sum(axis=1), c) or (n and not mult[:, -1].all()):
+            raise self._corrupt("a multiplicity bitmap disagrees with the count of ids of its position")
+        ends = np.flatnonzero(mult.ravel())  # the last draw of each id, rows in order
+        # a position's first id counts from the position's first bit, the others from the previous id's last draw
+        row_first = np.concatenate([[True], np.diff(rows) != 0]) if rows.size else np.zeros(0, bool)
+        prev_end = np.concatenate([[-1], ends[:-1]])
+        counts_flat = np.where(row_first, ends - rows * N + 1, ends - prev_end)
+        valid = np.arange(self.k) < c[:, None]
+        ids = np.full((n, self.k), -1, dtype=np.int64)
+        ids[valid] = flat_ids
+        counts = np.zeros((n, self.k), dtype=np.int64)
+        counts[valid] = counts_flat
+        big = 1 << 32
+        order = np.argsort(-np.where(valid, counts * big + (big - 1 - ids), -1), axis=1, kind="stable")
+        counts = np.take_along_axis(counts, order, 1)  # by count descending, ties by smaller id, unused last
+        return np.take_along_axis(ids, order, 1), self.log_frequencies(counts)

@@ -34,9 +34,9 @@ DEFAULT_SHARD_BYTES = 256 << 20
 SETTINGS_KEYS = ("format", "format_version", "encoding", "top_k", "vocab_size", "temperature", "seq_length",
                  "num_samples", "samples_per_shard", "sample_bytes", "bytes_per_token", "teacher", "tokenizer",
                  "dataset", "token_hash", "alignment")
-# Keys only some encodings have (topp: top_p, min_k); absent from the settings (and their hash) of the others, so
+# Keys only some encodings have (topp: top_p, min_k; sampled: samples, sample_seed); absent from the settings (and their hash) of the others, so
 # the caches built before them keep their bytes and hashes.
-OPTIONAL_KEYS = ("top_p", "min_k")
+OPTIONAL_KEYS = ("top_p", "min_k", "samples", "sample_seed")
 OFFSETS_DTYPE = np.dtype("<u8")
 
 
@@ -72,10 +72,21 @@ def sidecar_name(j: int) -> str:
 
 
 def make_settings(*, encoding, top_k, vocab_size, temperature, seq_length, num_samples, teacher, tokenizer="",
-                  dataset="", samples_per_shard=None, top_p=None, min_k=None) -> dict:
+                  dataset="", samples_per_shard=None, top_p=None, min_k=None, samples=None, sample_seed=None) -> dict:
     if encoding not in ENCODINGS:
         raise CacheError(f"unknown encoding {encoding!r}; use one of {', '.join(ENCODINGS)}")
-    problem = encoding_problem(encoding, top_p, min_k)
+    problem = encoding_problem(encoding, top_p, min_k, samples, sample_seed)
+    if problem == "needs_samples":
+        raise CacheError("encoding 'sampled' stores N draws per position: give samples (--samples, e.g. 16)")
+    if problem == "not_sampled":
+        raise CacheError(f"samples / sample_seed draw ids from the teacher's distribution, which the encoding "
+                         f"{encoding!r} does not store: use encoding 'sampled' (--encoding sampled), or drop them")
+    if encoding == "sampled" and top_k != samples:
+        raise CacheError(f"a sampled cache holds at most samples={samples} ids per position; top_k={top_k} "
+                         "cannot differ (drop --top-k)")
+    if sample_seed is not None and (isinstance(sample_seed, bool) or not isinstance(sample_seed, int)
+                                    or not 0 <= sample_seed < 2 ** 63):
+        raise CacheError(f"sample_seed={sample_seed!r} must be an integer in [0, 2**63)")
     if problem == "needs_top_p":
         raise CacheError("encoding 'topp' keeps the fewest ids holding a mass P per position: give top_p "
                          "(--top-p, e.g. 0.999)")
@@ -96,7 +107,9 @@ def make_settings(*, encoding, top_k, vocab_size, temperature, seq_length, num_s
         samples_per_shard = max(1, min(num_samples, DEFAULT_SHARD_BYTES // enc.sample_bytes))
     if samples_per_shard < 1:
         raise CacheError(f"samples_per_shard must be >= 1, got {samples_per_shard}")
-    extra = {"top_p": enc.top_p, "min_k": enc.min_k} if enc.variable else {}
+    extra = {"top_p": enc.top_p, "min_k": enc.min_k} if enc.variable and enc.top_p is not None else {}
+    if encoding == "sampled":
+        extra = {"samples": int(samples), "sample_seed": int(sample_seed or 0)}
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION, "encoding": encoding, "top_k": int(top_k), **extra,
         "vocab_size": int(vocab_size), "temperature": float(temperature), "seq_length": int(seq_length),

@@ -50,6 +50,20 @@ def remove_temp_files(directory) -> list[str]:
     return removed
 
 
+def try_lock(path):
+    """An exclusive flock on `path` (created if missing) without waiting: its fd, or None when another process
+    holds it. The kernel drops it when the fd is closed or the process dies, so a killed holder leaves no stale
+    lock."""
+    import fcntl
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
 def fsync_dir(path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)

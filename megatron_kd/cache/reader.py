@@ -79,6 +79,7 @@ class CacheReader:
         self.samples_per_shard, self.sample_bytes = m["samples_per_shard"], m["sample_bytes"]
         self._enc = encoding_of(m)
         self.top_p = m.get("top_p")  # None: every position holds K entries
+        self.samples = m.get("samples")  # a sampled cache: draws per position (None: top-K or top-P)
         self._maps, self._offsets = {}, {}
         self._index = None
 
@@ -207,17 +208,21 @@ class CacheReader:
                 "or rebuild the cache for this data.")
 
     def check_compatible(self, *, vocab_size=None, top_k=None, temperature=None, seq_length=None,
-                         keys: dict | None = None) -> None:
+                         keys: dict | None = None, tail=None, divergence=None, train_temperature=None) -> None:
         """Raise if a student run with these settings cannot use this cache. keys: the caller's name for each
-        manifest field (e.g. {"top_k": "kd.top_k"}), so the message names the key a user sets."""
+        manifest field (e.g. {"top_k": "kd.top_k"}), so the message names the key a user sets. temperature: the
+        capture temperature the run expects; tail, divergence, train_temperature: the loss's (a sampled cache's
+        targets are an unbiased estimate for tail none, forward KL, trained at the capture temperature only)."""
         keys = {"vocab_size": "vocabulary", "top_k": "top_k", "temperature": "temperature",
-                "seq_length": "seq_length", **(keys or {})}
-        problems = []
+                "seq_length": "seq_length", "tail": "tail", "divergence": "divergence",
+                "train_temperature": "cache_temperature", **(keys or {})}
+        samples = getattr(self, "samples", None)  # None: a top-K or top-P cache
+        problems = sampled_loss_problems(samples, self.temperature, top_k, tail, divergence, train_temperature, keys)
         if vocab_size is not None and vocab_problem(self.vocab_size, vocab_size):
             problems.append(f"{keys['vocab_size']}: the teacher's is {self.vocab_size} ids, the student's is {vocab_size}; "
                             "top-K ids only mean the same tokens under one tokenizer: use the teacher's tokenizer "
                             "and pass the unpadded vocabulary size")
-        if top_k is not None and not top_k_fits(top_k, self.top_k):
+        if top_k is not None and not top_k_fits(top_k, self.top_k) and samples is None:
             problems.append(f"{keys['top_k']}: the run asks for K={top_k}, the cache stores K={self.top_k}; train with "
                             f"top_k <= {self.top_k} or rebuild with --top-k {top_k}")
         if temperature is not None and not same_temperature(self.temperature, temperature):
@@ -229,3 +234,31 @@ class CacheReader:
                             f"{seq_length}; use seq_length={self.seq_length} or rebuild the cache")
         if problems:
             raise CacheError(f"cache {self.path} does not fit this run:\n  " + "\n  ".join(problems))
+
+
+def sampled_loss_problems(samples, capture_temperature, top_k=None, tail=None, divergence=None,
+                          train_temperature=None, keys=None) -> list:
+    """What keeps a loss from reading a sampled cache's count / N targets (N = samples) as an unbiased estimate of
+    the teacher (docs/loss.md, "Sampled caches"); [] for other caches (samples None). keys: check_compatible's."""
+    if samples is None:
+        return []
+    keys = keys or {}
+    n, out = samples, []
+    if top_k is not None and int(top_k) != n:
+        out.append(f"{keys.get('top_k', 'top_k')}: the run asks for K={top_k}; a sampled cache's targets are the "
+                   f"distinct ids of its {n} draws (they sum to 1), and keeping fewer biases them: train with "
+                   "top_k = null (the cache's) or rebuild with another --samples")
+    if tail is not None and tail != "none":
+        out.append(f"{keys.get('tail', 'tail')}: the run uses tail={tail!r}; a sampled cache's targets count / {n} "
+                   "already sum to 1 and estimate the whole distribution, which the other tails would distort: use "
+                   "tail none")
+    if divergence is not None and divergence != "forward_kl":
+        out.append(f"{keys.get('divergence', 'divergence')}: the run uses {divergence}; only forward KL's gradient "
+                   "is linear in the teacher's probabilities, so only it has an unbiased estimate from draws (reverse "
+                   "KL and JSD take logs of the counts): use forward_kl, or a top-K cache for this divergence")
+    if train_temperature is not None and not same_temperature(train_temperature, capture_temperature):
+        out.append(f"{keys.get('train_temperature', 'cache_temperature')}: re-tempering ({capture_temperature} -> "
+                   f"{train_temperature}) raises count / {n} to a power, which is not an unbiased estimate of the "
+                   f"re-tempered teacher: build the cache with --temperature {train_temperature} and drop "
+                   "cache_temperature")
+    return out

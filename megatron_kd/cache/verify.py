@@ -6,6 +6,7 @@ import numpy as np
 
 from . import stats as stats_mod
 from .checks import manifest_problems, shard_fix
+from .encoding import encoding_of
 from .errors import CacheError
 from .format import (MANIFEST, SAMPLE_INDEX, SAMPLE_INDEX_DTYPE, SETTINGS, field_diff, num_shards, settings_of,
                      sidecar_name)
@@ -61,7 +62,7 @@ def verify_cache(path, *, checksums: bool = True) -> list[str]:
         if side.get("token_hashes") != hashes or side.get("crc32") != [int(c) for c in index["crc32"][a:b]]:
             problems.append(f"{path}: sidecar {sidecar_name(j)}'s token hashes or crc32s differ from {SAMPLE_INDEX} "
                             f"(samples {a}..{b - 1}); {shard_fix(path, j)}")
-    if m.get("top_p") is not None:
+    if encoding_of(m).variable:
         problems += _structure_problems(path)
     return problems
 
@@ -107,9 +108,9 @@ def inspect_cache(path, *, max_samples: int = 64, top_p=(), min_k: int = 1) -> d
            "bytes_per_token": m["bytes_per_token"], "bytes_per_entry": m["bytes_per_token"] / r.top_k,
            "total_bytes": total_bytes, "shards": len(m["shards"]), "teacher": m["teacher"],
            "tokenizer": m["tokenizer"], "dataset": m["dataset"]}
-    if r.top_p is not None:  # variable size: the settings hold the largest sample, the shards what was written
-        out.update(top_p=r.top_p, min_k=m["min_k"], bytes_per_token_max=m["bytes_per_token"],
-                   bytes_per_token=total_bytes / (len(r) * r.seq_length))
+    if encoding_of(m).variable:  # the settings hold the largest sample, the shards what was written
+        out.update(bytes_per_token_max=m["bytes_per_token"], bytes_per_token=total_bytes / (len(r) * r.seq_length))
+        out.update({k: m[k] for k in ("top_p", "min_k", "samples", "sample_seed") if k in m})
         out["bytes_per_entry"] = out["bytes_per_token"] / r.top_k
     out.update(stats_mod.summary(m["stats"]))
     picks = np.unique(np.linspace(0, len(r) - 1, num=min(max_samples, len(r))).astype(np.int64))

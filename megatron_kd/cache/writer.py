@@ -6,7 +6,6 @@ has the expected size; any other shard is recomputed from its first sample into 
 temporary files a killed run left are deleted, never appended to), so a build killed at any moment and restarted
 with the same settings ends byte-identical to an uninterrupted one.
 """
-import fcntl
 import functools
 import hashlib
 import os
@@ -20,7 +19,7 @@ from .errors import CacheError
 from .format import (LOCK, MANIFEST, SAMPLE_INDEX, SAMPLE_INDEX_DTYPE, SETTINGS, SHARD_DIR, check_format,
                      num_shards, offsets_footer, settings_diff, settings_hash, settings_of, shard_name, shard_range,
                      sidecar_name)
-from .fsio import (commit, fault_point, open_temp, read_json, remove_temp_files, write_bytes_atomic,
+from .fsio import (commit, fault_point, open_temp, read_json, remove_temp_files, try_lock, write_bytes_atomic,
                    write_json_atomic)
 from .hashing import CHECKSUM, crc32, hex64, token_hash
 
@@ -183,13 +182,10 @@ class CacheWriter:
             raise
 
     def _lock(self) -> None:
-        fd = os.open(os.path.join(self.path, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
+        fd = try_lock(os.path.join(self.path, LOCK))
+        if fd is None:
             raise CacheError(f"another cache build is writing to {self.path} (it holds {LOCK}); wait for it to "
-                             "finish, or build into another --out directory") from None
+                             "finish, or build into another --out directory")
         self._lock_fd = fd
         fault_point("lock")
 

@@ -1,6 +1,12 @@
 """`megatron-kd cache build|verify|inspect`: the offline teacher top-K cache from the command line.
 
-Teachers and datasets are named as `module:function` factories (called with the JSON --*-args as keyword
+The cache a recipe trains on: --recipe RECIPE and its Hydra overrides give both the teacher (teacher.load, or
+teacher.hf_path; --teacher-hf DIR sets it) and the samples (the run's training samples of data.path):
+
+    megatron-kd cache build --out CACHE --top-k 8 --recipe tiny_cpu --teacher-hf TEACHER_DIR \
+        data.kind=indexed data.path=PREFIX data.tokenizer=TEACHER_DIR data.vocab_size=null train.iters=4
+
+Otherwise teachers and datasets are named as `module:function` factories (called with the JSON --*-args as keyword
 arguments) so any model or data pipeline plugs in; `--teacher hf:DIR` loads a local transformers model and
 `--tokens FILE.npy` reads an int array [num_samples, seq_length + 1]. Under torchrun every rank runs the same
 command; the teacher factory sets up Megatron's model parallel groups itself.
@@ -31,8 +37,22 @@ def _json_arg(text: str, flag: str) -> dict:
     return value
 
 
+RECIPE_HINT = ("--recipe RECIPE data.kind=indexed data.path=PREFIX data.tokenizer=TOKENIZER (the samples a `megatron-kd "
+               "train` of that recipe reads; the recipe's teacher, or --teacher-hf DIR)")
+
+
+def _recipe_overrides(args) -> list:
+    return list(args.overrides) + ([f"teacher.hf_path={args.teacher_hf}"] if args.teacher_hf else [])
+
+
 def _teacher(args):
     from ..teacher.spec import make_teacher
+    if args.teacher is None:
+        from ..teacher.factories import recipe_teacher
+        try:
+            return recipe_teacher(args.recipe, _recipe_overrides(args))
+        except ValueError as e:
+            raise SystemExit(f"error: --recipe {args.recipe}: {e}") from None
     try:
         return make_teacher(args.teacher, _json_arg(args.teacher_args, "--teacher-args"))
     except ValueError as e:
@@ -59,7 +79,16 @@ def _dataset(args):
                              "integer array (e.g. numpy.save(path, tokens.astype(numpy.int64)))")
         return data, args.dataset_id or f"npy:{file_sha256(args.tokens)[:16]}"
     if not args.dataset:
-        raise SystemExit("error: pass --tokens FILE.npy or --dataset module:function")
+        if args.recipe:
+            from ..teacher.factories import recipe_dataset
+            try:
+                return recipe_dataset(args.recipe, _recipe_overrides(args)), args.dataset_id
+            except ValueError as e:
+                raise SystemExit(f"error: --recipe {args.recipe}: {e}") from None
+        raise SystemExit(f"error: name the samples: {RECIPE_HINT}; or --tokens FILE.npy, or --dataset module:function")
+    if ":" not in args.dataset:  # a path, e.g. the prefix `data prepare` wrote
+        raise SystemExit(f"error: --dataset {args.dataset}: --dataset takes a `module:function` factory; for the "
+                         f"samples of a prepared corpus use {RECIPE_HINT.replace('PREFIX', args.dataset)}")
     from ..teacher.spec import check_kwargs
     fn, kw = _factory(args.dataset), _json_arg(args.dataset_args, "--dataset-args")
     try:
@@ -82,11 +111,11 @@ def _check_ids(data, vocab_size: int, flag: str) -> None:
                          "tokenize with the teacher's tokenizer")
 
 
-def _check_counts(args) -> None:
+def _check_counts(args, top_k) -> None:
     """The counting flags and the temperature, before anything is loaded."""
     from ..rules import temperature_problem, top_k_fits
-    if not top_k_fits(args.top_k):
-        raise SystemExit(f"error: --top-k {args.top_k} must be >= 1")
+    if top_k is not None and not top_k_fits(top_k):
+        raise SystemExit(f"error: --top-k {top_k} must be >= 1")
     for flag, v in (("--num-samples", args.num_samples),
                     ("--samples-per-shard", args.samples_per_shard), ("--micro-batch-size", args.micro_batch_size),
                     ("--chunk-size", args.chunk_size)):
@@ -103,11 +132,17 @@ def cmd_build(args) -> int:
 
 
 def _build(args) -> int:
+    if (args.overrides or args.teacher_hf) and not args.recipe:
+        raise SystemExit("error: KEY=VALUE overrides and --teacher-hf belong to a recipe: add --recipe RECIPE "
+                         "(e.g. tiny_cpu)")
+    if args.teacher is None and not args.recipe:
+        raise SystemExit(f"error: name the teacher: --teacher SPEC, or {RECIPE_HINT}")
     import torch
     from ..runtime.dist import init_process_group
     from ..teacher.build import build_cache
     encoding, top_p, min_k = _encoding_args(args)
-    _check_counts(args)
+    top_k = _top_k_arg(args, encoding)
+    _check_counts(args, top_k)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise SystemExit(f"error: --out {args.out} is a file, not a cache directory; give a directory (made when "
                          "missing)")
@@ -116,11 +151,12 @@ def _build(args) -> int:
     dataset, dataset_id = _dataset(args)
     teacher = _teacher(args)
     from ..rules import top_k_fits
-    if not top_k_fits(args.top_k, teacher.vocab_size):
-        raise SystemExit(f"error: --top-k {args.top_k} exceeds the teacher's vocabulary ({teacher.vocab_size} ids); "
+    if top_k is not None and not top_k_fits(top_k, teacher.vocab_size):
+        raise SystemExit(f"error: --top-k {top_k} exceeds the teacher's vocabulary ({teacher.vocab_size} ids); "
                          f"give --top-k <= {teacher.vocab_size}")
     _check_ids(dataset if args.tokens else None, teacher.vocab_size, f"--tokens {args.tokens}")
-    m = build_cache(teacher, dataset, args.out, top_k=args.top_k, encoding=encoding, top_p=top_p, min_k=min_k,
+    m = build_cache(teacher, dataset, args.out, top_k=top_k, encoding=encoding, top_p=top_p, min_k=min_k,
+                    samples=args.samples, sample_seed=args.sample_seed,
                     temperature=args.temperature, num_samples=args.num_samples,
                     samples_per_shard=args.samples_per_shard, micro_batch_size=args.micro_batch_size,
                     chunk_size=args.chunk_size, teacher_id=args.teacher_id, tokenizer_id=args.tokenizer_id,
@@ -130,21 +166,40 @@ def _build(args) -> int:
         written = sum(s["bytes"] for s in m["shards"]) / (m["num_samples"] * m["seq_length"])
         kept = (f" (top-P {m['top_p']}: {m['stats']['kept_sum'] / max(1, m['stats']['tokens']):.1f} ids kept per "
                 "position on average)" if m.get("top_p") is not None else "")
+        if m.get("samples") is not None:
+            kept = (f" ({m['samples']} draws per position: {m['stats']['kept_sum'] / max(1, m['stats']['tokens']):.1f} "
+                    "distinct ids on average)")
         print(f"cache complete: {args.out}: {m['num_samples']} samples x {m['seq_length']} positions x "
               f"K={m['top_k']}, {m['encoding']}, {written:.1f} bytes/token{kept}")
     return 0
 
 
 def _encoding_args(args):
-    """(encoding, top_p, min_k) from --encoding / --top-p / --min-k: --top-p alone means the topp encoding."""
-    encoding = cache_encoding(args.encoding, args.top_p)
-    problem = encoding_problem(encoding, args.top_p, args.min_k)
+    """(encoding, top_p, min_k) from --encoding / --top-p / --min-k / --samples: --top-p alone means the topp
+    encoding, --samples alone the sampled one."""
+    encoding = cache_encoding(args.encoding, args.top_p, args.samples)
+    problem = encoding_problem(encoding, args.top_p, args.min_k, args.samples, args.sample_seed)
+    if problem == "needs_samples":
+        raise SystemExit("error: --encoding sampled stores N draws per position: add --samples N (e.g. 16)")
+    if problem == "not_sampled":
+        raise SystemExit(f"error: --samples / --sample-seed need --encoding sampled (the {encoding} encoding stores "
+                         "the teacher's top ids, not draws); drop --encoding, or drop --samples / --sample-seed")
     if problem == "needs_top_p":
         raise SystemExit("error: --encoding topp keeps the fewest ids holding a mass P: add --top-p P (e.g. 0.999)")
     if problem == "fixed_k":
         raise SystemExit(f"error: --top-p / --min-k need --encoding topp (the {encoding} encoding stores K ids at "
                          "every position); drop --encoding, or drop --top-p / --min-k")
     return encoding, args.top_p, args.min_k
+
+
+def _top_k_arg(args, encoding):
+    """--top-k (default DEFAULT_TOP_K); a sampled cache holds at most --samples ids per position, so it takes no --top-k."""
+    if encoding == "sampled":
+        if args.top_k is not None:
+            raise SystemExit("error: --top-k does not apply to --samples (a sampled cache holds the distinct ids of N "
+                             "draws per position, at most N): drop --top-k")
+        return None
+    return DEFAULT_TOP_K if args.top_k is None else args.top_k
 
 
 def cmd_verify(args) -> int:
@@ -163,7 +218,8 @@ def cmd_verify(args) -> int:
                   f"passes): run `megatron-kd cache verify {args.dir}` without --quick to checksum every shard")
         else:
             from ..cache.reader import load_manifest
-            extra = VARIABLE_CHECKS if load_manifest(args.dir).get("top_p") is not None else ""
+            from ..cache.encoding import encoding_of
+            extra = VARIABLE_CHECKS if encoding_of(load_manifest(args.dir)).variable else ""
             print(f"ok: {args.dir}: checked {FULL_CHECKS}{extra}")
     return 1 if problems else 0
 
@@ -193,6 +249,12 @@ def _fmt(info: dict) -> str:
 
 def _kept_lines(info: dict) -> list:
     out = []
+    if info.get("samples") is not None:
+        q = info["kept_k_quantiles"]
+        out += [f"sampled         N={info['samples']} draws per position (seed {info['sample_seed']}): distinct ids "
+                f"mean {info['kept_k_mean']:.2f}, p10/p50/p90/p99 {q['p10']}/{q['p50']}/{q['p90']}/{q['p99']} "
+                f"(bound: {info['bytes_per_token_max']:.2f} bytes/token); targets count/N, summing to 1",
+                "distinct hist.  " + " ".join(f"{k}:{v}" for k, v in info["kept_k_histogram"].items())]
     if info.get("top_p") is not None:
         q = info["kept_k_quantiles"]
         out += [f"top-P           P={info['top_p']}, min_k={info['min_k']}: kept ids per position mean "
@@ -238,14 +300,23 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="run a teacher over a dataset and write (or resume) a cache")
     b.add_argument("--out", required=True, help="cache directory (a restart with the same command resumes it)")
-    b.add_argument("--teacher", required=True, help="module:function returning a teacher, or hf:MODEL_DIR")
+    b.add_argument("--recipe", help="a recipe (name or .yaml): its teacher and its run's training samples, with the "
+                                    "Hydra overrides given after the flags")
+    b.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="with --recipe: Hydra overrides of the recipe")
+    b.add_argument("--teacher-hf", metavar="DIR", help="with --recipe: a Hugging Face teacher folder (teacher.hf_path)")
+    b.add_argument("--teacher", help="module:function returning a teacher, hf:MODEL_DIR or mkd:SAVE_DIR (default: "
+                                     "the --recipe's teacher)")
     b.add_argument("--teacher-args", default="{}", help="JSON keyword arguments for the teacher factory")
     b.add_argument("--tokens", help=".npy int array [num_samples, seq_length + 1]")
     b.add_argument("--dataset", help="module:function returning a token dataset (len and [i])")
     b.add_argument("--dataset-args", default="{}", help="JSON keyword arguments for the dataset factory")
-    b.add_argument("--top-k", type=int, default=DEFAULT_TOP_K)
-    b.add_argument("--encoding", choices=["fp16", "compact", "topp"], default=None,
-                   help="default fp16; topp when --top-p is given")
+    b.add_argument("--top-k", type=int, default=None, help=f"default {DEFAULT_TOP_K}")
+    b.add_argument("--encoding", choices=["fp16", "compact", "topp", "sampled"], default=None,
+                   help="default fp16; topp when --top-p is given, sampled when --samples is")
+    b.add_argument("--samples", type=int, default=None, metavar="N",
+                   help="N draws per position from the teacher's whole distribution at --temperature, stored as the "
+                        "distinct ids and their counts (encoding sampled: unbiased targets; docs/cache-format.md)")
+    b.add_argument("--sample-seed", type=int, default=None, help="with --samples: the draws' seed (default 0)")
     b.add_argument("--top-p", type=float, default=None, metavar="P",
                    help="keep per position the fewest ids (at most --top-k) whose teacher mass reaches P (encoding "
                         "topp); `cache inspect --top-p P` on a K cache previews the size")

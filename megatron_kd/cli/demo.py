@@ -277,7 +277,7 @@ class Demo:
         self.say("tokenizing pydoc_data (CPython's documentation) with a byte-level BPE of "
                  f"{self.s.vocab_size} ids  [megatron-kd data prepare --pydoc --output-prefix {self.data_prefix} "
                  f"--vocab-size {self.s.vocab_size}]")
-        info = prepare(pydoc_documents(), self.data_prefix, vocab_size=self.s.vocab_size)
+        info = prepare(pydoc_documents(), self.data_prefix, vocab_size=self.s.vocab_size, tokenizer_out=self.tokenizer)
         self.finish("data", time.time() - t)
         self.say(f"{info['documents']} documents, {info['tokens']} tokens ({self.times['data']:.1f} s)")
 

@@ -10,6 +10,7 @@ COMMANDS = {
     "data": ("megatron_kd.cli.data", "tokenize text into Megatron's indexed .bin/.idx format"),
     "launch": ("megatron_kd.cli.launch", "print or run the torchrun / Slurm commands for a recipe"),
     "plan": ("megatron_kd.cli.plan", "predict per-GPU peak memory of a recipe's layout"),
+    "prune": ("megatron_kd.cli.prune", "prune a Hugging Face checkpoint by depth or MLP width (a student)"),
     "export": ("megatron_kd.cli.export", "write a trained student as a Hugging Face checkpoint (needs Bridge)"),
     "loss-demo": ("megatron_kd.cli.loss_demo", "run and compare the loss impls at a small size"),
 }

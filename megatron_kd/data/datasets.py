@@ -16,23 +16,22 @@ from ..cache.hashing import tokenizer_id
 from ..recipe.checks import CACHE_FIELD_KEYS
 from ..recipe.schema import DataConfig, KDConfig, RecipeError, TrainConfig
 
-EOD_TOKEN = "<|endoftext|>"
-
-
 class FileTokenizer:
     """A `tokenizers` JSON file, with the few attributes Megatron's GPTDataset reads (eod, pad, vocab_size)."""
 
     def __init__(self, path: str, eod_id: int | None = None):
-        from tokenizers import Tokenizer
-        if not os.path.isfile(path):
+        from ..errors import TokenizerError
+        from .tokenizer import end_of_document, load
+        if not os.path.exists(path):
             raise RecipeError(f"data.tokenizer={path!r} does not exist; `megatron-kd data prepare` writes one "
-                              "(tokenizer.json next to the .bin/.idx)")
+                              "(PREFIX.tokenizer.json next to the .bin/.idx) and prints the path")
+        try:
+            self.tok, path = load(path)
+            eod = end_of_document(self.tok, path)[1] if eod_id is None else eod_id
+        except TokenizerError as e:
+            raise RecipeError(f"data.tokenizer: {e}".replace("--eod-token TOKEN", "data.eod_id=ID")) from None
         self.path = path
-        self.tok = Tokenizer.from_file(path)
         self.vocab_size = self.tok.get_vocab_size()
-        eod = self.tok.token_to_id(EOD_TOKEN) if eod_id is None else eod_id
-        if eod is None:
-            raise RecipeError(f"the tokenizer {path} has no {EOD_TOKEN} token; set data.eod_id")
         self.eod = int(eod)
         self.sha = tokenizer_id(path)
         # GPTDataset's description (and so the dataset identity a cache records) includes this.
@@ -349,7 +348,8 @@ def check_cache(reader, kd: KDConfig, d: DataConfig, train_ds, vocab_size: int, 
     try:
         captured = kd.capture_temperature  # re-tempering
         reader.check_compatible(vocab_size=vocab_size, top_k=kd.top_k, temperature=captured,
-                                seq_length=d.seq_length, keys=CACHE_FIELD_KEYS)
+                                seq_length=d.seq_length, keys=CACHE_FIELD_KEYS, tail=kd.tail,
+                                divergence=kd.divergence, train_temperature=kd.temperature)
     except CacheError as e:
         raise RecipeError(f"kd.cache={kd.cache}: {e}") from None
     if len(reader) < needed:

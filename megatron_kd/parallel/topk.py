@@ -172,28 +172,38 @@ def _shard_and_k(local_rows, k, group, vocab_start_index, temperature, valid_voc
     return shard, k
 
 
+def logits_source(logits_shard, chunk_size=None):
+    """(rows, vocab rows of the shard, logits_of(a, b), rows per chunk) of a logits shard [N, V_local]."""
+    if logits_shard.dim() != 2:
+        raise ValueError(f"logits_shard must be [N, V_local], got shape {tuple(logits_shard.shape)}")
+    step = max(1, int(chunk_size or rows_per_chunk(logits_shard.shape[1])))
+    return logits_shard.shape[0], logits_shard.shape[1], lambda a, b: logits_shard[a:b], step
+
+
+def hidden_source(hidden, weight_shard, chunk_size=None):
+    """The same for hidden [N, H] @ weight_shard[V_local, H].T: one [chunk, V_local] block exists at a time."""
+    if hidden.dim() != 2 or weight_shard.dim() != 2 or hidden.shape[1] != weight_shard.shape[1]:
+        raise ValueError(f"hidden must be [N, H] and weight_shard [V_local, H]; got {tuple(hidden.shape)} and "
+                         f"{tuple(weight_shard.shape)} (pass the output layer's weight, not its transpose)")
+    step = max(1, int(chunk_size or rows_per_chunk(weight_shard.shape[0])))
+    w = weight_shard.to(hidden.dtype)
+    return hidden.shape[0], weight_shard.shape[0], lambda a, b: hidden[a:b] @ w.t(), step
+
+
 def start_topk(logits_shard, k, group=None, vocab_start_index=None, temperature=1.0, valid_vocab_size=None,
                chunk_size=None) -> PendingTopK:
     """vocab_parallel_topk, queued: logits_shard [N, V_local], chunk_size rows at a time."""
-    if logits_shard.dim() != 2:
-        raise ValueError(f"logits_shard must be [N, V_local], got shape {tuple(logits_shard.shape)}")
-    shard, k = _shard_and_k(logits_shard.shape[1], k, group, vocab_start_index, temperature, valid_vocab_size)
-    n = logits_shard.shape[0]
-    step = max(1, int(chunk_size or rows_per_chunk(logits_shard.shape[1])))
-    return PendingTopK(n, lambda a, b: logits_shard[a:b], k, shard, group, temperature, step, logits_shard.device)
+    n, rows, logits_of, step = logits_source(logits_shard, chunk_size)
+    shard, k = _shard_and_k(rows, k, group, vocab_start_index, temperature, valid_vocab_size)
+    return PendingTopK(n, logits_of, k, shard, group, temperature, step, logits_shard.device)
 
 
 def start_topk_from_hidden(hidden, weight_shard, k, group=None, chunk_size=None, temperature=1.0,
                            vocab_start_index=None, valid_vocab_size=None) -> PendingTopK:
     """topk_from_hidden, queued (see PendingTopK)."""
-    if hidden.dim() != 2 or weight_shard.dim() != 2 or hidden.shape[1] != weight_shard.shape[1]:
-        raise ValueError(f"hidden must be [N, H] and weight_shard [V_local, H]; got {tuple(hidden.shape)} and "
-                         f"{tuple(weight_shard.shape)} (pass the output layer's weight, not its transpose)")
-    shard, k = _shard_and_k(weight_shard.shape[0], k, group, vocab_start_index, temperature, valid_vocab_size)
-    step = max(1, int(chunk_size or rows_per_chunk(weight_shard.shape[0])))
-    w = weight_shard.to(hidden.dtype)
-    return PendingTopK(hidden.shape[0], lambda a, b: hidden[a:b] @ w.t(), k, shard, group, temperature, step,
-                       hidden.device)
+    n, rows, logits_of, step = hidden_source(hidden, weight_shard, chunk_size)
+    shard, k = _shard_and_k(rows, k, group, vocab_start_index, temperature, valid_vocab_size)
+    return PendingTopK(n, logits_of, k, shard, group, temperature, step, hidden.device)
 
 
 def vocab_parallel_topk(logits_shard, k, group=None, vocab_start_index=None, temperature=1.0,

@@ -151,7 +151,8 @@ def _check_kd(r: Recipe) -> None:
     kd, p = r.kd, r.parallel
     src = TargetSource.of(kd)
     _need(src.known, f"kd.mode={kd.mode!r}: use one of {MODES}")
-    if src.needs_teacher:
+    # a sampled cache's K is its number of draws (kd.cache_samples): building one needs no kd.top_k
+    if src.needs_teacher and not (src.builds_cache and kd.cache_encoding == "sampled"):
         _need(kd.top_k is not None, f"kd.top_k=null takes a cache's K; kd.mode={kd.mode}"
               f"{' with kd.build_cache=true' if src.builds_cache else ''} computes the teacher's top-K itself: "
               "set kd.top_k (e.g. 100)")
@@ -184,11 +185,24 @@ def _check_cache_encoding(kd) -> None:
     from ..cache.encoding import ENCODINGS
     from ..cache.topp import check_top_p
     _need(kd.cache_encoding in ENCODINGS, f"kd.cache_encoding={kd.cache_encoding!r}: use one of {ENCODINGS}")
-    mismatch = encoding_problem(kd.cache_encoding, kd.cache_top_p, kd.cache_min_k)
+    mismatch = encoding_problem(kd.cache_encoding, kd.cache_top_p, kd.cache_min_k, kd.cache_samples,
+                                kd.cache_sample_seed)
     _need(mismatch != "needs_top_p", "kd.cache_encoding=topp keeps per position the fewest ids holding a mass P: "
           "set kd.cache_top_p (e.g. 0.999)")
     _need(mismatch != "fixed_k", f"kd.cache_top_p / kd.cache_min_k need kd.cache_encoding=topp (kd.cache_encoding="
           f"{kd.cache_encoding} stores K ids at every position); set kd.cache_encoding=topp or drop them")
+    _need(mismatch != "needs_samples", "kd.cache_encoding=sampled stores N draws per position: set "
+          "kd.cache_samples (e.g. 16)")
+    _need(mismatch != "not_sampled", f"kd.cache_samples / kd.cache_sample_seed need kd.cache_encoding=sampled "
+          f"(kd.cache_encoding={kd.cache_encoding} stores the teacher's top ids); set kd.cache_encoding=sampled or "
+          "drop them")
+    if kd.cache_encoding == "sampled":
+        from ..parallel.sample import check_draws
+        problem = check_draws(kd.cache_samples)
+        _need(problem is None, f"kd.cache_{problem}" if problem else "")
+        _need(kd.top_k is None or kd.top_k == kd.cache_samples, f"kd.top_k={kd.top_k}: a sampled cache holds the "
+              f"distinct ids of its kd.cache_samples={kd.cache_samples} draws, all of them read: set kd.top_k=null "
+              f"or {kd.cache_samples}")
     if kd.cache_encoding == "topp":
         problem = check_top_p(kd.cache_top_p, 1 if kd.cache_min_k is None else kd.cache_min_k,
                               kd.top_k if kd.top_k is not None else 1 << 30)
@@ -456,20 +470,26 @@ def _inside(path: str, directory: str) -> bool:
     return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
 
 
-# what a finished cache records -> the recipe key that sets it (messages name the key a user can change)
+# what a finished cache records -> the recipe key that sets it (messages name the key a user can change); tail,
+# divergence and train_temperature: the loss keys a sampled cache's checks name
 CACHE_FIELD_KEYS = {
     "top_k": "kd.top_k",
     "encoding": "kd.cache_encoding",
+    "samples": "kd.cache_samples",
     "temperature": "kd.temperature",
     "seq_length": "data.seq_length",
     "num_samples": "train.iters x train.global_batch_size",
     "vocab_size": "data.tokenizer / data.vocab_size",
+    "tail": "kd.tail",
+    "divergence": "kd.divergence",
+    "train_temperature": "kd.cache_temperature",
 }
 
 # what a cache build records -> (the recipe key that sets it, its value in a recipe)
 CACHE_BUILD_KEYS = {field: (CACHE_FIELD_KEYS[field], value) for field, value in {
     "top_k": lambda r: r.kd.top_k,
     "encoding": lambda r: r.kd.cache_encoding,
+    "samples": lambda r: r.kd.cache_samples,
     "temperature": lambda r: float(r.kd.capture_temperature),
     "seq_length": lambda r: r.data.seq_length,
     "num_samples": lambda r: r.train.iters * r.train.global_batch_size,

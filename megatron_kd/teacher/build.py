@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel.comm import group_rank, group_size
+from ..parallel.sample import start_sample, start_sample_from_hidden
 from ..parallel.topk import start_topk, start_topk_from_hidden
 from ..cache.dataset import split_sample
 from ..cache.errors import CacheError
@@ -33,7 +34,7 @@ from ..data.datasets import build_datasets, dataset_id, load_tokenizer, samples_
 from ..recipe.checks import check_model, check_recipe, check_vocab
 from ..recipe.hf import resolve_hf
 from ..recipe.schema import Recipe, RecipeError
-from ..rules import DEFAULT_TOP_K
+from ..rules import DEFAULT_TOP_K, cache_encoding
 from ..runtime.dist import distributed, is_rank0, use_cuda
 from ..runtime.features import release_memory
 from .megatron import cache_teacher
@@ -69,13 +70,24 @@ def _tokens(dataset, i) -> torch.Tensor:
     return split_sample(dataset[i])["tokens"].reshape(-1)
 
 
-def _start_teacher_topk(teacher, tokens, k, temperature, chunk_size, tp_group):
+def _start_teacher_topk(teacher, tokens, k, temperature, chunk_size, tp_group, draws_of=None):
     """Queue the teacher's forward and top-K of one micro-batch (PendingTopK); None on ranks of an earlier
-    pipeline stage (their hidden states went to the next stage)."""
+    pipeline stage (their hidden states went to the next stage).
+    draws_of: (sample indices of the micro-batch's rows, seed) for a sampled cache: k draws per position from the
+    whole distribution (PendingSample) instead of the top-K, keyed by (seed, sample index, position, draw)."""
     out = teacher(tokens)
     if out is None:
         return None
     b, s = tokens.shape
+    if draws_of is not None:
+        first, seed = draws_of
+        sample = torch.as_tensor(list(first), dtype=torch.int64).repeat_interleave(s)
+        position = torch.arange(s, dtype=torch.int64).repeat(b)
+        if out.logits is not None:
+            return start_sample(out.logits.reshape(b * s, -1), k, sample, position, tp_group, out.vocab_start_index,
+                                temperature, teacher.vocab_size, chunk_size, seed)
+        return start_sample_from_hidden(out.hidden.reshape(b * s, -1), out.weight, k, sample, position, tp_group,
+                                        chunk_size, temperature, out.vocab_start_index, teacher.vocab_size, seed)
     if out.logits is not None:
         return start_topk(out.logits.reshape(b * s, -1), k, tp_group, out.vocab_start_index, temperature,
                           teacher.vocab_size, chunk_size)
@@ -110,11 +122,13 @@ def _teacher_identity(teacher, teacher_id):
     return dict(teacher_id)
 
 
-def build_cache(teacher, dataset, out_dir, *, top_k: int = DEFAULT_TOP_K, encoding: str = "fp16", temperature: float = 1.0,
+def build_cache(teacher, dataset, out_dir, *, top_k: int | None = None, encoding: str | None = None,
+                temperature: float = 1.0,
                 num_samples: int | None = None, samples_per_shard: int | None = None, micro_batch_size: int = 1,
                 chunk_size: int | None = None, teacher_id=None, tokenizer_id: str = "", dataset_id: str | None = None,
                 overwrite: bool = False, progress: bool = True, tp_group=None, dp_rank: int | None = None,
                 dp_size: int | None = None, top_p: float | None = None, min_k: int | None = None,
+                samples: int | None = None, sample_seed: int | None = None,
                 settings_fix: str | None = None) -> dict:
     """Build (or finish) the cache in out_dir; returns the manifest. Call on every rank with the same arguments.
 
@@ -124,8 +138,18 @@ def build_cache(teacher, dataset, out_dir, *, top_k: int = DEFAULT_TOP_K, encodi
     teacher_id: overrides teacher.identity() (a dict, or a string used as the name).
     top_p, min_k: with encoding "topp", keep per position the fewest of the top_k ids whose mass reaches top_p
     (at least min_k); the selection is applied to each sample's top-K by the encoding (cache/topp.py).
+    top_k: default DEFAULT_TOP_K. encoding: default "fp16", or "topp" / "sampled" when top_p / samples is given.
+    samples, sample_seed: encoding "sampled": per position, samples draws from the teacher's whole distribution at
+    the temperature (parallel/sample.py), stored as the distinct ids and their counts; top_k is then samples.
     settings_fix: the fix named when out_dir holds a cache of other settings (default: `cache build`'s flags).
     """
+    encoding = cache_encoding(encoding, top_p, samples)
+    if encoding == "sampled" and samples is not None:
+        if top_k is not None and top_k != samples:
+            raise CacheError(f"a sampled cache holds at most samples={samples} ids per position; top_k={top_k} "
+                             "cannot differ (drop top_k / --top-k)")
+        top_k = samples
+    top_k = DEFAULT_TOP_K if top_k is None else top_k
     tp_group = tp_group if tp_group is not None else getattr(teacher, "tp_group", None)
     pp_group = getattr(teacher, "pp_group", None)
     dp_rank, dp_size = _data_parallel(tp_group, pp_group, dp_rank, dp_size)
@@ -144,7 +168,8 @@ def build_cache(teacher, dataset, out_dir, *, top_k: int = DEFAULT_TOP_K, encodi
     settings = make_settings(encoding=encoding, top_k=top_k, vocab_size=teacher.vocab_size, temperature=temperature,
                              seq_length=seq, num_samples=n, teacher=_teacher_identity(teacher, teacher_id),
                              tokenizer=tokenizer_id, dataset=dataset_id, samples_per_shard=samples_per_shard,
-                             top_p=top_p, min_k=min_k)
+                             top_p=top_p, min_k=min_k, samples=samples, sample_seed=sample_seed)
+    draw_seed = settings.get("sample_seed") if encoding == "sampled" else None
 
     writer = None
     try:
@@ -155,7 +180,7 @@ def build_cache(teacher, dataset, out_dir, *, top_k: int = DEFAULT_TOP_K, encodi
         if writer is None:
             writer = CacheWriter(out_dir, settings, lock=False)
         _build(writer, teacher, dataset, seq, top_k, temperature, chunk_size, micro_batch_size, tp_group, pp_group,
-               dp_rank, dp_size, writes, is_root, progress)
+               dp_rank, dp_size, writes, is_root, progress, draw_seed)
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
@@ -176,7 +201,7 @@ def content_id(dataset, n: int) -> str:
 
 
 def _build(writer, teacher, dataset, seq, top_k, temperature, chunk_size, micro_batch_size, tp_group, pp_group,
-           dp_rank, dp_size, writes, is_root, progress) -> None:
+           dp_rank, dp_size, writes, is_root, progress, draw_seed=None) -> None:
     finished = is_finished(writer.path)  # and nothing pending: the writer checked
     check_free_space(writer, writer.pending_shards())  # every rank, the same list: one decision
     mine = [j for j in writer.pending_shards() if j % dp_size == dp_rank]
@@ -213,7 +238,8 @@ def _build(writer, teacher, dataset, seq, top_k, temperature, chunk_size, micro_
                 if tokens.shape[1] != seq:
                     raise CacheError(f"sample {a} has {tokens.shape[1]} tokens, sample 0 has {seq}: the cache needs "
                                      "a dataset of fixed sequence length")
-                cur = (_start_teacher_topk(teacher, tokens, top_k, temperature, chunk_size, tp_group), tokens, j,
+                draws_of = None if draw_seed is None else (idx, draw_seed)
+                cur = (_start_teacher_topk(teacher, tokens, top_k, temperature, chunk_size, tp_group, draws_of), tokens, j,
                        a == first, idx.stop == stop)
                 if prev is not None:
                     hand_off(prev)
@@ -246,8 +272,10 @@ def build_teacher_cache(r: Recipe, tok, train_ds, num_samples: int) -> dict:
         print("note: teacher.load is null: the cache comes from a randomly initialized teacher (a pipeline "
               "check, not a distillation); set teacher.load to a trained teacher's save dir", flush=True)
     teacher = cache_teacher(r, tok.vocab_size)
-    manifest = build_cache(teacher, train_ds, r.kd.cache, top_k=r.kd.top_k, encoding=r.kd.cache_encoding,
-                           top_p=r.kd.cache_top_p, min_k=r.kd.cache_min_k,
+    samples = r.kd.cache_samples
+    manifest = build_cache(teacher, train_ds, r.kd.cache, top_k=samples or r.kd.top_k,
+                           encoding=r.kd.cache_encoding, top_p=r.kd.cache_top_p, min_k=r.kd.cache_min_k,
+                           samples=samples, sample_seed=r.kd.cache_sample_seed if samples else None,
                            temperature=r.kd.capture_temperature,
                            num_samples=num_samples,
                            micro_batch_size=r.train.micro_batch_size, chunk_size=r.kd.chunk_size,

@@ -20,14 +20,14 @@ def sources(tmp_path_factory):
     docs = pydoc_documents()
     a, b = str(d / "data" / "alpha"), str(d / "data" / "beta")
     prepare(docs[:40], a, vocab_size=300)
-    prepare(docs[40:80], b, tokenizer=str(d / "data" / "tokenizer.json"))
+    prepare(docs[40:80], b, tokenizer=str(d / "data" / "alpha.tokenizer.json"))
     return d, a, b
 
 
 def mixture(d, a, b, wa, wb):
     base = [o for o in BASE if not o.startswith(("data=", "data.vocab_size"))]
     return [*base, *TEACHER_ARCH, "data=pydoc", "data.vocab_size=null", f"data.path=[{wa},{a},{wb},{b}]",
-            f"data.tokenizer={d / 'data' / 'tokenizer.json'}", f"data.index_cache={d / 'index'}",
+            f"data.tokenizer={d / 'data' / 'alpha.tokenizer.json'}", f"data.index_cache={d / 'index'}",
             f"train.iters={ITERS}", "kd.build_cache=true", f"kd.cache={d / 'caches'}"]
 
 

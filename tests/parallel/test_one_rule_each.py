@@ -106,8 +106,13 @@ def test_the_default_k_and_encoding_are_defined_once(monkeypatch):
     import inspect
     from megatron_kd.cli import cache as cli_cache
     from megatron_kd.teacher.build import build_cache
-    assert inspect.signature(build_cache).parameters["top_k"].default == rules.DEFAULT_TOP_K
-    assert cli_cache.parser().parse_args(["build", "--teacher", "t", "--out", "x"]).top_k == rules.DEFAULT_TOP_K
+    # None stands for rules.DEFAULT_TOP_K, so that a top_k given beside samples (a sampled cache's K is its number
+    # of draws) is told apart from the default
+    assert inspect.signature(build_cache).parameters["top_k"].default is None
+    args = cli_cache.parser().parse_args(["build", "--teacher", "t", "--out", "x"])
+    assert args.top_k is None and cli_cache._top_k_arg(args, "fp16") == rules.DEFAULT_TOP_K
+    assert cli_cache._encoding_args(cli_cache.parser().parse_args(["build", "--teacher", "t", "--out", "x",
+                                                                   "--samples", "8"])) == ("sampled", None, None)
     assert memory.Training().topk == rules.DEFAULT_TOP_K
     args = cli_cache.parser().parse_args(["build", "--teacher", "t", "--out", "x"])
     assert cli_cache._encoding_args(args) == ("fp16", None, None)

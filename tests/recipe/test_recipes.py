@@ -158,11 +158,18 @@ def test_cache_top_p_keys_are_checked_by_name():
     from megatron_kd.recipe.checks import check_recipe
     base = ["data=mock", "data.vocab_size=64", "kd.cache=/c", "kd.build_cache=true", "kd.top_k=16"]
     check_recipe(to_recipe(compose("tiny_cpu", [*base, "kd.cache_encoding=topp", "kd.cache_top_p=0.99"])), None, False)
+    check_recipe(to_recipe(compose("tiny_cpu", [*base, "kd.cache_encoding=sampled", "kd.cache_samples=16"])), None,
+                 False)
     for extra, match in ((["kd.cache_encoding=topp"], r"^kd.cache_encoding=topp .* set kd.cache_top_p"),
                          (["kd.cache_top_p=0.9"], r"^kd.cache_top_p / kd.cache_min_k need kd.cache_encoding=topp"),
                          (["kd.cache_encoding=topp", "kd.cache_top_p=1.5"], r"^kd.cache_top_p=1.5 must be a number"),
                          (["kd.cache_encoding=topp", "kd.cache_top_p=0.9", "kd.cache_min_k=17"],
                           r"^kd.cache_min_k=17 must be an integer in \[1, top_k=16\]"),
-                         (["kd.cache_encoding=fp8"], r"^kd.cache_encoding='fp8': use one of")):
+                         (["kd.cache_encoding=fp8"], r"^kd.cache_encoding='fp8': use one of"),
+                         (["kd.cache_encoding=sampled"], r"^kd.cache_encoding=sampled .* set kd.cache_samples"),
+                         (["kd.cache_samples=8"], r"^kd.cache_samples / kd.cache_sample_seed need kd.cache_encoding="
+                                                  "sampled"),
+                         (["kd.cache_encoding=sampled", "kd.cache_samples=8"], r"^kd.top_k=16: a sampled cache"),
+                         (["kd.cache_encoding=sampled", "kd.cache_samples=0"], r"^kd.cache_samples=0 must be")):
         with pytest.raises(RecipeError, match=match):
             check_recipe(to_recipe(compose("tiny_cpu", [*base, *extra])), None, False)

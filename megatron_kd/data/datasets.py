@@ -8,7 +8,6 @@ sample index, so every layout (TP, PP, CP, DP, micro-batch size) reads the rows 
 import logging
 import math
 import os
-import re
 
 import torch
 
@@ -136,24 +135,26 @@ def _check_prefix(p: str) -> None:
 SPLIT_NAMES = ("train", "valid", "test")
 
 
-def split_shares(split: str) -> list:
-    """data.split ("969,30,1": train, valid, test shares) as megatron-core normalizes it; RecipeError when it is
-    no such list (megatron-core's own parser drops a minus sign and asserts on the rest)."""
-    if not re.fullmatch(r"\s*\d+(\.\d*)?(\s*,\s*\d+(\.\d*)?){0,2}\s*", str(split)):
+def split_parts(split, num_documents: int) -> list:
+    """Documents in each part of data.split for a corpus of num_documents (data.corpus.split_documents, the one
+    reading of a split); RecipeError naming data.split when it is no split or gives training no share."""
+    from ..errors import CorpusError
+    from .corpus import split_documents
+    try:
+        parts = split_documents(num_documents, str(split))
+    except CorpusError:
         raise RecipeError(f"data.split={split!r}: give up to three non-negative shares train,valid,test separated "
-                          "by commas, e.g. data.split='969,30,1'")
-    shares = [float(x) for x in str(split).split(",")]
-    if not shares[0] > 0:
+                          "by commas, e.g. data.split='969,30,1'") from None
+    if parts[0] is None:
         raise RecipeError(f"data.split={split!r} gives training no share; e.g. data.split='969,30,1'")
-    total = sum(shares)
-    return [x / total for x in shares] + [0.0] * (3 - len(shares))
+    return parts
 
 
 def check_data_path(d: DataConfig) -> list:
     """data.path's shape, its files and its sources' names, before anything reads them; returns data_sources."""
     if d.kind != "indexed":
         return []
-    split_shares(d.split)
+    split_parts(d.split, 1)
     sources = data_sources(d.path)
     for _, p in sources:
         _check_prefix(p)
@@ -169,13 +170,11 @@ def check_data_split(d: DataConfig) -> None:
     document without end (also one no sample is asked of)."""
     if d.kind != "indexed":
         return
-    from megatron.core.datasets.blended_megatron_dataset_config import convert_split_vector_to_split_matrix
     from megatron.core.datasets.indexed_dataset import IndexedDataset
-    matrix = convert_split_vector_to_split_matrix(split_shares(d.split))
     for _, p in data_sources(d.path):
         n = len(IndexedDataset(p, mmap=True).sequence_lengths)
-        for name, bounds in zip(SPLIT_NAMES, matrix):
-            if bounds is not None and int(round(bounds[1] * n)) - int(round(bounds[0] * n)) == 0:
+        for name, count in zip(SPLIT_NAMES, split_parts(d.split, n)):
+            if count == 0:
                 fix = f"data.split='{n - 1},1,0'" if n > 1 else "data.split='100,0,0'"
                 raise RecipeError(f"data.split={d.split} gives the {name} split of data.path {p} none of its {n} "
                                   f"documents; set {fix} (or another split giving each share a document), or add "

@@ -14,7 +14,7 @@ def corpus(tmp_path_factory):
     docs = pydoc_documents()
     a, b, small = str(d / "alpha"), str(d / "beta"), str(d / "small")
     prepare(docs[:40], a, vocab_size=300)
-    tok = str(d / "tokenizer.json")
+    tok = a + ".tokenizer.json"
     prepare(docs[40:70], b, tokenizer=tok)
     prepare(docs[70:79], small, tokenizer=tok)
     return {"dir": d, "alpha": a, "beta": b, "small": small, "tokenizer": tok}

@@ -72,8 +72,9 @@ def preflight(name: str, config_path, overrides: list) -> str | None:
         to_recipe(compose(target, overrides))
     except RecipeError as e:
         return recipe_file_error(name, config_path, overrides, recipes_dir()) or str(e)
-    except Exception as e:  # noqa: BLE001  an override Hydra's parser refuses: its own first line
-        return str(e).strip().splitlines()[0]
+    except Exception as e:  # noqa: BLE001  a recipe file that does not read, or an override Hydra's parser refuses
+        return (recipe_file_error(name, config_path, overrides, recipes_dir())
+                or (str(e).strip().splitlines() or [repr(e)])[0])
     return None
 
 

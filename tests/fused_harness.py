@@ -39,7 +39,7 @@ def run_fused(inp, gout=1.0, tune=TUNE, valid_vocab_size=None, **kw):
     opts = LossOptions(impl="fused", **kw)
     shard = VocabShard.build(w.shape[0], valid_vocab_size=valid_vocab_size)
     hh, t, lead = check_and_flatten(h, w, inp["ids"], inp["logp"], inp["labels"], inp["loss_mask"], opts,
-                                    vocab_size=shard.valid_size)
+                                    vocab_size=shard.valid_size, repeated_ids_ok=True)
     out = fused_topk_kl(hh, w, t, opts, shard, True, FusedSettings(**tune))
     out = out.reshape(lead) if opts.reduction == "none" else out
     (out * (gout.to(DEV) if torch.is_tensor(gout) else gout)).sum().backward()

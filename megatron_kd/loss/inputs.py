@@ -47,9 +47,11 @@ def _check_devices(hidden, **tensors) -> None:
 
 
 def check_and_flatten(hidden, weight, topk_ids, topk_logprobs, labels, loss_mask, opts, vocab_size,
-                      seq_shards: int = 1) -> tuple[torch.Tensor, Targets, tuple]:
+                      seq_shards: int = 1, repeated_ids_ok: bool = False) -> tuple[torch.Tensor, Targets, tuple]:
     """Returns (hidden [N_local, H], targets over all N positions, leading shape of the targets).
-    At most one host sync (the value checks, gathered into one tensor)."""
+    At most one host sync (the value checks, gathered into one tensor). repeated_ids_ok: skip the refusal of one
+    id in two slots of a position; the kernels merge such slots exactly, and their own tests feed them, while
+    users' top-K lists (the public API) never hold one."""
     _check_hidden(hidden)
     _check_devices(hidden, weight=weight, topk_ids=topk_ids, topk_logprobs=topk_logprobs, labels=labels,
                    loss_mask=loss_mask)
@@ -75,7 +77,8 @@ def check_and_flatten(hidden, weight, topk_ids, topk_logprobs, labels, loss_mask
         w = loss_mask.reshape(n).to(mdt)
     lab, counted = _flat_labels(labels, lead, n, opts)
     if n:
-        _check_values(ids, raw, w if loss_mask is not None else None, lab, counted, opts, vocab_size)
+        _check_values(ids, raw, w if loss_mask is not None else None, lab, counted, opts, vocab_size,
+                      repeated_ids_ok)
     if lab is not None:
         w = w * counted.to(mdt)
         lab = lab.masked_fill(~counted, -1)
@@ -137,7 +140,7 @@ def _flat_labels(labels, lead: tuple, n: int, opts) -> tuple:
     return lab, lab != opts.ignore_index
 
 
-def _check_values(ids, raw, mask, lab, counted, opts, vocab_size) -> None:
+def _check_values(ids, raw, mask, lab, counted, opts, vocab_size, repeated_ids_ok: bool = False) -> None:
     """Every value check in one tensor, one host sync: the teacher's ids and log-probs (when K > 0), the loss mask
     (mask: None when not given) and the counted labels."""
     flags = {}
@@ -147,8 +150,9 @@ def _check_values(ids, raw, mask, lab, counted, opts, vocab_size) -> None:
         ranked = ids.masked_fill(~held, -1).sort(dim=1).values
         flags.update(ids_lo=ids.min(), ids_hi=ids.max(), nan=(torch.isnan(raw) & real).any(),
                      positive=((raw > LOGPROB_TOLERANCE) & real).any(),
-                     mass=torch.logsumexp(raw.masked_fill(~held, float("-inf")), dim=1).max().exp(),
-                     twice=((ranked[:, 1:] == ranked[:, :-1]) & (ranked[:, 1:] >= 0)).any())
+                     mass=torch.logsumexp(raw.masked_fill(~held, float("-inf")), dim=1).max().exp())
+        if not repeated_ids_ok:
+            flags["twice"] = ((ranked[:, 1:] == ranked[:, :-1]) & (ranked[:, 1:] >= 0)).any()
     if mask is not None:
         flags.update(nonfinite=(~torch.isfinite(mask)).any(), negative=(mask < 0).any())
     if lab is not None:
@@ -164,7 +168,7 @@ def _check_values(ids, raw, mask, lab, counted, opts, vocab_size) -> None:
             raise ValueError(f"topk_logprobs of one position sum to probability {got['mass']:.4g} > 1: they are no "
                              "part of one distribution; pass the top-K of log_softmax over the whole vocabulary, "
                              "or rebuild a corrupt cache")
-        if got["twice"]:
+        if got.get("twice"):
             raise ValueError("topk_ids holds one id twice within a position: a top-K lists each id once; mark a "
                              "repeated slot empty (id -1), or rebuild a corrupt cache")
     if "nonfinite" in got:

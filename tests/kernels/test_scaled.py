@@ -45,7 +45,7 @@ def case(seed, dtype, n=45, V=40, K=7, **kw):
     opts = LossOptions(impl="fused", **kw)
     w = inp["weight"]
     shard = VocabShard.build(V)
-    h, t, _ = check_and_flatten(inp["hidden"], w, ids, inp["logp"], labels, inp["loss_mask"], opts, vocab_size=V)
+    h, t, _ = check_and_flatten(inp["hidden"], w, ids, inp["logp"], labels, inp["loss_mask"], opts, vocab_size=V, repeated_ids_ok=True)
     t = type(t)(*(x.to(DEV) if torch.is_tensor(x) else x for x in (t.ids, t.logp, t.valid, t.labels, t.weight)))
     sl = prepare_slots(t, opts, shard)
     mdt = t.logp.dtype

@@ -2,16 +2,15 @@
 SDPA path without TE, all in one call; each arm a `megatron-kd train` process of the real CLI.
 
 Parts (--parts picks; each writes into one JSON, rewritten after every arm so a cut run keeps what finished):
-  user    the 32K user path, recipe llama31_8b_to_3b_32k_1xh200 (mock data, lean_adam, 12 of 28 layers recomputed,
-          4 iterations), NO override of the backend or fusions:
-            sdpa_no_te      TE not importable (its folder off PYTHONPATH): auto -> SDPA; builds the cache (SDPA teacher)
-            te_bf16         TE importable: auto -> TE's spec for teacher and student; builds a second cache (TE teacher)
-            te_fp8          TE, model.fp8=hybrid model.fp8_recipe=tensorwise, on the first cache
+  user    the 32K user path, recipe llama31_8b_to_3b_32k_1xh200 (mock data, lean_adam, 4 iterations), no override
+          of the backend or fusions; for each --recompute count R (layers recomputed), arms named *_rR:
+            sdpa_no_te      TE not importable (its folder off PYTHONPATH): auto -> SDPA; the first builds the cache
+            te_bf16         TE importable: auto -> TE's spec; the first also builds a cache with a TE teacher
+            te_fp8          TE, model.fp8=hybrid model.fp8_recipe=tensorwise (also at each --fp8-recompute count)
             sdpa_te_user    TE importable, model.attention_backend=sdpa, torch's cuDNN NOT first on LD_LIBRARY_PATH
                             (what a pip install of TE gives): megatron-kd's restart puts it first
-            sdpa_te_clash   the same with the restart turned off (MEGATRON_KD_NO_CUDNN_REEXEC=1): the clash and
-                            the run's warning, for the record
-          then the two caches compared position by position (top-1 agreement, id overlap, log-prob differences).
+            sdpa_te_clash   (--clash-arm) the same with the restart off (MEGATRON_KD_NO_CUDNN_REEXEC=1)
+          the two caches are compared position by position only when their teachers' weights are equal.
   gptoss  GPT-OSS-20B's architecture cut to 4 layers at 32K under TE with the recipe's expert setting
           (moe_grouped_gemm=false, sequential experts), and with grouped experts, offline KD from a 2-layer teacher.
   fp8     a 1.1B student trained 200 steps on real text (pydoc, --data PREFIX) with CE, bf16 vs FP8 (TE both),

@@ -46,6 +46,14 @@ def sha_tree(path: str) -> dict:
     return out
 
 
+def data_identical(old: dict, new: dict) -> dict:
+    """The caches' data files (not the JSON metadata, which gains fields as the manifest grows) byte for byte."""
+    data = sorted(k for k in set(old) | set(new) if not k.endswith(".json"))
+    return {"cache_data_byte_identical": bool(data) and all(old.get(k) == new.get(k) for k in data),
+            "cache_data_files": data, "metadata_files_differing": sorted(
+                k for k in set(old) | set(new) if k.endswith(".json") and old.get(k) != new.get(k))}
+
+
 def run_tree(tree: str, name: str, args, work: str) -> dict:
     save, cache = os.path.join(work, f"run_{name}"), os.path.join(work, f"cache_{name}")
     if args.demo:  # one path for both: a dataset's identity includes its absolute path
@@ -139,13 +147,15 @@ def main():
            "new": new}
     if old["rc"] == 0 and new["rc"] == 0 and args.demo:
         res["checks"] = {"cache_byte_identical": old["cache_sha"] == new["cache_sha"],
-                         "cache_files": len(new["cache_sha"]), "results_equal": old["results"] == new["results"]}
+                         "cache_files": len(new["cache_sha"]), "results_equal": old["results"] == new["results"],
+                         **data_identical(old["cache_sha"], new["cache_sha"])}
     elif old["rc"] == 0 and new["rc"] == 0:
         res["checks"] = {
             "losses_equal": old["losses"] == new["losses"],
             "max_loss_rel_diff": max(abs(old["losses"][i] - new["losses"][i]) / max(1e-30, abs(old["losses"][i]))
                                      for i in old["losses"]),
             "cache_byte_identical": old["cache_sha"] == new["cache_sha"],
+            **data_identical(old["cache_sha"], new["cache_sha"]),
             "tflops_new_over_old": new["tflops"] / old["tflops"],
             "peak_diff_gib": new["peak_gib"] - old["peak_gib"],
             "wall_new_over_old": new["wall_s"] / old["wall_s"]}

@@ -14,9 +14,9 @@ from ..kernels import fused_unavailable
 from ..rules import encoding_problem, padded_vocab_size, same_temperature, top_k_fits
 from ..runtime.features import apex_available, te_available
 from .resume_keys import resume_keys_all
-from .schema import (ATTENTION_BACKENDS, FP8_FORMATS, FP8_RECIPES, MODES, PRECISIONS, QUANT_CUDA_ONLY, QUANT_FORMATS,
+from .schema import (ATTENTION_BACKENDS, FP8_FORMATS, FP8_RECIPES, PRECISIONS, QUANT_CUDA_ONLY, QUANT_FORMATS,
                      ModelConfig, Recipe, RecipeError)
-from .targets import TargetSource
+from .targets import MODES, TargetSource
 
 
 def _need(cond: bool, msg: str) -> None:

@@ -108,7 +108,7 @@ class Trainer:
         try:
             # build (or check) every time, so a finished cache from another teacher,
             # data or settings is refused naming both sides instead of being used; kd.teacher_id: declared teacher
-            if r.kd.build_cache:
+            if self.targets.builds_cache:
                 build_teacher_cache(r, self.tok, self.train_ds, self.train_n)
             reader = CacheReader(r.kd.cache, expected_teacher=r.kd.teacher_id)
         except CacheError as e:
@@ -127,7 +127,7 @@ class Trainer:
         r, mix, sets = self.r, self.train_ds, []
         for kd, source in zip(source_caches(r.kd, mix), mix.sources):
             try:
-                if kd.build_cache:
+                if TargetSource.of(kd).builds_cache:
                     build_teacher_cache(dataclasses.replace(r, kd=kd), self.tok, source, self.train_n)
                 reader = CacheReader(kd.cache, expected_teacher=kd.teacher_id)
             except CacheError as e:

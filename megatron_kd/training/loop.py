@@ -44,8 +44,8 @@ def run(r: Recipe, save: str) -> dict:
     cuda = use_cuda(r.train.device)
     tok = preflight(r, world, cuda)
     load = r.train.load or save
+    safety.check_save_dir(save)  # where the run writes first, then what it would resume from
     resume.check_save_and_load(save, load)
-    safety.check_save_dir(save)
     resume.check_resume_early(r, load)
     from ..cache import CacheError
     with safety.save_lock(save, is_rank0()), distributed(r.parallel, r.train.seed, r.train.device) as cuda:

@@ -174,7 +174,7 @@ def part_gptoss(a, out, E, deadline):
 
 
 def part_fp8(a, out, E, deadline):
-    shape = ["model.num_layers=20", "model.hidden_size=2048", "model.num_attention_heads=16",
+    shape = ["model.num_layers=22", "model.hidden_size=2048", "model.num_attention_heads=16",
              "model.num_query_groups=8", "model.kv_channels=128", "model.ffn_hidden_size=5632",
              "model.tie_embeddings=false",
              "model.recompute_granularity=null", "model.recompute_method=null", "model.recompute_num_layers=null"]

@@ -54,7 +54,8 @@ def plot_curves(out: str, png: str, rows: dict | None = None):
                              linestyle=":", label=f"{mode}: bucket-tail KL (>= 0, train)")
         axes[1].plot([r["iteration"] for r in train], [r["ce"] for r in train], alpha=0.5, ms=3, **st,
                      label=f"{mode}: train CE")
-        hollow = dict(mfc="none", ms=9, mew=2) if TargetSource(mode).teacher_each_step else dict(ms=6)  # online rings offline's dots
+        each_step = TargetSource(mode).teacher_each_step
+        hollow = dict(mfc="none", ms=9, mew=2) if each_step else dict(ms=6)  # online rings offline's dots
         axes[1].plot([r["iteration"] for r in ev], [r["ce"] for r in ev], color=st["color"], lw=2,
                      marker="o", linestyle=st["linestyle"], label=f"{mode}: held-out CE", **hollow)
     for mode, st in style.items():

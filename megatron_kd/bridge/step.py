@@ -17,7 +17,7 @@ import torch
 from ..recipe.schema import KDConfig, OfflineKD
 from ..models.hook import forward_with_head
 from ..models.builder import unwrap
-from ..training.step import KDHead, loss_func, slice_for_context_parallel
+from ..training.step import KDHead, StepLoss, loss_func, slice_for_context_parallel
 from .config import OfflineKDConfig
 
 KD_KEYS = ("topk_ids", "topk_logprobs")
@@ -80,6 +80,7 @@ class OfflineKDForwardStep:
     def __init__(self, kd: OfflineKDConfig, valid_vocab_size: int | None = None):
         self.kd = kd.validate()
         self.settings = kd_settings(self.kd)
+        self.loss = StepLoss.of(self.settings)
         self.valid_vocab_size = valid_vocab_size
 
     def __call__(self, state, data_iterator, model, return_schedule_plan: bool = False):
@@ -110,7 +111,7 @@ class OfflineKDForwardStep:
                                    check_for_nan=check_for_nan)
         gpt = unwrap(model)
         # earlier pipeline stages have no output layer: they send hidden states on, the head runs on the last
-        head = KDHead(batch, self.settings, self.valid_vocab_size, split=self.kd.log_ce).bind(gpt) \
+        head = KDHead(batch, self.loss, self.valid_vocab_size, split=self.kd.log_ce).bind(gpt) \
             if gpt.post_process else None
         output = forward_with_head(model, head, *args)
         return output, partial(kd_loss_func, batch["loss_mask"], head, check_for_nan=check_for_nan)

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 
+from ..recipe.targets import MODES, TargetSource
 from ..report.runs import fmt_s, machine, plot_curves
 
 RESULTS = "results.json"
@@ -181,7 +182,7 @@ def check_settings(demo) -> str | None:
         return (f"--top-k {s.top_k} exceeds the vocabulary (--vocab-size {s.vocab_size}); give --top-k <= "
                 f"{s.vocab_size} (default {Settings().top_k})")
     stages = [("teacher", demo.teacher_overrides(), "--teacher-iters")] + \
-        [(f"student_{m}", demo.student_overrides(m), "--student-iters") for m in ("offline", "online", "ce")]
+        [(f"student_{m}", demo.student_overrides(m), "--student-iters") for m in MODES]
     for stage, overrides, iters_flag in stages:
         try:
             check_recipe(to_recipe(compose("tiny_cpu", recipe_overrides(overrides))), None, cuda=False)
@@ -253,7 +254,7 @@ class Demo:
             return rc
         self.begin("cache")
         self.stage_cache()
-        for mode in ("offline", "online", "ce"):
+        for mode in MODES:      # one student per target source
             self.begin(f"student_{mode}")
             rc = self.stage_train(f"student_{mode}", self.student_overrides(mode))
             if rc:
@@ -306,9 +307,10 @@ class Demo:
 
     def student_overrides(self, mode: str) -> list:
         o = self.common(f"student_{mode}", self.s.student_iters, self.s.student_lr) + [f"kd={mode}"]
-        if mode != "ce":
+        targets = TargetSource(mode)
+        if targets.distills:
             o += [f"kd.top_k={self.s.top_k}", f"teacher.load={os.path.join(self.out, 'teacher')}"]
-        if mode == "offline":
+        if targets.reads_cache:
             o += [f"kd.cache={self.cache}", "kd.build_cache=false"]
         return o
 
@@ -360,7 +362,7 @@ class Demo:
         from ..training.evaluate import compare
         from ..recipe.compose import compose
         r = to_recipe(compose("tiny_cpu", recipe_overrides(self.student_overrides("online"))))
-        students = {mode: (r.model, os.path.join(self.out, f"student_{mode}")) for mode in ("offline", "online", "ce")}
+        students = {mode: (r.model, os.path.join(self.out, f"student_{mode}")) for mode in MODES}
         self.say(f"held-out CE and KL(teacher || student) over {self.s.eval_samples} validation samples")
         metrics = compare(r, os.path.join(self.out, "teacher"), students, self.s.eval_samples,
                           min(self.s.micro_batch_size, self.s.eval_samples))
@@ -448,7 +450,7 @@ def format_table(results: dict) -> str:
         r = rows[key]
         kl = "-" if "kl" not in r else f"{r['kl']:.4f}"
         tt = "-" if r.get("train_s") is None else f"{r['train_s']:.0f} s"
-        if key == "offline" and r.get("cache_s") is not None and r.get("train_s") is not None:
+        if TargetSource(key).reads_cache and r.get("cache_s") is not None and r.get("train_s") is not None:
             tt = f"{r['cache_s']:.0f} s cache + {r['train_s']:.0f} s = {r['cache_s'] + r['train_s']:.0f} s"
         lines.append(f"| {NAMES[key]} | {r['ce']:.4f} | {kl} | {r['tokens_per_s']:.0f} | "
                      f"{r['peak_mem_gib'] * 1024:.0f} MiB | {tt} |")

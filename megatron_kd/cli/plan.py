@@ -132,7 +132,7 @@ def format_plan(p, gpu_gib=H200_GIB, reserve_gib=RESERVE_GIB) -> str:
     rc = tr.recompute + (f" ({min(tr.recompute_layers, s.num_layers // lay.pp)} of {s.num_layers // lay.pp} layers"
                          f"{' per stage' if lay.pp > 1 else ''}, block)"
                          if tr.recompute == "full" and tr.recompute_layers is not None else "")
-    mode = tr.mode + (f" (teacher {tr.teacher.name}, {tr.teacher_loss})" if tr.mode == "online" else "")
+    mode = tr.mode + (f" (teacher {tr.teacher.name}, {tr.teacher_loss})" if tr.targets.teacher_each_step else "")
     lines = [
         f"model     {s.name}: {total_params(s) / 1e9:.3f} B params ({active_params(s) / 1e9:.3f} B active), "
         f"{s.num_layers} layers, hidden {s.hidden_size}, vocab {s.vocab_size}" + (", MoE" if s.is_moe else ""),

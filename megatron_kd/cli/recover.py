@@ -19,6 +19,8 @@ import os
 import re
 import time
 
+from ..recipe.targets import TargetSource
+
 KEEP = "every second layer (0, 2, ...)"
 WAYS = ("ce", "offline", "online")
 NAMES = {"teacher": "teacher (reference)", "pruned": "pruned teacher, before training",
@@ -96,11 +98,12 @@ def overrides(demo, way: str, model: dict, iters: int, lr: float, fmt: str | Non
     start = "pruned" if fmt is None else f"ptq_{fmt}"
     o = demo.common(stage_name(way, fmt), iters, lr) + [f"kd={way}", f"train.pretrained={demo.out}/{start}"]
     o += ["model=tiny_teacher"] + [f"model.num_layers={model['num_layers']}"]
+    targets = TargetSource(way)
     if fmt is not None:
-        o += [f"quant.format={fmt}"] + (["kd.tail=bucket"] if way != "ce" else [])
-    if way != "ce":
+        o += [f"quant.format={fmt}"] + (["kd.tail=bucket"] if targets.distills else [])
+    if targets.distills:
         o += [f"kd.top_k={demo.s.top_k}", f"teacher.load={os.path.join(demo.out, 'teacher')}"]
-    if way == "offline":
+    if targets.reads_cache:
         o += [f"kd.cache={demo.cache}", "kd.build_cache=false"]
     return o
 

@@ -22,6 +22,8 @@ tables and plots the runs.
 """
 import sys
 
+from ..recipe.targets import TargetSource
+
 USAGE_ERROR = 2
 
 
@@ -144,7 +146,7 @@ def summary_line(s: dict) -> str:
         parts.append(f"train loss {s['loss']:.4f}")
     for k, v in (s.get("eval") or {}).items():
         parts.append(f"eval {k} {v:.4f}")
-    if s["mode"] == "offline" and s.get("eval") and "kl" not in s["eval"]:
+    if TargetSource.of(s).reads_cache and s.get("eval") and "kl" not in s["eval"]:
         parts.append("eval kl: not computed (offline runs hold no teacher and the cache covers training samples "
                      "only; `megatron-kd demo` compares held-out KL)")
     if s.get("tokens_per_s"):

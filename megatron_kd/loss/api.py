@@ -1,9 +1,11 @@
-"""The public entry point: topk_kl_loss."""
+"""The public entry points: kd_loss (options as objects) and topk_kl_loss (its keyword form)."""
+from dataclasses import replace
+
 import torch
 
 from ..parallel.comm import group_size
 from ..parallel.sequence import gather_sequence
-from ..parallel.vocab import VocabShard
+from ..parallel.vocab import VocabLayout
 from .chunks import FusedSettings, default_chunk_size
 from .function import TopKKLFunction
 from .inputs import check_and_flatten
@@ -62,13 +64,54 @@ def _run_impl(mode, h, weight, t, opts, shard, reduce_grad_input, fused_settings
     return out
 
 
+def kd_loss(hidden, weight, topk_ids, topk_logprobs, opts: LossOptions, layout: VocabLayout = VocabLayout(), *,
+            labels=None, loss_mask=None, fused_settings=None, grad_scale=1.0, metrics=None):
+    """topk_kl_loss with its options as objects, built once by the caller: opts (LossOptions: the divergence,
+    temperature, weights, tail, reduction and impl) and layout (VocabLayout: how the vocabulary and the sequence
+    are split over ranks). Arguments, shapes and the result as in topk_kl_loss; opts.monitor follows metrics."""
+    grad_scale = _check_call_extras(grad_scale, fused_settings, metrics, weight)
+    if not isinstance(opts, LossOptions):
+        raise ValueError(f"opts must be a megatron_kd.loss.LossOptions (KDLoss.loss_options() makes one), got "
+                         f"{type(opts).__name__}")
+    if not isinstance(layout, VocabLayout):
+        raise ValueError(f"layout must be a megatron_kd.parallel.VocabLayout, got {type(layout).__name__}")
+    if opts.monitor != (metrics is not None):
+        opts = replace(opts, monitor=metrics is not None)
+    return _loss(hidden, weight, topk_ids, topk_logprobs, opts, layout, labels, loss_mask, fused_settings,
+                 grad_scale, metrics)
+
+
+def _loss(hidden, weight, topk_ids, topk_logprobs, opts, layout, labels, loss_mask, fused_settings, grad_scale,
+          metrics):
+    """The loss of checked options: flatten and check the tensors, re-temper, gather the sequence, run the impl."""
+    shard = layout.shard(weight.shape[0])
+    seq_shards = layout.seq_shards
+    h, t, lead = check_and_flatten(hidden, weight, topk_ids, topk_logprobs, labels, loss_mask, opts,
+                                   vocab_size=shard.valid_size, seq_shards=seq_shards)
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"weight dtype {weight.dtype} must match hidden dtype {hidden.dtype}")
+    if opts.retemper is not None:
+        t.logp = retemper_logprobs(t.logp, t.valid, opts.retemper)
+    if seq_shards > 1:
+        h = gather_sequence(hidden, layout.tp_group).reshape(-1, hidden.shape[-1])
+    tp = group_size(layout.tp_group)
+    mode = _pick_impl(opts, h.shape[0], -(-shard.valid_size // tp), h.device)
+    out = _run_impl(mode, h, weight, t, opts, shard, seq_shards == 1, fused_settings, grad_scale, metrics)
+    if opts.reduction == "none":
+        if metrics is not None and "kl_bucket" in metrics:
+            metrics["kl_bucket"] = metrics["kl_bucket"].reshape(lead)
+        return out.reshape(lead)
+    return out
+
+
 def topk_kl_loss(hidden, weight, topk_ids, topk_logprobs, *, labels=None, loss_mask=None, kl_weight=1.0,
                  ce_weight=0.0, temperature=1.0, tail="none", reduction="mean", impl="auto", chunk_size=None,
                  ignore_index=-100, tp_group=None, sequence_parallel=False, vocab_start_index=None,
                  valid_vocab_size=None, fused_settings=None, grad_scale=1.0, divergence="forward_kl", jsd_beta=0.5,
                  cache_temperature=None, metrics=None):
     """A divergence between a sparse top-K teacher and the student, from the student's hidden states, never
-    holding [N, V] logits.
+    holding [N, V] logits. The keyword form of kd_loss: the options and the layout are made into their objects
+    here (a caller that makes many calls builds them once and calls kd_loss).
 
     hidden [..., H] (under sequence_parallel: this rank's [s/tp, ...] shard), weight [V_local, H] (this
     rank's vocab shard), topk_ids / topk_logprobs [..., K] (global ids, -1 = empty; teacher log-probs over
@@ -85,6 +128,7 @@ def topk_kl_loss(hidden, weight, topk_ids, topk_logprobs, *, labels=None, loss_m
     reduction: "mean" sum(w loss) / sum(w), w = loss_mask x (labels != ignore_index); "sum" sum(w loss); "none"
     per position (0 where w = 0). metrics: a dict to fill with "kl_bucket", the bucket-tail KL(t || s) at T (no
     T^2, detached, same reduction), a true divergence to monitor. Full definitions: docs/loss.md.
+    tp_group, sequence_parallel, vocab_start_index, valid_vocab_size: the vocab-parallel layout (VocabLayout).
     fused_settings: FusedSettings for impl="fused" (None: the production defaults; loss/chunks.py).
     grad_scale: the grad_output backward will bring (Megatron: the optimizer's loss scale, megatron.optim.loss_scale).
     impl="fused" writes the weight gradient into weight.main_grad during forward already times grad_scale; a
@@ -95,22 +139,6 @@ def topk_kl_loss(hidden, weight, topk_ids, topk_logprobs, *, labels=None, loss_m
                        reduction=reduction, impl=impl, chunk_size=chunk_size, ignore_index=ignore_index,
                        divergence=divergence, jsd_beta=jsd_beta, cache_temperature=cache_temperature,
                        monitor=metrics is not None)
-    tp = group_size(tp_group)
-    if sequence_parallel and tp == 1:
-        sequence_parallel = False
-    shard = VocabShard.build(weight.shape[0], tp_group, vocab_start_index, valid_vocab_size)
-    h, t, lead = check_and_flatten(hidden, weight, topk_ids, topk_logprobs, labels, loss_mask, opts,
-                                   vocab_size=shard.valid_size, seq_shards=tp if sequence_parallel else 1)
-    if weight.dtype != hidden.dtype:
-        raise ValueError(f"weight dtype {weight.dtype} must match hidden dtype {hidden.dtype}")
-    if opts.retemper is not None:
-        t.logp = retemper_logprobs(t.logp, t.valid, opts.retemper)
-    if sequence_parallel:
-        h = gather_sequence(hidden, tp_group).reshape(-1, hidden.shape[-1])
-    mode = _pick_impl(opts, h.shape[0], -(-shard.valid_size // tp), h.device)
-    out = _run_impl(mode, h, weight, t, opts, shard, not sequence_parallel, fused_settings, grad_scale, metrics)
-    if opts.reduction == "none":
-        if metrics is not None and "kl_bucket" in metrics:
-            metrics["kl_bucket"] = metrics["kl_bucket"].reshape(lead)
-        return out.reshape(lead)
-    return out
+    layout = VocabLayout(tp_group, bool(sequence_parallel), vocab_start_index, valid_vocab_size)
+    return _loss(hidden, weight, topk_ids, topk_logprobs, opts, layout, labels, loss_mask, fused_settings,
+                 grad_scale, metrics)

@@ -68,7 +68,7 @@ def fused_path(opts: LossOptions, tp: int, dtype: torch.dtype, settings: FusedSe
     """Which loop impl="fused" runs (module docstring). fp16 never takes the one-sweep paths: E = exp(u - a) may
     reach e^slack, beyond fp16's range."""
     scaled = (needs_grad and tp == 1 and opts.tail == "none" and opts.kl_weight >= 0 and opts.ce_weight >= 0
-              and not (opts.needs_ce and opts.temperature != 1.0)
+              and not opts.ce_untempered
               and dtype in (torch.bfloat16, torch.float32, torch.float64))
     if not scaled:
         return "two_pass"

@@ -54,7 +54,7 @@ def _gather(x: torch.Tensor, idx: torch.Tensor, own: torch.Tensor) -> torch.Tens
 
 def chunk_stats(z: torch.Tensor, t: Targets, opts: LossOptions, shard: VocabShard) -> ChunkStats:
     """Two collectives per chunk: a MAX of [C] and one SUM of [C, K + up to 3]."""
-    T = float(opts.temperature)
+    T = opts.temperature
     u = z if T == 1.0 else z / T
     c = z.shape[0]
     neg_inf = torch.full((c,), float("-inf"), dtype=z.dtype, device=z.device)
@@ -80,7 +80,7 @@ def chunk_stats(z: torch.Tensor, t: Targets, opts: LossOptions, shard: VocabShar
 def unpack_stats(packed: torch.Tensor, m: torch.Tensor, n_cols: int, opts: LossOptions) -> ChunkStats:
     """packed [C, n_cols + K] after the SUM: sum-exp columns (total, [rest], [T=1 total], [z at label]), then u at
     the K ids; m is the global max of u. Shared with the fused kernels, which fill the same layout."""
-    T = float(opts.temperature)
+    T = opts.temperature
     st = ChunkStats(lse=m + torch.log(packed[:, 0]), uk=packed[:, n_cols:])
     j = 1
     if opts.needs_rest:
@@ -226,7 +226,7 @@ def chunk_monitor(st: ChunkStats, t: Targets) -> torch.Tensor:
 def chunk_grad(z: torch.Tensor, st: ChunkStats, t: Targets, opts: LossOptions, shard: VocabShard,
                g: torch.Tensor) -> torch.Tensor:
     """d(sum_i g_i loss_i)/dz for this chunk, written over z (z is consumed)."""
-    T = float(opts.temperature)
+    T = opts.temperature
     dense = torch.zeros_like(st.lse)      # per-row coefficient of q
     sparse = torch.zeros_like(st.uk)      # per-slot values added at the teacher ids
     a = T * opts.kl_weight * g            # dz = T^2 kw dKL/du * (1/T)

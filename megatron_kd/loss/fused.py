@@ -121,13 +121,13 @@ def run(h, weight, t, opts, shard, settings: FusedSettings, *, grad_h=None, acc=
 def _make_logits(plan, h, w, sl, mdt, want, opts, settings):
     """The plan's logits (AnchoredLogits or Fp32Logits) and, for anchored ones, the flagged-rows mask [N]."""
     n = h.shape[0]
-    T = float(opts.temperature)
+    T = opts.temperature
     scaled = plan.path != "two_pass"
     if plan.path == "anchored":
         return AnchoredLogits(h, w, sl, min(plan.super_rows, n), T), \
             torch.zeros(n, dtype=torch.bool, device=h.device)
     return Fp32Logits(h, w, sl, plan.sub_rows, min(plan.super_rows, n), mdt, want, scaled, T,
-                      opts.needs_ce and T != 1.0, SLACK, settings.block), None
+                      opts.ce_untempered, SLACK, settings.block), None
 
 
 @dataclass

@@ -107,6 +107,11 @@ class LossOptions(KDLoss):
         return self.kl_weight != 0.0
 
     @property
+    def ce_untempered(self) -> bool:
+        """CE reads the untempered logits beside the divergence's z / T (a temperature of exactly 1 shares them)."""
+        return self.needs_ce and self.temperature != 1.0
+
+    @property
     def needs_rest(self) -> bool:
         """The student's mass outside the teacher's ids is needed (bucket tail, or the bucket-KL monitor)."""
         return self.tail == "bucket" or self.monitor

@@ -63,7 +63,7 @@ def prepare_slots(t: Targets, opts: LossOptions, shard: VocabShard, dedupe: bool
 def combine_stats(zg, stat, sl: Slots, opts: LossOptions, shard: VocabShard) -> ChunkStats:
     """Global ChunkStats (as core.chunk_stats would return) from this shard's kernel outputs.
     Two collectives, as in core: a MAX of [C] and one SUM of [C, K + up to 3]."""
-    T = float(opts.temperature)
+    T = opts.temperature
     a, se, s1 = stat[:, 0], stat[:, 1], stat[:, 2]
     u = zg / T if T != 1.0 else zg
     m = all_reduce_max(a.clone(), shard.group)  # a >= every slot logit, so m bounds all exponents below
@@ -103,8 +103,8 @@ def _compact_grad(zg, probe, st, t: Targets, sl: Slots, opts: LossOptions, g):
 def grad_coefficients(zg, st: ChunkStats, t: Targets, sl: Slots, opts: LossOptions, g):
     """Per row: vals [C, K1] = the finished logit gradient at each first owned slot column (0 elsewhere),
     A, B with dz = A exp(u - lse) + B exp(z - lse1) on every other column (B is None unless CE at T != 1)."""
-    T = float(opts.temperature)
-    if not (opts.needs_ce and T != 1.0):
+    T = opts.temperature
+    if not opts.ce_untempered:
         vals, A = _compact_grad(zg, st.lse * T, st, t, sl, opts, g)
         return vals, A, None
     # Two exponentials: split KL (temperature T) and CE (temperature 1), each read off core separately.

@@ -1,7 +1,7 @@
 """Tensor- and sequence-parallel pieces: vocab shards, the few collectives the loss needs, the vocab-parallel
 top-K, and the limits they share (limits.py, importable without torch)."""
-_NAMES = {"VocabShard": "vocab", "all_reduce_max": "comm", "all_reduce_sum": "comm", "group_size": "comm",
-          "group_rank": "comm", "gather_sequence": "sequence", "vocab_parallel_topk": "topk",
+_NAMES = {"VocabShard": "vocab", "VocabLayout": "vocab", "all_reduce_max": "comm", "all_reduce_sum": "comm",
+          "group_size": "comm", "group_rank": "comm", "gather_sequence": "sequence", "vocab_parallel_topk": "topk",
           "topk_from_hidden": "topk"}
 __all__ = list(_NAMES)
 

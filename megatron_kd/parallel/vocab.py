@@ -1,10 +1,12 @@
-"""Which slice of the global vocabulary this rank's weight shard holds."""
+"""Which slice of the global vocabulary this rank's weight shard holds (VocabShard), and the layout a loss call is
+told (VocabLayout)."""
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from .comm import all_reduce_max, group_rank, group_size
+
 
 @dataclass(frozen=True)
 class VocabShard:
@@ -29,6 +31,29 @@ class VocabShard:
             raise ValueError(
                 f"valid_vocab_size={valid_vocab_size} must be in [1, {global_rows}] (the vocabulary rows over all ranks)")
         return cls(start=start, size=local_rows, global_size=global_rows, valid_size=valid, group=group)
+
+
+@dataclass(frozen=True)
+class VocabLayout:
+    """How the output layer's vocabulary and the hidden states are split over ranks, as a loss call is told it.
+
+    tp_group: the ranks holding the vocabulary shards (None: one rank holds it all). sequence_parallel: the hidden
+    states arrive as this rank's [s/tp, ...] sequence shard. vocab_start_index: the global id of this rank's first
+    row (None: rank x rows, even shards). valid_vocab_size: ids at or above it are padding, left out of the softmax
+    (None: every row is a token)."""
+    tp_group: object = None
+    sequence_parallel: bool = False
+    vocab_start_index: int | None = None
+    valid_vocab_size: int | None = None
+
+    @property
+    def seq_shards(self) -> int:
+        """How many ranks the hidden states' sequence is split over (1 without sequence parallelism or at TP=1)."""
+        return group_size(self.tp_group) if self.sequence_parallel else 1
+
+    def shard(self, local_rows: int) -> VocabShard:
+        """This rank's VocabShard for a weight of local_rows rows."""
+        return VocabShard.build(local_rows, self.tp_group, self.vocab_start_index, self.valid_vocab_size)
 
 
 def _global_rows(local_end: int, group) -> int:

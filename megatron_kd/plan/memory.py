@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 
 from ..parallel.limits import LOGITS_PER_CHUNK
 from .attention_bytes import attention_activation_bytes
+from ..recipe.targets import MODES, TargetSource
 from ..rules import DEFAULT_TOP_K, padded_vocab_size
 from .shapes import Layout, ModelShape, param_counts
 
@@ -38,11 +39,6 @@ def loss_impls() -> tuple:
     `megatron-kd plan --help` loads no torch."""
     from ..loss.options import IMPLS
     return tuple(i for i in IMPLS if i != "auto")
-
-
-def kd_modes() -> tuple:
-    from ..recipe.schema import MODES
-    return MODES
 
 
 @dataclass(frozen=True)
@@ -68,14 +64,19 @@ class Training:
     fused_norm: bool = True            # CUDA's fused RMSNorm (False: torch's composite CPU path, for CPU checks)
     quant: str = "none"                # quant.format: ModelOpt's quantizers on every linear but the output layer
 
+    @property
+    def targets(self) -> TargetSource:
+        """Where the loss's targets come from (the planner's questions go to it, not to the mode's name)."""
+        return TargetSource(self.mode)
+
     def check(self) -> None:
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute={self.recompute!r}; use one of {RECOMPUTE}")
         if self.loss not in loss_impls():
             raise ValueError(f"loss={self.loss!r}; use one of {loss_impls()}")
-        if self.mode not in kd_modes():
-            raise ValueError(f"mode={self.mode!r}; use one of {kd_modes()}")
-        if self.mode == "online" and self.teacher is None:
+        if not self.targets.known:
+            raise ValueError(f"mode={self.mode!r}; use one of {MODES}")
+        if self.targets.teacher_each_step and self.teacher is None:
             raise ValueError("mode='online' needs a teacher shape")
         if self.adam_impl not in ("fused", "foreach", "for_loop"):
             raise ValueError(f"adam_impl={self.adam_impl!r}; use fused, foreach or for_loop")
@@ -230,13 +231,14 @@ def loss_buffers(shape: ModelShape, lay: Layout, tr: Training, T: int) -> dict:
     targets = T * K * (8 + 4 + 1 + 8) + T * 16         # ids, log-probs, valid mask, local slot index, weights
     vh = vloc * h
     tied_tail = 2 * vh if (shape.tie_embeddings and lay.pp == 1) else 0
-    if tr.mode == "ce":
+    if not tr.targets.distills:
         tv = T * vloc
         return dict(fwd=gath + 3 * 4 * tv, held=gath + 2 * 4 * tv, bwd=gath + 3 * 4 * tv + 6 * vh,
                     tail=tied_tail)
-    if tr.loss == "dense" or (tr.mode == "online" and tr.teacher_loss == "dense"):
+    online = tr.targets.teacher_each_step
+    if tr.loss == "dense" or (online and tr.teacher_loss == "dense"):
         tv = T * vloc
-        extra = 4 * tv if tr.mode == "online" else 0   # teacher log-probs [T, V/tp] fp32 held through the loss
+        extra = 4 * tv if online else 0   # teacher log-probs [T, V/tp] fp32 held through the loss
         return dict(fwd=gath + targets + 3 * 4 * tv + extra, held=gath + targets + 4 * tv + extra,
                     bwd=gath + targets + 2 * 4 * tv + 2 * tv + 6 * vh + 2 * T * h + extra, tail=tied_tail)
     stats = T * (K + 4) * 4
@@ -309,7 +311,7 @@ def plan_stage(shape: ModelShape, lay: Layout, tr: Training, stage: int) -> Plan
     lb, teach, online_targets = _add_loss_and_teacher(p)
     wgrad, emb_grad, opt = _add_transients(p, pc, osh, working)
     p.phases = {
-        "teacher forward": static + teach if tr.mode == "online" else 0.0,
+        "teacher forward": static + teach if tr.targets.teacher_each_step else 0.0,
         "forward end (loss)": static + acts + lb["fwd"] + online_targets,
         "backward": static + acts + lb["held"] + online_targets + max(lb["bwd"] - lb["held"],
                                                                        lb["tail"] + working + wgrad),
@@ -358,10 +360,10 @@ def _add_static(p: Plan, pc, osh: _OptimizerSharding) -> float:
                 for x in _linears(p.shape, p.layout, p.shape.is_moe and i % p.shape.moe_layer_freq == 0)]
         _add(p, "static", "quantizer state", quantizer_bytes(tr.quant, lins),
              f"ModelOpt {tr.quant}: amax / AWQ scales of {len(lins)} linear layers (fp32)")
-    if tr.mode == "online":
+    if tr.targets.teacher_each_step:
         tpc = param_counts(tr.teacher, p.layout, p.stage)
         _add(p, "static", "teacher weights", 2 * tpc.total, f"bf16 {tr.teacher.name}, no grads")
-    if tr.mode == "offline" and last:
+    if tr.targets.reads_cache and last:
         _add(p, "static", "cache reader", tr.cache_buffers * T * tr.topk * 12,
              f"{tr.cache_buffers} x top-{tr.topk} batches (int64 ids + fp32 log-probs)")
     return p.group_bytes("static")
@@ -459,13 +461,14 @@ def _add_loss_and_teacher(p: Plan) -> tuple[dict, float, int]:
     peak, the online top-K targets' bytes)."""
     shape, lay, tr, T, last = p.shape, p.layout, p.training, p.tokens_local, p.stage == p.layout.pp - 1
     lb = loss_buffers(shape, lay, tr, T) if last else dict(fwd=0, held=0, bwd=0, tail=0)
-    teach = teacher_forward_peak(tr.teacher, lay, tr, T) if tr.mode == "online" else 0.0
-    online_targets = T * tr.topk * 12 if (tr.mode == "online" and tr.teacher_loss == "topk") else 0
+    online = tr.targets.teacher_each_step
+    teach = teacher_forward_peak(tr.teacher, lay, tr, T) if online else 0.0
+    online_targets = T * tr.topk * 12 if (online and tr.teacher_loss == "topk") else 0
     if last:
-        _add(p, "loss", "loss (forward)", lb["fwd"], f"{tr.loss if tr.mode != 'ce' else 'ce'} impl, {T} tokens")
+        _add(p, "loss", "loss (forward)", lb["fwd"], f"{tr.loss if tr.targets.distills else 'ce'} impl, {T} tokens")
         _add(p, "loss", "loss (held for backward)", lb["held"], "")
         _add(p, "loss", "loss (backward)", lb["bwd"], "")
-    if tr.mode == "online":
+    if online:
         _add(p, "transient", "teacher forward", teach, f"{tr.teacher.name}, no grad, {tr.teacher_loss} targets")
     return lb, teach, online_targets
 

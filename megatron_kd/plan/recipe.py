@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ..recipe.targets import TargetSource
 from ..rules import DEFAULT_TOP_K
 from .memory import Training, loss_impls
 from .shapes import Layout, ModelShape
@@ -205,7 +206,8 @@ def from_recipe(r) -> RecipePlan:
     m, p, t, kd, d = r.model, r.parallel, r.train, r.kd, r.data
     vocab = vocab_size(r)
     shape = shape_from_config(m, vocab, d.seq_length)
-    teacher = shape_from_config(r.teacher, vocab, d.seq_length) if kd.mode == "online" else None
+    targets = TargetSource.of(kd)
+    teacher = shape_from_config(r.teacher, vocab, d.seq_length) if targets.teacher_each_step else None
     layout = Layout(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp, dp=1,
                     sequence_parallel=bool(p.sequence_parallel),
                     vocab_divisible_by=m.make_vocab_size_divisible_by)
@@ -226,8 +228,7 @@ def from_recipe(r) -> RecipePlan:
                      "and no separate main params)")
     if p.vpp:
         notes.append(f"parallel.vpp={p.vpp}: interleaved pipeline stages are not modelled (1F1B counted)")
-    cache_teacher = shape_from_config(r.teacher, vocab, d.seq_length) if kd.mode == "offline" and kd.build_cache \
-        else None
+    cache_teacher = shape_from_config(r.teacher, vocab, d.seq_length) if targets.builds_cache else None
     return RecipePlan(shape=shape, layout=layout, training=Training(**tr), teacher=teacher,
                       global_batch_size=t.global_batch_size, precision=t.precision, vpp=p.vpp, notes=notes,
                       cache_teacher=cache_teacher)

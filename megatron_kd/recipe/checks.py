@@ -15,9 +15,9 @@ from ..rules import encoding_problem, padded_vocab_size, same_temperature, top_k
 from ..runtime.features import apex_available, te_available
 from ..runtime.te_compat import te_attention_refusal, te_attention_unverified
 from .resume_keys import resume_keys_all
-from .schema import (ATTENTION_BACKENDS, FP8_FORMATS, FP8_RECIPES, MODES, PRECISIONS, QUANT_CUDA_ONLY, QUANT_FORMATS,
+from .schema import (ATTENTION_BACKENDS, FP8_FORMATS, FP8_RECIPES, PRECISIONS, QUANT_CUDA_ONLY, QUANT_FORMATS,
                      ModelConfig, Recipe, RecipeError)
-from .targets import TargetSource
+from .targets import MODES, TargetSource
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -511,15 +511,15 @@ def check_sweep_run(r: Recipe) -> None:
     """A run of a sweep (Hydra multirun) reads the sweep's one teacher cache and never builds another: refused when
     kd.cache lies in the run's own directory (each run would build its own, one teacher pass each), or when
     kd.build_cache=true meets the finished cache built with other settings (this run would rebuild it)."""
-    kd = r.kd
-    if not TargetSource.of(kd).reads_cache or not kd.cache:
+    kd, src = r.kd, TargetSource.of(r.kd)
+    if not src.reads_cache or not kd.cache:
         return
     if _inside(kd.cache, r.train.save):
         raise RecipeError(f"kd.cache={kd.cache} lies in this sweep run's own directory (train.save={r.train.save}), "
                           "so every run of the sweep would build its own cache, one teacher pass each; give the "
                           "sweep one cache outside its runs, e.g. kd.cache=runs/NAME_cache")
     from ..cache.format import is_finished
-    if not (kd.build_cache and is_finished(kd.cache)):
+    if not (src.builds_cache and is_finished(kd.cache)):
         return
     from ..cache.reader import load_manifest
     from ..cache import CacheError

@@ -10,8 +10,6 @@ from typing import Any, Optional
 
 from ..errors import RecipeError, RunError  # noqa: F401  (users import them from here too)
 from ..loss.options import KDLoss
-
-MODES = ("offline", "online", "ce")
 ATTENTION_BACKENDS = ("auto", "te", "sdpa", "local")
 FP8_FORMATS = ("hybrid", "e4m3")
 FP8_RECIPES = ("tensorwise", "delayed", "blockwise", "mxfp8")

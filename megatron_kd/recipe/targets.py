@@ -3,10 +3,13 @@
     offline  the teacher's top-K rows, read from a cache (built first by the teacher when kd.build_cache=true)
     online   a frozen teacher beside the student computes its top-K every step
     ce       none: cross-entropy on the labels alone
+
+The mode names are what users write (kd.mode, a run's summary, the demo's student names); the code asks the object
+instead of comparing them. This module imports nothing, so the planner asks it without loading torch.
 """
 from dataclasses import dataclass
 
-from .schema import MODES
+MODES = ("offline", "online", "ce")
 
 
 @dataclass(frozen=True)
@@ -16,10 +19,10 @@ class TargetSource:
 
     @classmethod
     def of(cls, kd) -> "TargetSource":
-        """From a KDConfig or its dict (a checkpoint's recipe)."""
+        """From a KDConfig or its dict (a checkpoint's recipe, a run's summary)."""
         get = kd.get if isinstance(kd, dict) else (lambda key, default=None: getattr(kd, key, default))
         mode = get("mode")
-        return cls(mode, mode == "offline" and bool(get("build_cache")))
+        return cls(mode, cls(mode).reads_cache and bool(get("build_cache")))
 
     @property
     def known(self) -> bool:

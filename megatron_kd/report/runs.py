@@ -2,6 +2,8 @@
 import json
 import os
 
+from ..recipe.targets import TargetSource
+
 
 def machine() -> str:
     import platform
@@ -43,7 +45,7 @@ def plot_curves(out: str, png: str, rows: dict | None = None):
         train = sorted(m.get("train", {}).values(), key=lambda r: r["iteration"])
         ev = sorted(m.get("eval", {}).values(), key=lambda r: r["iteration"])
         last = max([last] + [r["iteration"] for r in train])
-        if mode != "ce":
+        if TargetSource(mode).distills:
             axes[0].plot([r["iteration"] for r in train], [r["kl"] for r in train], ms=4, **st,
                          label=f"{mode}: train KL to teacher top-K")
             kb = [r for r in train if r.get("kl_bucket") is not None]  # the monitor, a true KL (>= 0)
@@ -52,12 +54,13 @@ def plot_curves(out: str, png: str, rows: dict | None = None):
                              linestyle=":", label=f"{mode}: bucket-tail KL (>= 0, train)")
         axes[1].plot([r["iteration"] for r in train], [r["ce"] for r in train], alpha=0.5, ms=3, **st,
                      label=f"{mode}: train CE")
-        hollow = dict(mfc="none", ms=9, mew=2) if mode == "online" else dict(ms=6)  # online rings offline's dots
+        each_step = TargetSource(mode).teacher_each_step
+        hollow = dict(mfc="none", ms=9, mew=2) if each_step else dict(ms=6)  # online rings offline's dots
         axes[1].plot([r["iteration"] for r in ev], [r["ce"] for r in ev], color=st["color"], lw=2,
                      marker="o", linestyle=st["linestyle"], label=f"{mode}: held-out CE", **hollow)
     for mode, st in style.items():
         if rows and mode in rows and "kl" in rows[mode]:
-            hollow = dict(mfc="none", ms=18, mew=1.5) if mode == "online" else dict(ms=11)
+            hollow = dict(mfc="none", ms=18, mew=1.5) if TargetSource(mode).teacher_each_step else dict(ms=11)
             axes[0].plot([last], [rows[mode]["kl"]], marker="*", color=st["color"], linestyle="none",
                          label=f"{mode}: held-out KL (full teacher) {rows[mode]['kl']:.3f}", **hollow)
     if rows and "teacher" in rows:

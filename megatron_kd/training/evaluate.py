@@ -5,7 +5,7 @@ cache builder), so the KL goes through the same loss as training, with no tail t
 """
 import torch
 
-from ..loss import topk_kl_loss
+from ..loss import LossOptions, VocabLayout, kd_loss
 from ..checkpoint import store as ckpt
 from ..recipe.schema import ModelConfig, Recipe
 from ..data.datasets import build_datasets, load_tokenizer, loader, samples_needed
@@ -53,8 +53,13 @@ def _load(m: ModelConfig, path: str, r: Recipe, vocab: int):
     return model
 
 
+# per position: the student's CE on the labels, or its KL to the teacher's full distribution
+PER_POSITION_CE = LossOptions(kl_weight=0.0, ce_weight=1.0, reduction="none")
+PER_POSITION_KL = LossOptions(reduction="none")
+
+
 def _per_position(model, batch, vocab, ids=None, lp=None, ce=False):
-    group, sp = output_layout(unwrap(model))
+    layout = VocabLayout(*output_layout(unwrap(model)), valid_vocab_size=vocab)
     labels = batch["labels"].transpose(0, 1)
     s, b = labels.shape
     if ids is None:
@@ -62,9 +67,8 @@ def _per_position(model, batch, vocab, ids=None, lp=None, ce=False):
         lp = torch.empty((b, s, 0))
 
     def head(hidden, weight):
-        return topk_kl_loss(hidden, weight, ids.transpose(0, 1), lp.transpose(0, 1),
-                            labels=labels if ce else None, kl_weight=0.0 if ce else 1.0, ce_weight=1.0 if ce else 0.0,
-                            reduction="none", tp_group=group, sequence_parallel=sp, valid_vocab_size=vocab)
+        return kd_loss(hidden, weight, ids.transpose(0, 1), lp.transpose(0, 1),
+                       PER_POSITION_CE if ce else PER_POSITION_KL, layout, labels=labels if ce else None)
 
     return forward_with_head(model, head, batch["tokens"], batch["position_ids"], None)
 

@@ -44,8 +44,8 @@ def run(r: Recipe, save: str) -> dict:
     cuda = use_cuda(r.train.device)
     tok = preflight(r, world, cuda)
     load = r.train.load or save
+    safety.check_save_dir(save)  # where the run writes first, then what it would resume from
     resume.check_save_and_load(save, load)
-    safety.check_save_dir(save)
     resume.check_resume_early(r, load)
     from ..cache import CacheError
     with safety.save_lock(save, is_rank0()), distributed(r.parallel, r.train.seed, r.train.device) as cuda:
@@ -108,7 +108,7 @@ class Trainer:
         try:
             # build (or check) every time, so a finished cache from another teacher,
             # data or settings is refused naming both sides instead of being used; kd.teacher_id: declared teacher
-            if r.kd.build_cache:
+            if self.targets.builds_cache:
                 build_teacher_cache(r, self.tok, self.train_ds, self.train_n)
             reader = CacheReader(r.kd.cache, expected_teacher=r.kd.teacher_id)
         except CacheError as e:
@@ -127,7 +127,7 @@ class Trainer:
         r, mix, sets = self.r, self.train_ds, []
         for kd, source in zip(source_caches(r.kd, mix), mix.sources):
             try:
-                if kd.build_cache:
+                if TargetSource.of(kd).builds_cache:
                     build_teacher_cache(dataclasses.replace(r, kd=kd), self.tok, source, self.train_n)
                 reader = CacheReader(kd.cache, expected_teacher=kd.teacher_id)
             except CacheError as e:

@@ -88,7 +88,7 @@ def resume_differences(saved: dict, r, saved_cache_teacher=None) -> list:
             diff.append((f"model.{k}", sm[k], nm[k]))
     for section, keys in RESUME_KEYS.items():
         s, n = saved.get(section, {}), now[section]
-        if section == "kd" and n.get("mode") == "ce" and s.get("mode") == "ce":
+        if section == "kd" and not TargetSource.of(n).distills and not TargetSource.of(s).distills:
             keys = ("mode",)  # CE-only runs read no other kd key
         for k in keys:
             if k in s and s[k] != n[k]:

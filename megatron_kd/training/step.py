@@ -9,12 +9,12 @@ schedule.py. The student's output layer never makes logits: the head below compu
 the hidden states and the output weight (hook.py). loss_func returns (sum of masked per-token losses, token
 count, report) so Megatron divides by the global token count (calculate_per_token_loss=True).
 """
-from dataclasses import fields
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 
-from ..loss import KDLoss, topk_kl_loss
+from ..loss import LossOptions, VocabLayout, kd_loss
 from ..recipe.schema import KDConfig
 from ..recipe.targets import TargetSource
 from ..models.hook import forward_with_head, output_layout
@@ -24,11 +24,26 @@ from ..optim.setup import loss_scale
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask", "topk_ids", "topk_logprobs")
 
 
-def loss_kwargs(kd: KDConfig) -> dict:
-    """topk_kl_loss options of a mode: ce mode is CE alone (weight 1)."""
-    if not TargetSource.of(kd).distills:
-        return dict(kl_weight=0.0, ce_weight=1.0, temperature=1.0, tail="none", impl=kd.impl, chunk_size=kd.chunk_size)
-    return {f.name: getattr(kd, f.name) for f in fields(KDLoss)}
+@dataclass(frozen=True)
+class StepLoss:
+    """A step's loss options, built once from the kd section: `train`, the loss the step trains on (a masked sum;
+    ce mode is CE alone, weight 1), and `report`, the forward-only CE pass at the same temperature that splits a
+    KD total into KL and CE and fills the bucket-tail monitor."""
+    train: LossOptions
+    report: LossOptions
+
+    @classmethod
+    def of(cls, kd: KDConfig) -> "StepLoss":
+        if TargetSource.of(kd).distills:
+            train = kd.loss_options(reduction="sum")
+        else:
+            train = LossOptions(kl_weight=0.0, ce_weight=1.0, temperature=1.0, tail="none", impl=kd.impl,
+                                chunk_size=kd.chunk_size, reduction="sum")
+        # "chunked": no gradient work in forward
+        report = LossOptions(kl_weight=0.0, ce_weight=1.0, impl="chunked", chunk_size=train.chunk_size,
+                             temperature=train.temperature, cache_temperature=train.cache_temperature,
+                             reduction="sum", monitor=True)
+        return cls(train, report)
 
 
 class KDHead:
@@ -44,22 +59,20 @@ class KDHead:
 
     summed = True  # loss_func: the output tensor holds the masked sum already
 
-    def __init__(self, batch: dict, kd: KDConfig, valid_vocab_size: int, split: bool = True, grad_scale: float = 1.0):
-        self.kd, self.kw, self.valid_vocab_size = kd, loss_kwargs(kd), valid_vocab_size
+    def __init__(self, batch: dict, loss: StepLoss, valid_vocab_size: int, split: bool = True,
+                 grad_scale: float = 1.0):
+        self.loss, self.valid_vocab_size = loss, valid_vocab_size
         self.grad_scale = grad_scale  # loss-core hook: the loss scale backward brings (optim.loss_scale)
         self.labels, self.loss_mask = batch["labels"], batch.get("loss_mask")
         self.ids, self.logp = batch.get("topk_ids"), batch.get("topk_logprobs")
         self.split = split
         self.kl = self.ce = self.kl_bucket = None
-        self.tp_group, self.sequence_parallel = None, False
+        self.layout = VocabLayout(valid_vocab_size=valid_vocab_size)
 
     def bind(self, gpt) -> "KDHead":
-        self.tp_group, self.sequence_parallel = output_layout(gpt)
+        tp_group, sequence_parallel = output_layout(gpt)
+        self.layout = VocabLayout(tp_group, sequence_parallel, valid_vocab_size=self.valid_vocab_size)
         return self
-
-    def _loss(self, hidden, weight, ids, logp, mask, **kw):
-        return topk_kl_loss(hidden, weight, ids, logp, loss_mask=mask, reduction="sum", tp_group=self.tp_group,
-                            sequence_parallel=self.sequence_parallel, valid_vocab_size=self.valid_vocab_size, **kw)
 
     def __call__(self, hidden, weight):
         labels = self.labels.transpose(0, 1)  # [s, b]
@@ -70,24 +83,22 @@ class KDHead:
             logp = torch.empty((s, b, 0), dtype=torch.float32, device=labels.device)
         else:
             ids, logp = self.ids.transpose(0, 1), self.logp.transpose(0, 1)
-        kw = self.kw
-        total = self._loss(hidden, weight, ids, logp, mask, labels=labels if kw["ce_weight"] else None,
-                           grad_scale=self.grad_scale, **kw)
-        if not kw["kl_weight"]:
-            self.ce = total.detach() / kw["ce_weight"]
+        opts = self.loss.train
+        total = kd_loss(hidden, weight, ids, logp, opts, self.layout, labels=labels if opts.ce_weight else None,
+                        loss_mask=mask, grad_scale=self.grad_scale)
+        if not opts.kl_weight:
+            self.ce = total.detach() / opts.ce_weight
         else:
-            if self.split:  # forward-only CE over the same hidden states ("chunked": no gradient work), and
-                # the bucket-tail KL at T (a true divergence, >= 0) for the report (the monitor)
+            if self.split:  # forward-only CE over the same hidden states, and the bucket-tail KL at T (a true
+                # divergence, >= 0) for the report (the monitor)
                 metrics = {}
                 with torch.no_grad():
-                    self.ce = self._loss(hidden.detach(), weight.detach(), ids, logp, mask, labels=labels,
-                                         kl_weight=0.0, ce_weight=1.0, impl="chunked", chunk_size=kw["chunk_size"],
-                                         temperature=kw["temperature"], cache_temperature=kw["cache_temperature"],
-                                         metrics=metrics)
+                    self.ce = kd_loss(hidden.detach(), weight.detach(), ids, logp, self.loss.report, self.layout,
+                                      labels=labels, loss_mask=mask, metrics=metrics)
                 self.kl_bucket = metrics["kl_bucket"]
-            if self.ce is not None or not kw["ce_weight"]:
-                ce_part = kw["ce_weight"] * self.ce if kw["ce_weight"] else 0.0
-                self.kl = (total.detach() - ce_part) / self.kd.kl_scale
+            if self.ce is not None or not opts.ce_weight:
+                ce_part = opts.ce_weight * self.ce if opts.ce_weight else 0.0
+                self.kl = (total.detach() - ce_part) / opts.kl_scale
         at = torch.zeros(labels.shape, dtype=total.dtype, device=total.device)
         at[0, 0] = 1.0
         return total * at  # [s, b]: the sum at (0, 0); its gradient goes straight into the loss's backward
@@ -139,6 +150,7 @@ class KDStep:
         if self.targets.teacher_each_step and teacher is None:
             raise ValueError("online mode needs a teacher (megatron_kd.teacher.megatron.OnlineTeacher)")
         self.kd, self.valid_vocab_size, self.teacher = kd, valid_vocab_size, teacher
+        self.loss = StepLoss.of(kd)  # the loss options, once per run, not per micro-batch
         self.split_report, self.cp_group = split_report, cp_group
         self.device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                                  else torch.device("cpu"))
@@ -157,7 +169,7 @@ class KDStep:
             raise ValueError("offline mode: the batch has no topk_ids; wrap the dataset with the cache "
                              "(megatron_kd.cache.TopKDataset)")
         gpt = unwrap(model)
-        head = KDHead(batch, self.kd, self.valid_vocab_size, self.split_report,
+        head = KDHead(batch, self.loss, self.valid_vocab_size, self.split_report,
                       loss_scale(getattr(gpt, "config", None))).bind(gpt)
         output = forward_with_head(model, head, batch["tokens"], batch["position_ids"], batch.get("attention_mask"))
         return output, partial(loss_func, batch["loss_mask"], head)

@@ -26,25 +26,25 @@ def build_cache_cmd(out, *overrides):
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
+def bridge_cache(tmp_path_factory):
     out = tmp_path_factory.mktemp("bridge") / "cache"
     build_cache_cmd(out)
     return str(out)
 
 
-def kd_cfg(cache, **kw):
+def kd_cfg(bridge_cache, **kw):
     from megatron_kd.bridge import OfflineKDConfig, enable_offline_kd
     cfg = tiny_cfg(**kw)
-    step = enable_offline_kd(cfg, OfflineKDConfig(cache_path=cache))
+    step = enable_offline_kd(cfg, OfflineKDConfig(cache_path=bridge_cache))
     return cfg, step
 
 
 # --- defect 1: Bridge's setup writes tokenizer / token_dtype_code onto cfg.dataset -------------------------------
 
-def test_setup_writes_reach_the_users_dataset_config(cache):
+def test_setup_writes_reach_the_users_dataset_config(bridge_cache):
     from megatron.bridge.training.config import runtime_config_update
     from megatron.bridge.training.tokenizers.tokenizer import build_tokenizer
-    cfg, _ = kd_cfg(cache)
+    cfg, _ = kd_cfg(bridge_cache)
     runtime_config_update(cfg)
     tok = build_tokenizer(cfg.tokenizer)
     base = cfg.dataset.base
@@ -56,9 +56,9 @@ def test_setup_writes_reach_the_users_dataset_config(cache):
     assert cfg.dataset.num_workers == 3 and base.num_workers == 3
 
 
-def test_datasets_build_through_bridges_data_path(cache):
+def test_datasets_build_through_bridges_data_path(bridge_cache):
     """Without the fix MockGPTDataset fails ('failed to build as a mock data generator': no tokenizer)."""
-    cfg, _ = kd_cfg(cache)
+    cfg, _ = kd_cfg(bridge_cache)
     (train, valid, test), _ = bridge_build(cfg)
     assert len(train) == ITERS * GBS
     assert train[0]["topk_ids"].shape == (SEQ, K) and train[0]["tokens"].shape == (SEQ,)
@@ -66,14 +66,14 @@ def test_datasets_build_through_bridges_data_path(cache):
 
 # --- defect 2: the cache covers the samples the run consumes, not the split's epoch ------------------------------
 
-def test_cache_row_i_is_bridges_sample_i(cache):
+def test_cache_row_i_is_bridges_sample_i(bridge_cache):
     from megatron_kd.cache import CacheReader
     from helpers import table_teacher
-    cfg, _ = kd_cfg(cache)
+    cfg, _ = kd_cfg(bridge_cache)
     (train, _, _), _ = bridge_build(cfg)
     epoch = train.data.dataset  # TopKDataset(Head(Bridge's GPTDataset))
     assert len(epoch) > 10 * len(train)  # Bridge's split is far longer than what the run uses
-    reader, teacher = CacheReader(cache), table_teacher()
+    reader, teacher = CacheReader(bridge_cache), table_teacher()
     assert len(reader) == ITERS * GBS
     for i in range(len(train)):
         s = train[i]
@@ -102,37 +102,37 @@ def test_a_teacher_padded_past_the_tokenizer_caches_the_tokenizers_ids(tmp_path)
         torch.testing.assert_close(s["topk_logprobs"], want_lp, atol=2e-3, rtol=0)  # fp16 encoding
 
 
-def test_a_cache_of_other_samples_is_refused(cache):
-    cfg, _ = kd_cfg(cache, seed=99)  # other shuffle: other samples
+def test_a_cache_of_other_samples_is_refused(bridge_cache):
+    cfg, _ = kd_cfg(bridge_cache, seed=99)  # other shuffle: other samples
     (train, _, _), _ = bridge_build(cfg)
     with pytest.raises(ValueError, match="token"):
         train[0]
 
 
-def test_a_cache_shorter_than_the_run_is_refused_before_training(cache):
-    cfg, _ = kd_cfg(cache, iters=ITERS + 1)
+def test_a_cache_shorter_than_the_run_is_refused_before_training(bridge_cache):
+    cfg, _ = kd_cfg(bridge_cache, iters=ITERS + 1)
     with pytest.raises(ValueError, match=rf"holds {ITERS * GBS} samples, the run needs {(ITERS + 1) * GBS}"):
         bridge_build(cfg)
 
 
 # --- defect 3: Bridge's saved run config keeps kd ------------------------------------------------------------------
 
-def test_saved_run_config_keeps_kd_and_loads_back(cache, tmp_path):
+def test_saved_run_config_keeps_kd_and_loads_back(bridge_cache, tmp_path):
     import yaml
     from megatron.bridge.training.config import ConfigContainer
     from megatron.bridge.training.utils.checkpoint_utils import read_run_config
     from megatron_kd.bridge.provider import OfflineKDDatasetProvider
-    cfg, _ = kd_cfg(cache)
+    cfg, _ = kd_cfg(bridge_cache)
     bridge_build(cfg)  # as after setup: the tokenizer is on the dataset config
     path = tmp_path / "run_config.yaml"
     cfg.to_yaml(str(path))  # what checkpointing.save_checkpoint writes
     saved = yaml.safe_load(path.read_text())["dataset"]
     assert saved["_target_"] == "megatron_kd.bridge.provider.OfflineKDDatasetProvider"
-    assert saved["kd"]["cache"] == cache and saved["kd"]["_target_"].endswith("OfflineKDConfig")
+    assert saved["kd"]["cache"] == bridge_cache and saved["kd"]["_target_"].endswith("OfflineKDConfig")
     assert saved["base"]["_target_"] == "megatron.bridge.training.config.MockGPTDatasetConfig"
     assert saved["base"]["random_seed"] == 1234 and saved["base"]["seq_length"] == SEQ
     loaded = read_run_config(str(path))  # what a resume reads
-    assert loaded["dataset"]["kd"]["cache"] == cache
+    assert loaded["dataset"]["kd"]["cache"] == bridge_cache
     # The tokenizer object Bridge attached at setup does not instantiate back (the same with Bridge's own plain
     # MockGPTDatasetConfig); everything else does.
     loaded["dataset"]["base"]["tokenizer"] = None
@@ -176,8 +176,8 @@ def first_batch(cfg, train, consumed=0):
 
 
 @pytest.mark.parametrize("skip_mask", [True, False])
-def test_forward_step_on_a_cpu_model(cache, cpu_megatron, skip_mask):
-    cfg, step = kd_cfg(cache)
+def test_forward_step_on_a_cpu_model(bridge_cache, cpu_megatron, skip_mask):
+    cfg, step = kd_cfg(bridge_cache)
     cfg.dataset.create_attention_mask = True  # Bridge's default: the dataset makes a [1, s, s] mask
     cfg.dataset.skip_getting_attention_mask_from_dataset = skip_mask
     (train, _, _), _ = bridge_build(cfg)
@@ -209,11 +209,11 @@ def test_forward_step_on_a_cpu_model(cache, cpu_megatron, skip_mask):
 
 # --- resume: Bridge's sampler restarts at the consumed-sample count; the cache rows follow ------------------------
 
-def test_resume_continues_the_kd_data_at_the_consumed_sample(cache):
+def test_resume_continues_the_kd_data_at_the_consumed_sample(bridge_cache):
     from megatron_kd.cache import CacheReader
-    cfg, _ = kd_cfg(cache)
+    cfg, _ = kd_cfg(bridge_cache)
     (train, _, _), _ = bridge_build(cfg)
-    reader = CacheReader(cache)
+    reader = CacheReader(bridge_cache)
     consumed = 2 * GBS  # a checkpoint after iteration 2
     batch = next(first_batch(cfg, train, consumed))
     for j, i in enumerate(range(consumed, consumed + MBS)):
@@ -238,17 +238,17 @@ def test_te_available_follows_megatron_core(monkeypatch):
 
 # --- run.py: recipe + YAML + overrides, KD wired, no-TE layers ------------------------------------------------------
 
-def test_run_build_merges_the_yaml_and_wires_kd(cache, tmp_path):
+def test_run_build_merges_the_yaml_and_wires_kd(bridge_cache, tmp_path):
     from megatron_kd.bridge.provider import OfflineKDDatasetProvider
     from megatron_kd.bridge.recipes import sdpa_layer_spec
     from megatron_kd.bridge.run import build
     from megatron_kd.bridge.step import OfflineKDForwardStep
     cfg, step, _ = build(["--recipe", "helpers:tiny_cfg", "--config-file",
-                          str(ROOT / "recipes/bridge/tiny_offline_kd.yaml"), f"kd.cache_path={cache}",
+                          str(ROOT / "recipes/bridge/tiny_offline_kd.yaml"), f"kd.cache_path={bridge_cache}",
                           f"kd.top_k={K}", f"model.seq_length={SEQ}", f"dataset.seq_length={SEQ}",
                           f"train.train_iters={ITERS}", f"checkpoint.save={tmp_path}", f"checkpoint.load={tmp_path}"])
     assert isinstance(step, OfflineKDForwardStep) and isinstance(cfg.dataset, OfflineKDDatasetProvider)
-    assert cfg.dataset.kd.top_k == K and cfg.dataset.kd.cache == cache
+    assert cfg.dataset.kd.top_k == K and cfg.dataset.kd.cache == bridge_cache
     assert cfg.train.train_iters == ITERS and cfg.train.global_batch_size == 4 and cfg.checkpoint.save_interval == 12
     assert cfg.dataset.base.create_attention_mask is False and cfg.optimizer.lr == 1e-3
     assert cfg.model.transformer_layer_spec is sdpa_layer_spec and not cfg.model.gradient_accumulation_fusion

@@ -46,26 +46,26 @@ class GPTStyleDataset:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
+def successor_cache(tmp_path_factory):
     out = tmp_path_factory.mktemp("ds") / "cache"
     build_cache(successor_teacher(), GPTStyleDataset(successor_data()), out, top_k=K, samples_per_shard=4,
                 progress=False, tokenizer_id="toy-tokenizer")
     return out
 
 
-def test_rows_align_with_labels(cache):
-    ds = TopKDataset(successor_data(), cache)  # plain [S + 1] windows
+def test_rows_align_with_labels(successor_cache):
+    ds = TopKDataset(successor_data(), successor_cache)  # plain [S + 1] windows
     for i in range(N):
         x = ds[i]
         assert torch.equal(x["topk_ids"][:, 0], x["labels"]), "row t must describe the token after tokens[t]"
         assert x["topk_ids"].dtype == torch.int64 and x["topk_logprobs"].dtype == torch.float32
         assert torch.equal(x["position_ids"], torch.arange(S)) and torch.equal(x["loss_mask"], torch.ones(S))
-    r = CacheReader(cache)
+    r = CacheReader(successor_cache)
     assert r.manifest["dataset"] == "gpt-style-demo" and r.manifest["tokenizer"] == "toy-tokenizer"
 
 
-def test_gpt_dict_samples_and_collate(cache):
-    ds = TopKDataset(GPTStyleDataset(successor_data()), cache)
+def test_gpt_dict_samples_and_collate(successor_cache):
+    ds = TopKDataset(GPTStyleDataset(successor_data()), successor_cache)
     batch = collate_topk([ds[i] for i in (4, 1, 5)])
     assert batch["tokens"].shape == (3, S) and batch["labels"].shape == (3, S)
     assert batch["topk_ids"].shape == (3, S, K) and batch["topk_logprobs"].shape == (3, S, K)
@@ -79,8 +79,8 @@ def test_gpt_dict_samples_and_collate(cache):
     assert sum(b["tokens"].shape[0] for b in loader) == N
 
 
-def test_reader_random_access_and_position_ranges(cache):
-    r = CacheReader(cache)
+def test_reader_random_access_and_position_ranges(successor_cache):
+    r = CacheReader(successor_cache)
     assert len(r) == N
     full = r[5]
     part = r.read(5, 3, 7)
@@ -93,20 +93,20 @@ def test_reader_random_access_and_position_ranges(cache):
         r.read(0, 5, S + 1)
 
 
-def test_inspect_reports_size_error_and_mass(cache, capsys):
-    info = inspect_cache(cache)
+def test_inspect_reports_size_error_and_mass(successor_cache, capsys):
+    info = inspect_cache(successor_cache)
     assert info["complete"] and info["num_samples"] == N and info["top_k"] == K
-    assert info["bytes_per_token"] == CacheReader(cache).sample_bytes / S
+    assert info["bytes_per_token"] == CacheReader(successor_cache).sample_bytes / S
     assert info["tokens"] == N * S and 0 <= info["kl_error_mean"] < 1e-3
     p_top = 1 / (1 + (V - 1) * np.exp(-6.0))  # the successor teacher's top-1 probability
     mass = p_top + (K - 1) * (1 - p_top) / (V - 1)
     assert info["mean_mass_covered"] == pytest.approx(mass, rel=1e-6)
     assert sum(info["mass_covered_histogram"].values()) == N * S
     assert info["read_samples_per_s"] > 0
-    assert cache_cli(["inspect", str(cache)]) == 0
+    assert cache_cli(["inspect", str(successor_cache)]) == 0
     text = capsys.readouterr().out
     assert "bytes/token" in text and "kl error" in text and "mass covered" in text
-    assert cache_cli(["inspect", "--json", str(cache)]) == 0
+    assert cache_cli(["inspect", "--json", str(successor_cache)]) == 0
     assert json.loads(capsys.readouterr().out)["num_samples"] == N
 
 

@@ -19,16 +19,9 @@ def _data():
     return torch.from_numpy(np.random.default_rng(3).integers(0, V, size=(N, S + 1)))
 
 
-def _build(out, **kw):
+def build(out, **kw):
     kw = {"top_k": K, "samples_per_shard": 2, "micro_batch_size": 2, "progress": False, **kw}
     return build_cache(make_teacher(), _data(), out, **kw)
-
-
-@pytest.fixture
-def cache(tmp_path):
-    out = tmp_path / "cache"
-    _build(out)
-    return out, snapshot(out)
 
 
 def _flip_byte(path, offset):
@@ -39,8 +32,8 @@ def _flip_byte(path, offset):
         f.write(bytes([b[0] ^ 0x5A]))
 
 
-def test_corrupt_shard(cache, capsys):
-    out, good = cache
+def test_corrupt_shard(cache, cache_bytes, capsys):
+    out = cache
     _flip_byte(out / "shards" / "000001.bin", 40)
     problems = verify_cache(out)
     assert len(problems) == 1
@@ -55,39 +48,39 @@ def test_corrupt_shard(cache, capsys):
     # The fix the message names: delete the shard and its sidecar, rerun the same build.
     os.remove(out / "shards" / "000001.bin")
     os.remove(out / "shards" / "000001.json")
-    _build(out)
-    assert snapshot(out) == good
+    build(out)
+    assert snapshot(out) == cache_bytes
     assert {k: v for k, v in bad.items() if k != "shards/000001.bin"} == \
-        {k: v for k, v in good.items() if k != "shards/000001.bin"}, "verify/read must not touch the cache"
+        {k: v for k, v in cache_bytes.items() if k != "shards/000001.bin"}, "verify/read must not touch the cache"
     assert cache_cli(["verify", str(out)]) == 0
 
 
-def test_truncated_shard(cache):
-    out, good = cache
+def test_truncated_shard(cache, cache_bytes):
+    out = cache
     p = out / "shards" / "000002.bin"
     with open(p, "r+b") as f:
         f.truncate(os.path.getsize(p) - 10)
     with pytest.raises(CacheError, match=r"shard shards/000002.bin has \d+ bytes.*truncated"):
         CacheReader(out)
     assert any("shards/000002.bin" in x and "truncated" in x for x in verify_cache(out))
-    _build(out)  # a rerun recomputes just that shard (its size is wrong, so it is not done)
-    assert snapshot(out) == good
+    build(out)  # a rerun recomputes just that shard (its size is wrong, so it is not done)
+    assert snapshot(out) == cache_bytes
 
 
-def test_missing_manifest(cache):
-    out, good = cache
+def test_missing_manifest(cache, cache_bytes):
+    out = cache
     os.remove(out / "manifest.json")
     with pytest.raises(CacheError, match=r"no manifest.json: its build has not finished \(5 of 5 shards done\); "
                                          r"rerun the command that built"):
         CacheReader(out)
     assert cache_cli(["verify", str(out)]) == 1
     assert cache_cli(["inspect", str(out)]) == 0  # reports progress instead
-    _build(out)
-    assert snapshot(out) == good
+    build(out)
+    assert snapshot(out) == cache_bytes
 
 
 def test_unreadable_manifest_and_not_a_cache(cache, tmp_path):
-    out, _ = cache
+    out = cache
     with open(out / "manifest.json", "w") as f:
         f.write("{not json")
     with pytest.raises(CacheError, match="not valid JSON.*delete it"):
@@ -105,7 +98,7 @@ def test_unreadable_manifest_and_not_a_cache(cache, tmp_path):
 
 
 def test_wrong_k_vocab_temperature_seq(cache):
-    out, _ = cache
+    out = cache
     r = CacheReader(out)
     r.check_compatible(vocab_size=V, top_k=K, temperature=1.0, seq_length=S)
     r.check_compatible(top_k=K - 3)  # fewer entries than cached is fine
@@ -123,7 +116,7 @@ def test_wrong_k_vocab_temperature_seq(cache):
 
 
 def test_token_mismatch(cache):
-    out, _ = cache
+    out = cache
     r = CacheReader(out)
     data = _data()
     r.check_tokens(3, data[3, :-1])
@@ -142,28 +135,28 @@ def test_token_mismatch(cache):
         TopKDataset(shuffled, r)[0]
 
 
-def test_refuses_to_overwrite_with_other_settings(cache):
-    out, good = cache
+def test_refuses_to_overwrite_with_other_settings(cache, cache_bytes):
+    out = cache
     with pytest.raises(CacheError, match=r"(?s)finished cache built with different settings:\n  top_k: cache has 8, "
                                          r"this build asks for 4.*--overwrite"):
-        _build(out, top_k=4)
+        build(out, top_k=4)
     with pytest.raises(CacheError, match=r"temperature: cache has 1.0, this build asks for 2.0"):
-        _build(out, temperature=2.0)
+        build(out, temperature=2.0)
     with pytest.raises(CacheError, match=r"teacher: cache has"):
         build_cache(make_teacher(seed=1), _data(), out, top_k=K, samples_per_shard=2, progress=False)
-    assert snapshot(out) == good, "a refused build must not change the cache"
-    assert _build(out)["top_k"] == K  # the same settings: already complete, nothing rewritten
-    assert snapshot(out) == good
-    m = _build(out, top_k=4, overwrite=True)
+    assert snapshot(out) == cache_bytes, "a refused build must not change the cache"
+    assert build(out)["top_k"] == K  # the same settings: already complete, nothing rewritten
+    assert snapshot(out) == cache_bytes
+    m = build(out, top_k=4, overwrite=True)
     assert m["top_k"] == 4 and CacheReader(out)[0]["topk_ids"].shape == (S, 4)
 
 
 def test_refuses_to_continue_a_partial_build_with_other_settings(tmp_path):
     out = tmp_path / "cache"
-    _build(out, num_samples=4)  # finished with 4 samples
+    build(out, num_samples=4)  # finished with 4 samples
     os.remove(out / "manifest.json")
     os.remove(out / "shards" / "000001.json")  # now a partial build: 1 of 2 shards done
     before = snapshot(out)
     with pytest.raises(CacheError, match=r"(?s)partial build built with different settings.*num_samples: cache has 4"):
-        _build(out, num_samples=N)
+        build(out, num_samples=N)
     assert snapshot(out) == before

@@ -54,20 +54,6 @@ def refused(probe, fn, *must_name, exc=CacheError):
     return msg
 
 
-@pytest.fixture(scope="module")
-def ref(tmp_path_factory):
-    d = tmp_path_factory.mktemp("probe_ref") / "cache"
-    build(d)
-    return d, snapshot(d)
-
-
-@pytest.fixture
-def cache(ref, tmp_path):
-    d = tmp_path / "cache"
-    shutil.copytree(ref[0], d)
-    return d
-
-
 def edit_json(path, fn):
     with open(path) as f:
         obj = json.load(f)
@@ -142,24 +128,24 @@ def _killed_child(out, event, nth, **kw):
 
 @pytest.mark.parametrize("event,nth", [(e, 1) for e in KILL_POINTS if not e.startswith("overwrite")]
                          + [("sample", 4), ("shard:written", 3), ("sidecar:committed", 5)])
-def test_kill_then_resume_is_byte_identical(ref, tmp_path, event, nth):
+def test_kill_then_resume_is_byte_identical(cache_bytes, tmp_path, event, nth):
     out = tmp_path / "cache"
     assert _killed_child(out, event, nth), f"the build never reached {event} #{nth}"
     if event != "manifest:committed":
         with pytest.raises(CacheError, match="has not finished|no manifest"):
             CacheReader(out)
     build(out)
-    assert snapshot(out) == ref[1] and verify_cache(out) == []
+    assert snapshot(out) == cache_bytes and verify_cache(out) == []
     record(f"kill at {event} #{nth}, resume", "resumed byte-identical", "verify ok, same bytes as uninterrupted")
 
 
 @pytest.mark.parametrize("event", ["overwrite:shards_removed", "overwrite:removed", "shard:committed"])
-def test_overwrite_killed_then_resumed_keeps_no_old_rows(ref, tmp_path, event):
+def test_overwrite_killed_then_resumed_keeps_no_old_rows(cache_bytes, tmp_path, event):
     out = tmp_path / "cache"
     build(out, teacher_seed=1)
     assert _killed_child(out, event, 1, overwrite=True)
     build(out, overwrite=True)
-    assert snapshot(out) == ref[1] and verify_cache(out) == []
+    assert snapshot(out) == cache_bytes and verify_cache(out) == []
     record(f"--overwrite killed at {event}, rerun", "resumed byte-identical", "no shard of the old teacher kept")
 
 
@@ -336,13 +322,13 @@ def test_other_teacher_resume_is_refused_naming_both(cache):
             "teacher", "'weights_hash': '0'", "'weights_hash': '1'")
 
 
-def test_stale_shards_are_never_adopted(ref, tmp_path):
+def test_stale_shards_are_never_adopted(cache_bytes, tmp_path):
     out = tmp_path / "cache"
     build(out, teacher_seed=1)
     os.remove(out / "manifest.json")
     os.remove(out / "settings.json")
     build(out)  # seed 0: every shard must be recomputed
-    assert snapshot(out) == ref[1]
+    assert snapshot(out) == cache_bytes
     record("rm manifest+settings, build with another teacher", "every stale shard recomputed",
            "byte-identical to a fresh build with the new teacher")
 

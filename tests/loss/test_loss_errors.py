@@ -56,3 +56,24 @@ def test_temperature_range_is_checked_with_the_options():
         with pytest.raises(ValueError, match=r"cache_temperature=.* must be a finite number"):
             KDLoss(cache_temperature=bad).loss_options()
     LossOptions(temperature=1e3, cache_temperature=1e-3)
+
+
+def test_kd_loss_takes_the_options_as_objects(inp):
+    """kd_loss (options and layout as objects, built once) and topk_kl_loss (its keyword form) are one loss; a
+    metrics dict turns the monitor on whatever the options say; anything but the objects is refused by name."""
+    from megatron_kd.loss import LossOptions, VocabLayout, kd_loss
+    a = (inp["hidden"], inp["weight"], inp["ids"], inp["logp"])
+    kw = dict(temperature=2.0, ce_weight=0.5, tail="bucket", impl="chunked", cache_temperature=1.5)
+    opts = LossOptions(**kw)
+    want = topk_kl_loss(*a, labels=inp["labels"], loss_mask=inp["loss_mask"], valid_vocab_size=20, **kw)
+    got = kd_loss(*a, opts, VocabLayout(valid_vocab_size=20), labels=inp["labels"], loss_mask=inp["loss_mask"])
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match=r"topk_ids must be in \[-1, 17\]"):  # the layout is read: 18 real ids
+        kd_loss(*a, opts, VocabLayout(valid_vocab_size=18), labels=inp["labels"])
+    metrics = {}
+    kd_loss(*a, opts, labels=inp["labels"], metrics=metrics)
+    assert metrics["kl_bucket"] >= 0
+    with pytest.raises(ValueError, match="opts must be a megatron_kd.loss.LossOptions"):
+        kd_loss(*a, kw, labels=inp["labels"])
+    with pytest.raises(ValueError, match="layout must be a megatron_kd.parallel.VocabLayout"):
+        kd_loss(*a, opts, (None, False), labels=inp["labels"])

@@ -15,7 +15,7 @@ pytest.importorskip("megatron.core")
 from megatron_kd.loss import fused  # noqa: E402
 from megatron_kd.recipe.schema import KDConfig  # noqa: E402
 from megatron_kd.optim.setup import loss_scale  # noqa: E402
-from megatron_kd.training.step import KDHead, loss_func  # noqa: E402
+from megatron_kd.training.step import KDHead, StepLoss, loss_func  # noqa: E402
 from reference import make_inputs, reference_loss  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -48,7 +48,7 @@ def _head_step(monkeypatch, step_scale, backward_scale):
     mask = torch.ones(b, s, dtype=torch.float64, device=DEV)
     batch = dict(labels=labels, loss_mask=mask, topk_ids=ids, topk_logprobs=logp)
     kd = KDConfig(mode="offline", impl="fused", kl_weight=1.0, ce_weight=0.5)
-    head = KDHead(batch, kd, V, split=False, grad_scale=step_scale)
+    head = KDHead(batch, StepLoss.of(kd), V, split=False, grad_scale=step_scale)
     h = inp["hidden"].reshape(b, s, H).transpose(0, 1).contiguous().to(DEV).requires_grad_(True)  # [s, b, H]
     w = inp["weight"].clone().to(DEV).requires_grad_(True)
     w.main_grad = torch.zeros(w.shape, dtype=torch.float64, device=DEV)

@@ -82,7 +82,7 @@ def test_offline_without_cache(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
+def mock_data_cache(tmp_path_factory):
     """A top-8 cache (random tiny teacher) for the mock data with seed 1234."""
     d = tmp_path_factory.mktemp("cache")
     r = to_recipe(compose("tiny_cpu", [*FAST, f"kd.cache={d / 'c'}", f"train.save={d / 'run'}"]))
@@ -96,12 +96,12 @@ def cache(tmp_path_factory):
     ("data.seq_length=16", r"data\.seq_length: the cache rows have 32 positions"),
     ("train.iters=4", r"holds 8 samples, the run needs 16 \(train\.iters"),
 ], ids=["another_dataset", "smaller_k", "another_sequence_length", "too_short_for_the_run"])
-def test_a_cache_that_does_not_fit_the_run(tmp_path, cache, override, error):
-    fails(tmp_path, error, f"kd.cache={cache}", "kd.build_cache=false", override)
+def test_a_cache_that_does_not_fit_the_run(tmp_path, mock_data_cache, override, error):
+    fails(tmp_path, error, f"kd.cache={mock_data_cache}", "kd.build_cache=false", override)
 
 
-def test_a_good_cache_passes(tmp_path, cache):
-    s = run(recipe(tmp_path, f"kd.cache={cache}", "kd.build_cache=false", "train.eval_interval=null"),
+def test_a_good_cache_passes(tmp_path, mock_data_cache):
+    s = run(recipe(tmp_path, f"kd.cache={mock_data_cache}", "kd.build_cache=false", "train.eval_interval=null"),
             str(tmp_path / "run"))
     assert s["iteration"] == 2
 

@@ -34,3 +34,23 @@ def test_the_resume_comparison_asks_the_target_source(monkeypatch):
     assert [d[0] for d in resume_differences(saved, r)] == ["teacher.num_layers"]
     monkeypatch.setattr(TargetSource, "needs_teacher", property(lambda self: False))
     assert resume_differences(saved, r) == []
+
+
+def test_the_planner_and_the_demo_ask_the_target_source(monkeypatch):
+    """The planner's teacher terms and the demo's student overrides follow the object's answers, not the names."""
+    from megatron_kd.cli.demo import Demo, Settings
+    from megatron_kd.cli.train import summary_line
+    from megatron_kd.plan.memory import Training, plan_memory
+    from megatron_kd.plan.shapes import Layout, preset
+    student, teacher = preset("llama-3.2-1b"), preset("llama-3.2-3b")
+    tr = Training(seq_len=1024, mode="online", teacher=teacher)
+    demo = Demo("/nonexistent/demo", Settings(), progress=False)
+    run = dict(iteration=2, iters=2, mode="offline", save="/s", eval={"ce": 1.0}, step_s=1.0)
+    assert "teacher forward" in plan_memory(student, Layout(), tr).phases
+    assert any(o.startswith("kd.cache=") for o in demo.student_overrides("offline"))
+    assert "eval kl: not computed" in summary_line(run)
+    monkeypatch.setattr(TargetSource, "teacher_each_step", property(lambda self: False))
+    monkeypatch.setattr(TargetSource, "reads_cache", property(lambda self: False))
+    assert "teacher forward" not in plan_memory(student, Layout(), tr).phases
+    assert not any(o.startswith("kd.cache=") for o in demo.student_overrides("offline"))
+    assert "eval kl: not computed" not in summary_line(run)

@@ -47,7 +47,7 @@ def write_task(texts, out_dir: str, name: str = TASK) -> str:
 def demo_heldout_texts(demo_out: str, n: int | None = None) -> list:
     """The demo's validation samples (its held-out text) decoded with its tokenizer; n: the first n."""
     from ..cli.demo import Demo, SETTINGS, Settings
-    from ..data.datasets import build_datasets, load_tokenizer
+    from ..data.datasets import build_datasets, load_tokenizer, samples_needed
     path = os.path.join(demo_out, SETTINGS)
     if not os.path.exists(path):
         raise ValueError(f"--demo {demo_out} holds no demo ({SETTINGS} missing); run `megatron-kd demo --out "
@@ -56,8 +56,36 @@ def demo_heldout_texts(demo_out: str, n: int | None = None) -> list:
     r = demo.student_recipe("ce")
     n = demo.s.eval_samples if n is None else n
     tok = load_tokenizer(r.data)
-    _, valid = build_datasets(r.data, tok, 1, n)
+    _, valid = build_datasets(r.data, tok, samples_needed(r.train, r.data)[0], n)  # as the demo's scoring does
     return [tok.decode(valid[i]["tokens"].tolist()) for i in range(min(n, len(valid)))]
+
+
+def demo_hf_source(demo_out: str, out: str) -> str:
+    """A Hugging Face Llama folder with the demo teacher's architecture (random weights) and the demo's tokenizer:
+    the --hf-path `megatron-kd export` writes the demo's teacher-sized models through (the teacher, and the
+    models of `demo --recover --quantize`). Needs transformers."""
+    import transformers
+    from ..cli.demo import Demo, SETTINGS, Settings
+    demo = Demo(os.path.abspath(demo_out), Settings(**json.load(open(os.path.join(demo_out, SETTINGS)))),
+                progress=False)
+    r = demo.student_recipe("ce")
+    t = r.teacher
+    if not (t.normalization == "RMSNorm" and t.activation == "swiglu" and t.position_embedding_type == "rope"
+            and not t.add_bias_linear and not t.add_qkv_bias and not t.qk_layernorm):
+        raise ValueError("the demo's teacher is no Llama architecture (RMSNorm, SwiGLU, RoPE, no biases)")
+    from ..rules import padded_vocab_size
+    vocab = padded_vocab_size(demo.s.vocab_size, t.make_vocab_size_divisible_by, 1)
+    c = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=t.hidden_size, intermediate_size=t.ffn_hidden_size,
+        num_hidden_layers=t.num_layers, num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_query_groups or t.num_attention_heads, rms_norm_eps=t.layernorm_epsilon,
+        rope_parameters={"rope_type": "default", "rope_theta": float(t.rotary_base)},
+        tie_word_embeddings=t.tie_embeddings, max_position_embeddings=demo.s.seq_length, dtype="float32")
+    transformers.LlamaForCausalLM(c).save_pretrained(out)
+    eod = "<|endoftext|>"
+    transformers.PreTrainedTokenizerFast(tokenizer_file=r.data.tokenizer, eos_token=eod, bos_token=eod
+                                         ).save_pretrained(out)
+    return out
 
 
 def main(argv=None) -> int:

@@ -13,8 +13,9 @@ Parts (--parts picks; each writes into one JSON, rewritten after every arm so a 
           the two caches are compared position by position only when their teachers' weights are equal.
   gptoss  GPT-OSS-20B's architecture cut to 4 layers at 32K under TE with the recipe's expert setting
           (moe_grouped_gemm=false, sequential experts), and with grouped experts, offline KD from a 2-layer teacher.
-  fp8     a 1.1B student trained 200 steps on real text (pydoc, --data PREFIX) with CE, bf16 vs FP8 (TE both),
-          held-out loss every 25 steps; a PNG of both curves.
+  fp8     a 1.07 B student (22 layers, hidden 2048) trained 200 steps on real text (pydoc, --data PREFIX) with CE, bf16 vs FP8 (TE both),
+          held-out loss every 25 steps; a PNG of both curves (--plot-only draws it from the JSON afterwards), and
+          the check: held-out CE of FP8 within 2% of bf16's at every evaluation and 0.5% at the last.
 
   source .whlte/device_install.sh && python3 benchmarks/te_stack.py --te-site /tmp/te_site --data .te_data/pydoc_text_document \
       --out $OUT/te_stack_h200.json
@@ -174,7 +175,7 @@ def part_gptoss(a, out, E, deadline):
 
 
 def part_fp8(a, out, E, deadline):
-    shape = ["model.num_layers=20", "model.hidden_size=2048", "model.num_attention_heads=16",
+    shape = ["model.num_layers=22", "model.hidden_size=2048", "model.num_attention_heads=16",
              "model.num_query_groups=8", "model.kv_channels=128", "model.ffn_hidden_size=5632",
              "model.tie_embeddings=false",
              "model.recompute_granularity=null", "model.recompute_method=null", "model.recompute_num_layers=null"]
@@ -186,6 +187,48 @@ def part_fp8(a, out, E, deadline):
             "train.tensorboard=false", *shape]
     run_arm("fp8_curve_bf16", base, E["te"], a, out, deadline)
     run_arm("fp8_curve_fp8", [*base, "model.fp8=hybrid", "model.fp8_recipe=tensorwise"], E["te"], a, out, deadline)
+
+
+FP8_TOL_EVERY, FP8_TOL_END = 0.02, 0.005  # |FP8 - bf16| / bf16 held-out CE: at every evaluation, at the last
+
+
+def fp8_curves(out, png):
+    """The FP8 part's check (held-out CE of FP8 against bf16 at each evaluation) and a PNG of both curves."""
+    a, b = out["arms"].get("fp8_curve_bf16", {}), out["arms"].get("fp8_curve_fp8", {})
+    ea, eb = ({e["iteration"]: e["ce"] for e in x.get("evals", [])} for x in (a, b))
+    steps = sorted(set(ea) & set(eb))
+    if not steps:
+        return None
+    rel = {i: (eb[i] - ea[i]) / ea[i] for i in steps}
+    check = {"steps": len(a.get("train_loss") or []), "eval_iterations": steps,
+             "heldout_ce_bf16": [ea[i] for i in steps], "heldout_ce_fp8": [eb[i] for i in steps],
+             "rel_diff": [rel[i] for i in steps], "max_abs_rel_diff": max(abs(v) for v in rel.values()),
+             "final_rel_diff": rel[steps[-1]], "tolerance_every_eval": FP8_TOL_EVERY, "tolerance_final": FP8_TOL_END,
+             "tflops_bf16": a.get("tflops"), "tflops_fp8": b.get("tflops"),
+             "peak_gib_bf16": a.get("peak_gib"), "peak_gib_fp8": b.get("peak_gib")}
+    check["met"] = check["max_abs_rel_diff"] <= FP8_TOL_EVERY and abs(check["final_rel_diff"]) <= FP8_TOL_END
+    out["fp8_check"] = check
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    for arm, name in ((a, "bf16"), (b, "FP8 (hybrid, tensorwise)")):
+        tl = arm.get("train_loss") or []
+        w = 10
+        sm = [sum(tl[max(0, i - w + 1):i + 1]) / len(tl[max(0, i - w + 1):i + 1]) for i in range(len(tl))]
+        ax[0].plot(range(1, len(sm) + 1), sm, label=name)
+        ev = {e["iteration"]: e["ce"] for e in arm.get("evals", [])}
+        ax[1].plot(sorted(ev), [ev[i] for i in sorted(ev)], marker="o", label=name)
+    ax[0].set(xlabel="step", ylabel="train loss (CE, mean of 10 steps)", title="train")
+    ax[1].set(xlabel="step", ylabel="held-out CE", title=f"held-out: FP8 vs bf16 max {check['max_abs_rel_diff']:.2%}"
+              f", last {check['final_rel_diff']:+.2%}")
+    for x in ax:
+        x.legend()
+        x.grid(alpha=0.3)
+    fig.suptitle("1.07 B student, 200 steps on real text, one H200, TE 2.20")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    return check
 
 
 def main():
@@ -200,7 +243,13 @@ def main():
     ap.add_argument("--fp8-recompute", type=int, nargs="*", default=[], help="more FP8 arms at these recompute counts")
     ap.add_argument("--clash-arm", action="store_true", help="also the arm with the cuDNN restart turned off")
     ap.add_argument("--scratch", default=None)
+    ap.add_argument("--plot-only", action="store_true", help="the FP8 check and PNG from --out's JSON (no runs)")
     a = ap.parse_args()
+    if a.plot_only:
+        out = json.load(open(a.out))
+        print(json.dumps(fp8_curves(out, os.path.splitext(a.out)[0] + ".png"), indent=1))
+        out_write(a.out, out)
+        return 0
     a.scratch = a.scratch or tempfile.mkdtemp(prefix="te_stack_")
     deadline = time.time() + a.budget_s
     out = json.load(open(a.out)) if os.path.exists(a.out) else {"arms": {}}
@@ -208,6 +257,11 @@ def main():
     E = envs(a.te_site)
     for part in a.parts:
         {"user": part_user, "gptoss": part_gptoss, "fp8": part_fp8}[part](a, out, E, deadline)
+    if "fp8" in a.parts:
+        try:
+            fp8_curves(out, os.path.splitext(a.out)[0] + ".png")
+        except ImportError:  # no matplotlib on the machine: --plot-only draws it later
+            pass
     out_write(a.out, out)
     shutil.rmtree(a.scratch, ignore_errors=True)
     return 0

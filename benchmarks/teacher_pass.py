@@ -14,6 +14,8 @@ Per tree (a fresh subprocess with PYTHONPATH = that tree), on the recipe's teach
 H200 (carry .whl-bridge; PYTHONPATH=/tmp/site holds megatron-core):
   python benchmarks/teacher_pass.py --trees .old-REV . --profile --hf --out benchmarks/results/teacher_pass_h200.json
   python benchmarks/teacher_pass.py --trees .old-REV . --shape gpt-oss --layers 8 --out ...
+  with TE importable (source .whlte/device_install.sh), TE's grouped experts:
+  python benchmarks/teacher_pass.py --shape gpt-oss --layers 6 --samples 8 --override teacher.moe_grouped_gemm=true ...
 CPU smoke (checks the script; times mean nothing): python benchmarks/teacher_pass.py --smoke --trees . --profile
 """
 import argparse
@@ -60,6 +62,7 @@ def child(a) -> dict:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     name, over = SHAPES[a.shape]
     over = list(over) + ([f"teacher.num_layers={a.layers}"] if a.layers else []) + [f"data.seq_length={a.seq}"] * bool(a.seq)
+    over += a.override
     import dataclasses
     from megatron_kd.recipe.schema import TeacherConfig
     if a.plain_rope and "rope_scaling" in {f.name for f in dataclasses.fields(TeacherConfig)}:
@@ -281,6 +284,8 @@ def main():
     p.add_argument("--chunk-size", type=int, default=None,
                    help="rows per top-K chunk (default: the tree's, about 2**26 logits); the bytes do not depend on it")
     p.add_argument("--encodings", default="fp16,compact")
+    p.add_argument("--override", action="append", default=[],
+                   help="one more recipe override, after the shape's (repeatable), e.g. teacher.moe_grouped_gemm=true")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--profile-samples", type=int, default=2)

@@ -216,6 +216,14 @@ class HFModel:
                 if os.path.isfile(src) and not os.path.exists(dst):
                     shutil.copy2(src, dst)
 
+    def te_attention_unverified(self) -> bool:
+        """Whether TE's spec would not reproduce this checkpoint's attention (sinks, sliding windows: see
+        runtime/te_compat), from Bridge's provider with config.json's exact fields."""
+        from ..runtime.te_compat import te_attention_unverified
+        prov = self.bridge.to_megatron_provider(load_weights=False)
+        exact.apply(prov, self.exact)
+        return te_attention_unverified(prov)
+
     def architecture(self) -> dict:
         """The architecture in megatron-kd's ModelConfig names (for FLOP counts, plans, resume checks)."""
         prov = self.bridge.to_megatron_provider(load_weights=False)

@@ -68,12 +68,19 @@ def transformer_config(m: ModelConfig, p: ParallelConfig, precision: str = "fp32
     return config
 
 
-def _backend(m: ModelConfig) -> str:
+def _backend(m: ModelConfig, unverified: bool | None = None) -> str:
+    """The layer spec a model runs on: te, sdpa or local. `auto` is TE's where TE imports, except for models whose
+    attention TE's spec does not reproduce (sinks, sliding windows: runtime/te_compat), which run on the SDPA path.
+    unverified: that property when `m` does not carry it (an HF checkpoint's config)."""
+    from ..runtime.te_compat import te_attention_refusal, te_attention_unverified
+    unverified = te_attention_unverified(m) if unverified is None else unverified
     if m.attention_backend == "auto":
-        return "te" if te_available() else "sdpa"
+        return "te" if te_available() and not unverified else "sdpa"
     if m.attention_backend == "te" and not te_available():
         raise RuntimeError("model.attention_backend=te but Transformer Engine does not import here; use sdpa "
                            "(or auto) or run in a container with TE")
+    if m.attention_backend == "te" and unverified:
+        raise RuntimeError(te_attention_refusal("model"))
     return m.attention_backend
 
 
@@ -138,7 +145,8 @@ def build_hf_chunks(m: ModelConfig, p: ParallelConfig, seq_length: int, precisio
     """m.hf_path's architecture and weights through Megatron-Bridge (megatron_kd/hf), our layer spec."""
     from ..hf.model import local_layer_spec, te_layer_spec
     from ..hf.model import open_hf
-    backend = _backend(m)
+    hf = open_hf(m.hf_path, "hf_path")
+    backend = _backend(m, hf.te_attention_unverified())
     if backend == "sdpa":
         from .attention import SDPAttention
     spec = te_layer_spec
@@ -147,7 +155,7 @@ def build_hf_chunks(m: ModelConfig, p: ParallelConfig, seq_length: int, precisio
         local = local_layer_spec(SDPAttention if backend == "sdpa" else None)
         spec = lambda config, vp_stage=None: fix_local_moe_spec(local(config, vp_stage))  # noqa: E731
     recompute = {k: getattr(m, k) for k in ("recompute_granularity", "recompute_method", "recompute_num_layers")}
-    return open_hf(m.hf_path, "hf_path").build(
+    return hf.build(
         p, load_weights=load_weights, precision=precision, seq_length=seq_length, layer_spec=spec,
         fused=backend == "te" and torch.cuda.is_available(), make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
         overrides=m.megatron, recompute=recompute)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from ..kernels import fused_unavailable
 from ..rules import encoding_problem, padded_vocab_size, same_temperature, top_k_fits
 from ..runtime.features import apex_available, te_available
+from ..runtime.te_compat import te_attention_refusal, te_attention_unverified
 from .resume_keys import resume_keys_all
 from .schema import (ATTENTION_BACKENDS, FP8_FORMATS, FP8_RECIPES, MODES, PRECISIONS, QUANT_CUDA_ONLY, QUANT_FORMATS,
                      ModelConfig, Recipe, RecipeError)
@@ -48,6 +49,9 @@ def check_model(m: ModelConfig, section: str, tp: int) -> None:
     check_rope_scaling(m, section)
     _need(m.attention_backend in ATTENTION_BACKENDS,
           f"{section}.attention_backend={m.attention_backend!r}: use one of {ATTENTION_BACKENDS}")
+    if te_attention_unverified(m):
+        _need(m.attention_backend != "te", te_attention_refusal(section))
+        _need(not m.fp8, te_attention_refusal(section, m.fp8))
     _need(m.make_vocab_size_divisible_by >= 1, f"{section}.make_vocab_size_divisible_by must be >= 1")
     check_fp8(m, section)
     if m.hf_path:  # the directory here; Bridge, architecture and layout in recipe.hf.resolve

@@ -8,6 +8,7 @@ counts, plans, checkpoints and resume checks see the real model).
 import json
 import os
 
+from ..runtime.te_compat import te_attention_refusal
 from ..cache.format import MANIFEST, is_finished
 from ..cache.hashing import tokenizer_id
 from ..hf.checks import (HFCheckpointError, check_hf_dir, check_layout, check_same_tokenizer, hf_vocab_size,
@@ -55,7 +56,10 @@ def resolve(r, *, teacher: bool | None = None) -> list:
             check_layout(m.hf_path, key, tp=p.tp, ep=p.ep, etp=p.etp)
         else:
             check_layout(m.hf_path, key, tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp)
-        arch = open_hf(m.hf_path, key).architecture()
+        hf = open_hf(m.hf_path, key)
+        if hf.te_attention_unverified() and (m.attention_backend == "te" or m.fp8):
+            raise HFCheckpointError(f"{key}={m.hf_path!r}: " + te_attention_refusal(name, m.fp8))
+        arch = hf.architecture()
         for k, v in arch.items():
             setattr(m, k, v)
         if p.etp is None and arch["num_moe_experts"] and arch["add_bias_linear"]:

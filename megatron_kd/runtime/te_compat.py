@@ -10,6 +10,10 @@ Three things go wrong there unless handled, each with no word from the libraries
 - Experts in place. megatron-core's expert MLP adds the bias to linear_fc2's output in place (scaled by the router
   probability); TE's Linear returns a view from its autograd function, which autograd refuses to modify in place.
   `fix_te_moe_spec` gives sequential experts a TE row-parallel linear that returns a tensor of its own.
+- Attention sinks and sliding windows. On the GPU, TE's core attention gave a GPT-OSS model's logits far from
+  transformers' and from megatron-kd's SDPA / FlexAttention path on the same weights (learned sinks, alternate
+  sliding-window layers, YaRN), while Llama's agreed to bf16 rounding. `te_attention_unverified` names those models:
+  `attention_backend=auto` runs them on the SDPA path, and `te` is refused (`te_attention_refusal`).
 - Two cuDNNs in one process. TE may load a system cuDNN before torch's own pip cuDNN; torch's cuDNN attention then
   fails its version check and SDPA falls back to a slower kernel. `cudnn_clash` reads which cuDNN files this
   process has mapped and says which two, and `torch_cudnn_env` gives the environment that avoids it.
@@ -19,6 +23,24 @@ import glob
 import importlib.util
 import os
 import sys
+
+
+def te_attention_unverified(config) -> bool:
+    """A model whose attention TE's spec does not reproduce: learned (or off-by-one) sinks, or a sliding window.
+    `config`: anything with megatron-core's field names (a recipe's ModelConfig, a TransformerConfig, a provider)."""
+    return getattr(config, "softmax_type", "vanilla") != "vanilla" or bool(getattr(config, "window_size", None))
+
+
+def te_attention_refusal(section: str, fp8=None) -> str:
+    """The sentence that refuses `{section}.attention_backend=te`, or `{section}.fp8` (FP8 runs in TE's layers), for
+    such a model, with the fix."""
+    why = ("Transformer Engine's attention does not reproduce this model's attention sinks / sliding window (a "
+           "GPT-OSS model's logits differ from transformers')")
+    if fp8:
+        return (f"{section}.fp8={fp8} runs in Transformer Engine's layers, but {why}; set {section}.fp8=null, and "
+                f"{section}.attention_backend=auto runs the model on megatron-kd's SDPA / FlexAttention path")
+    return (f"{section}.attention_backend=te: {why}; set {section}.attention_backend=auto or sdpa, which run it on "
+            "megatron-kd's SDPA / FlexAttention path")
 
 
 def apex_wgrad_available() -> bool:

@@ -132,3 +132,32 @@ def test_architecture_bridge_does_not_map(tmp_path):
     (d / "model.safetensors").write_bytes(b"")
     with pytest.raises(HFCheckpointError, match=r"no mapping for architecture \['OPTForCausalLM'\]; it maps .*Llama"):
         check_architecture(str(d), "teacher.hf_path")
+
+
+@pytest.mark.bridge
+@pytest.mark.parametrize("arch, config, unverified", [
+    ("gptoss", {}, True),  # learned sinks and sliding windows
+    ("llama", {}, False),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}, True),
+    ("qwen2", {}, False)], ids=["gptoss", "llama", "qwen2_window", "qwen2"])
+def test_checkpoints_te_attention_does_not_reproduce_run_on_sdpa_or_are_refused(tmp_path, arch, config, unverified):
+    """Sinks / sliding windows read from config.json: `auto` builds them on the SDPA path (build_hf_chunks), and
+    `attention_backend=te` or FP8 is refused before any work naming the key; other checkpoints pass this rule."""
+    import bridge_env_check  # noqa: F401
+    import tiny
+    from megatron_kd.hf.model import open_hf
+    from megatron_kd.recipe.compose import compose
+    from megatron_kd.recipe.schema import RecipeError, to_recipe
+    from megatron_kd.recipe.hf import resolve_hf
+    d = str(tmp_path / arch)
+    tiny.make_hf(d, arch, config=config)
+    assert open_hf(d, "model.hf_path").te_attention_unverified() is unverified
+    for extra in (["model.attention_backend=te"], ["model.fp8=hybrid"]):
+        r = to_recipe(compose("tiny_cpu", [f"model.hf_path={d}", "data.vocab_size=256", *extra],
+                              save=str(tmp_path / "r")))
+        if unverified:
+            with pytest.raises(RecipeError, match=r"model.hf_path=.*: model\.(attention_backend=te:|fp8=hybrid) .*"
+                                                  r"set model\."):
+                resolve_hf(r)
+        else:
+            resolve_hf(r)

@@ -1,9 +1,10 @@
 """Transformer Engine's layer spec through megatron-kd's builder, on a GPU with TE (the NeMo container's stack):
 - without apex, a TE model builds with gradient_accumulation_fusion on: TE's linears keep the fusion (they write
   into main_grad), megatron-core's own output layer runs unfused; forward + backward run;
-- GPT-OSS's features (sinks, alternate sliding window, YaRN, clamped GLU, biased experts) under TE's spec, experts
-  sequential (the recipe's setting) and grouped: logits of TE's spec against the SDPA spec's (FlexAttention) on the
-  same weights, within bf16 tolerance, and a backward through the experts;
+- GPT-OSS's features (sinks, alternate sliding window, YaRN, clamped GLU, biased experts): `auto` builds the SDPA
+  spec under TE and `te` is refused; TE's own spec, experts sequential (the recipe's setting) and grouped, against
+  the SDPA spec (FlexAttention) on the same weights is kept as an expected failure (its logits differ), so a TE
+  that reproduces them shows as XPASS;
 - FP8 (hybrid, tensorwise): forward + backward under TE, logits near bf16's.
 Run on the device: PYTHONPATH=/tmp/site:$PWD python3 -m pytest -q -m gpu tests/models/test_te_gpu.py"""
 import pytest
@@ -105,9 +106,27 @@ def test_te_builds_without_apex_and_keeps_te_wgrad_fusion(mcore):
     assert any(p.main_grad.abs().sum() > 0 for p in m.parameters())
 
 
+def test_gpt_oss_auto_runs_the_sdpa_spec_under_te_and_te_is_refused(mcore):
+    """TE importable: `auto` builds GPT-OSS (sinks, windows) on the SDPA spec, with no TE module; `te` is refused."""
+    m = _build(_gpt_oss("auto", False))
+    assert not any("transformer_engine" in type(x).__module__ for x in m.modules())
+    toks = torch.randint(0, 512, (2, 128), device="cuda")
+    out = _logits(m, toks)
+    out.pow(2).mean().backward()
+    assert torch.isfinite(out).all()
+    with pytest.raises(RuntimeError, match="model.attention_backend=te: .*sinks"):
+        _build(_gpt_oss("te", False))
+
+
+@pytest.mark.xfail(strict=False, reason="TE's spec does not reproduce GPT-OSS attention (sinks, sliding windows): "
+                                        "auto runs it on the SDPA spec, te is refused; an XPASS says TE now does")
 @pytest.mark.parametrize("grouped", [False, True], ids=["sequential_experts", "grouped_experts"])
-def test_gpt_oss_te_spec_matches_sdpa_spec_and_trains(mcore, grouped):
+def test_gpt_oss_te_spec_matches_sdpa_spec_and_trains(mcore, monkeypatch, grouped):
+    from megatron_kd.models import builder
     ref = _build(_gpt_oss("sdpa", False))
+    real = builder._backend
+    monkeypatch.setattr(builder, "_backend", lambda m, unverified=None: "te" if m.attention_backend == "te"
+                        else real(m, unverified))  # TE's spec as it is, past the refusal
     te = _main_grads(_build(_gpt_oss("te", grouped)))
     missing = _copy_by_shape(ref, te)
     toks = torch.randint(0, 512, (2, 128), device="cuda")

@@ -128,3 +128,45 @@ def test_reexec_restarts_once_with_torch_cudnn_first(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "transformer_engine" else real_find(n, *a))
     te_compat.reexec_with_torch_cudnn()  # no TE: nothing can load a second cuDNN
     assert len(calls) == 1
+
+
+# --- models whose attention TE's spec does not reproduce (sinks, sliding windows) ---------------------------------
+
+@pytest.mark.parametrize("fields, unverified", [
+    ({}, False), ({"softmax_type": "learnable"}, True), ({"softmax_type": "off-by-one"}, True),
+    ({"window_size": [127, 0], "window_attn_skip_freq": 2}, True)], ids=["plain", "sinks", "off_by_one", "window"])
+def test_auto_runs_sinks_and_windows_on_the_sdpa_path_where_te_imports(monkeypatch, fields, unverified):
+    from megatron_kd.models import builder
+    assert te_compat.te_attention_unverified(_config(**fields)) is unverified
+    monkeypatch.setattr(builder, "te_available", lambda: True)
+    m = _config(**fields)
+    m.attention_backend = "auto"
+    assert builder._backend(m) == ("sdpa" if unverified else "te")
+    m.attention_backend = "te"
+    if unverified:
+        with pytest.raises(RuntimeError, match="model.attention_backend=te: .*set model.attention_backend=auto"):
+            builder._backend(m)
+    else:
+        assert builder._backend(m) == "te"
+    monkeypatch.setattr(builder, "te_available", lambda: False)
+    m.attention_backend = "auto"
+    assert builder._backend(m) == "sdpa"
+
+
+@pytest.mark.parametrize("key, value", [("attention_backend", "te"), ("fp8", "hybrid")])
+def test_recipe_with_sinks_refuses_te_attention_and_fp8_naming_the_key(monkeypatch, key, value):
+    from megatron_kd.recipe import checks
+    from megatron_kd.recipe.schema import RecipeError
+    monkeypatch.setattr(checks, "te_available", lambda: True)
+    m = _config(softmax_type="learnable", window_size=[127, 0], window_attn_skip_freq=2)
+    m.attention_backend = "auto"
+    setattr(m, key, value)
+    with pytest.raises(RecipeError, match=rf"teacher\.{key}={value}.*set teacher\."):
+        checks.check_model(m, "teacher", 1)
+    m2 = _config()  # the same key on a model without sinks / window passes this rule
+    m2.attention_backend = "auto"
+    setattr(m2, key, value)
+    try:
+        checks.check_model(m2, "teacher", 1)
+    except RecipeError as e:
+        assert "sinks" not in str(e), e

@@ -18,28 +18,17 @@ V, SEQ = 256, 32
 def student_logits(checkpoint, tokens):
     """megatron-kd's evaluation logits of the trained quantized student (its quantizers rebuilt from the
     checkpoint), with its activation quantizers off, and with every quantizer off (its weights off the grid)."""
-    from megatron_kd.checkpoint import store as ckpt
     from megatron_kd.models import quant
-    from megatron_kd.models.builder import build_hf_chunks
-    from megatron_kd.recipe.schema import ParallelConfig, to_recipe
-    from megatron_kd.runtime.dist import distributed
-    r = to_recipe(ckpt.read_common(checkpoint)["recipe"])
-    p = ParallelConfig()
-    with distributed(p, 0, "cpu"):
-        chunks, _ = build_hf_chunks(r.model, p, SEQ, "fp32", load_weights=False)
-        ckpt.load_weights(checkpoint, chunks)
-        m = chunks[0].eval()
+    from test_user_path import logits_of, trained_student
+    with trained_student(checkpoint) as m:
         assert quant.is_quantized(m)
-        pos = torch.arange(tokens.shape[1]).expand_as(tokens)
-        out = {}
-        with torch.no_grad():
-            out["fake_quant"] = m(input_ids=tokens, position_ids=pos, attention_mask=None)[..., :V].float()
-            for n in quant.activation_quantizers(m):
-                m.get_submodule(n).disable()
-            out["weights_only"] = m(input_ids=tokens, position_ids=pos, attention_mask=None)[..., :V].float()
-            for n in quant.enabled_quantizers(m):
-                m.get_submodule(n).disable()
-            out["unquantized"] = m(input_ids=tokens, position_ids=pos, attention_mask=None)[..., :V].float()
+        out = {"fake_quant": logits_of(m, tokens, V)}
+        for n in quant.activation_quantizers(m):
+            m.get_submodule(n).disable()
+        out["weights_only"] = logits_of(m, tokens, V)
+        for n in quant.enabled_quantizers(m):
+            m.get_submodule(n).disable()
+        out["unquantized"] = logits_of(m, tokens, V)
         return out
 
 

@@ -1,5 +1,7 @@
 """Quantized students (recipe section quant, NVIDIA ModelOpt): refused formats, the output layer left unquantized
 for the fused loss, resume with the quantizers' state, TP."""
+import contextlib
+
 import pytest
 import torch
 
@@ -39,14 +41,13 @@ def test_a_format_this_machine_cannot_run_is_refused_naming_the_key(tmp_path, mo
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "int4_awq"])
-def test_the_fused_loss_reads_the_output_layer_the_quantized_model_multiplies_by(fmt):
-    """The loss takes hidden states and the output layer's weight; the quantized model's own logits (its output
-    layer's forward, quantizers and all) must give the same CE, so the output layer must stay unquantized."""
+@contextlib.contextmanager
+def tiny_quantized(fmt):
+    """A small GPT quantized as fmt, calibrated on random tokens, inside its process group: (recipe, model,
+    tokens, position ids)."""
     from megatron_kd.models import quant
     from megatron_kd.models.builder import build_gpt
     from megatron_kd.runtime.dist import distributed
-    from megatron_kd.training.evaluate import _ce
     r = recipe("model.hidden_size=128", "model.ffn_hidden_size=256", "model.make_vocab_size_divisible_by=8")
     torch.manual_seed(0)
     with distributed(r.parallel, 1, "cpu"):
@@ -54,6 +55,16 @@ def test_the_fused_loss_reads_the_output_layer_the_quantized_model_multiplies_by
         tokens = torch.randint(0, 250, (2, 32))
         pos = torch.arange(32).expand(2, 32)
         quant.quantize(model, fmt, lambda m: m(tokens, pos, None))
+        yield r, model, tokens, pos
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4_awq"])
+def test_the_fused_loss_reads_the_output_layer_the_quantized_model_multiplies_by(fmt):
+    """The loss takes hidden states and the output layer's weight; the quantized model's own logits (its output
+    layer's forward, quantizers and all) must give the same CE, so the output layer must stay unquantized."""
+    from megatron_kd.models import quant
+    from megatron_kd.training.evaluate import _ce
+    with tiny_quantized(fmt) as (r, model, tokens, pos):
         assert quant.enabled_quantizers(model) and not [n for n in quant.enabled_quantizers(model)
                                                         if "output_layer" in n or "embedding" in n]
         model.eval()
@@ -145,17 +156,9 @@ def test_the_folded_weights_give_the_quantized_models_logits_without_its_activat
     """What the export writes (quant.folded_state_dict) in a plain model of the same architecture multiplies by
     the quantized model's weights, AWQ's input scales folded in: its logits are the quantized model's with only
     the activation quantizers off (to fp32 rounding), which for a weight-only format are its logits."""
-    import modelopt.torch.quantization as mtq
     from megatron_kd.models import quant
     from megatron_kd.models.builder import build_gpt
-    from megatron_kd.runtime.dist import distributed
-    r = recipe("model.hidden_size=128", "model.ffn_hidden_size=256", "model.make_vocab_size_divisible_by=8")
-    torch.manual_seed(0)
-    with distributed(r.parallel, 1, "cpu"):
-        model = build_gpt(r.model, r.parallel, 250, 32, "fp32")
-        tokens = torch.randint(0, 250, (2, 32))
-        pos = torch.arange(32).expand(2, 32)
-        quant.quantize(model, fmt, lambda m: m(tokens, pos, None))
+    with tiny_quantized(fmt) as (r, model, tokens, pos):
         model.eval()
         plain = build_gpt(r.model, r.parallel, 250, 32, "fp32").eval()
         plain.load_state_dict(quant.folded_state_dict(model), strict=True)

@@ -1,9 +1,10 @@
 """lm-evaluation-harness scores of `megatron-kd demo --recover --quantize FORMAT`'s models, before and after: each
 exported to Hugging Face (`megatron-kd export`, through a Llama folder of the demo teacher's architecture) and
-scored by lm-eval on the demo's held-out text (megatron_kd/export/lm_eval_task.py, a local task). Python 3.12 venv
+scored by lm-eval on the demo's held-out text (megatron_kd/cli/lm_eval_task.py, a local task). Python 3.12 venv
 of tests/bridge_env/make_venv.sh (Megatron-Bridge, transformers, lm-eval):
 
-    PYTHONPATH=$PWD:$PWD/tests/bridge_env $VENV/bin/python benchmarks/qad_lm_eval.py --demo runs/demo --formats fp8,int4_awq
+    PYTHONPATH=$PWD:$PWD/tests/bridge_env $VENV/bin/python benchmarks/qad_lm_eval.py --demo runs/demo \\
+        --formats fp8,int4_awq
 
 Exports hold the quantized weights on their grid (activation quantizers, as fp8's, are not part of them: export
 prints which). Writes DEMO/qad_lm_eval.json and prints a table.
@@ -27,7 +28,7 @@ def main(argv=None) -> int:
     import lm_eval
     from lm_eval.tasks import TaskManager
     from megatron_kd.cli.main import main as mkd
-    from megatron_kd.export.lm_eval_task import TASK, demo_heldout_texts, demo_hf_source, write_task
+    from megatron_kd.cli.lm_eval_task import TASK, demo_heldout_texts, demo_hf_source, write_task
     demo = os.path.abspath(a.demo)
     work = os.path.join(demo, "lm_eval")
     src = os.path.join(work, "hf_source")

@@ -98,7 +98,8 @@ def folded_state_dict(model: torch.nn.Module) -> dict:
     with torch.no_grad():
         for name, m in model.named_modules():
             wq = getattr(m, "weight_quantizer", None)
-            if not (_is_quantizer(wq) or _is_sequential(wq)) or not isinstance(getattr(m, "weight", None), torch.Tensor):
+            held = isinstance(getattr(m, "weight", None), torch.Tensor)
+            if not held or not (_is_quantizer(wq) or _is_sequential(wq)):
                 continue  # not quantized, or a weight held elsewhere (the tied output layer's: left unquantized)
             iq = getattr(m, "input_quantizer", None)
             for q in (wq, iq):

@@ -1,4 +1,4 @@
-"""lm-evaluation-harness on a local task (megatron_kd/export/lm_eval_task.py: held-out documents in a jsonl, no hub
+"""lm-evaluation-harness on a local task (megatron_kd/cli/lm_eval_task.py: held-out documents in a jsonl, no hub
 access) scores an exported HF checkpoint: its bits_per_byte and perplexities equal the document log-likelihoods
 transformers gives directly (float64 sum over each document's tokens, each after the ones before it and the
 end-of-document token lm-eval conditions the first on)."""
@@ -36,7 +36,7 @@ def test_lm_eval_scores_an_export_on_a_local_task(tmp_path, monkeypatch):
     import tiny
     import lm_eval
     from lm_eval.tasks import TaskManager
-    from megatron_kd.export.lm_eval_task import TASK, main
+    from megatron_kd.cli.lm_eval_task import TASK, main
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     hf_dir = str(tmp_path / "student_hf")

@@ -1,7 +1,7 @@
 """A local lm-evaluation-harness task over held-out text (no hub access), to score an exported Hugging Face
 student before and after training with `lm-eval`.
 
-    python -m megatron_kd.export.lm_eval_task --demo runs/demo --out runs/demo/lm_eval_task
+    python -m megatron_kd.cli.lm_eval_task --demo runs/demo --out runs/demo/lm_eval_task
     lm-eval run --model hf --model_args pretrained=HF_DIR,dtype=float32 --device cpu \\
         --include_path runs/demo/lm_eval_task --tasks megatron_kd_heldout
 
@@ -89,7 +89,7 @@ def demo_hf_source(demo_out: str, out: str) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megatron_kd.export.lm_eval_task", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m megatron_kd.cli.lm_eval_task", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n", 1)[1])
     src = p.add_mutually_exclusive_group(required=True)

@@ -18,6 +18,13 @@ Device (H200; carry .whl-bridge), about 4-5 minutes:
 CPU smoke (no Bridge pretrain: steps 1, 2, 6 and the config checks; Python 3.12 venv), about 1-2 minutes:
   PYTHONPATH=$PWD /work/venv312/bin/python benchmarks/bridge_e2e.py --smoke --out /tmp/bridge_e2e_smoke.json
 The test shims for Transformer Engine / nvidia-resiliency-ext (tests/bridge/shims.py) are imported in every child.
+
+--te: the same on Bridge's default layer spec (Transformer Engine's), TE installed by ../shared/te, no shims for TE:
+steps 1, 2, 3 (bridge_a) and 6 (`megatron-kd train` with model.attention_backend=te); the check is the first
+iteration's KD loss. The device has no apex, so the provider's gradient_accumulation_fusion is turned off for
+Bridge's run (megatron-core's own output layer needs apex for it; NeMo containers have apex).
+  source .whlte/device_install.sh && PYTHONPATH=$PYTHONPATH:$PWD python3 benchmarks/bridge_e2e.py --te \
+      --out $OUT/bridge_e2e_te.json   (carry .whl-bridge and .whlte)
 """
 import argparse
 import json
@@ -39,7 +46,12 @@ TEACHER = dict(hidden_size=192, num_hidden_layers=2, num_attention_heads=6, num_
 STUDENT_DIR = None  # set in the child before the recipe is loaded
 
 
+TE = "--te" in sys.argv  # Bridge's own (TE) layer spec, real TE: no stand-ins
+
+
 def _shims():
+    if TE:
+        return
     sys.path.insert(0, os.path.join(ROOT, "tests", "bridge"))
     import shims  # noqa: F401  (test/device-only stand-ins: see its docstring)
 
@@ -57,7 +69,10 @@ def student_recipe():
                      calculate_per_token_loss=True, hidden_dropout=0.0, attention_dropout=0.0,
                      tensor_model_parallel_size=1, make_vocab_size_divisible_by=128).items():
         setattr(model, k, v)
-    use_local_layers(model)
+    if TE:  # Bridge's default spec; without apex megatron-core's output layer cannot fuse its weight gradient
+        model.gradient_accumulation_fusion = False
+    else:
+        use_local_layers(model)
     cfg.model = model
     return cfg
 
@@ -115,7 +130,7 @@ def child(a):
             model=ModelConfig(name="tiny-student", num_layers=s["num_hidden_layers"], hidden_size=s["hidden_size"],
                               ffn_hidden_size=s["intermediate_size"], num_attention_heads=s["num_attention_heads"],
                               num_query_groups=s["num_key_value_heads"], kv_channels=32, rotary_base=int(s["rope_theta"]),
-                              tie_embeddings=False, attention_backend="sdpa", hf_path=STUDENT_DIR),
+                              tie_embeddings=False, attention_backend="te" if TE else "sdpa", hf_path=STUDENT_DIR),
             parallel=ParallelConfig(use_distributed_optimizer=False),
             data=DataConfig(kind="mock", vocab_size=VOCAB, seq_length=SEQ, split="9999,8,2", seed=1234),
             kd=KDConfig(mode="offline", cache=f"{w}/cache", top_k=TOPK, log_ce=False),
@@ -146,7 +161,8 @@ def make_models(w):
 
 
 def launch(a, name, torchrun, timeout):
-    return run_child(__file__, name, ["--work", a.work, "--mkd-iters", str(a.mkd_iters)], a.logs, torchrun=torchrun,
+    return run_child(__file__, name, ["--work", a.work, "--mkd-iters", str(a.mkd_iters), *["--te"] * a.te], a.logs,
+                     torchrun=torchrun,
                      timeout=timeout, port=29400 + sum(map(ord, name)) % 500)
 
 
@@ -171,6 +187,7 @@ def main():
     p.add_argument("--smoke", action="store_true", help="CPU: no Bridge pretrain (it needs CUDA)")
     p.add_argument("--child", default=None)
     p.add_argument("--mkd-iters", type=int, default=2)
+    p.add_argument("--te", action="store_true", help="Bridge's TE layer spec and real TE (steps 1, 2, 3, 6)")
     a = p.parse_args()
     if a.child:
         sys.exit(child(a))
@@ -181,11 +198,11 @@ def main():
     if a.smoke:  # on the device the saved run_config.yaml of bridge_a is checked instead
         steps["config"] = launch(a, "config", False, 120)
     else:
-        for name in ("bridge_a", "bridge_b", "bridge_c"):
+        for name in ("bridge_a",) if a.te else ("bridge_a", "bridge_b", "bridge_c"):
             steps[name] = launch(a, name, True, 200)
     steps["mkd"] = launch(a, "mkd", True, 200)
     w = a.work
-    res = {"steps": steps, "wall_s": round(time.time() - t0, 1), "smoke": a.smoke,
+    res = {"steps": steps, "wall_s": round(time.time() - t0, 1), "smoke": a.smoke, "te": a.te,
            "settings": dict(seq=SEQ, vocab=VOCAB, iters=ITERS, gbs=GBS, mbs=MBS, top_k=TOPK, save_at=SAVE_AT,
                             kill_at=KILL_AT)}
     mkd = {}
@@ -206,7 +223,7 @@ def main():
             checks["loss_falls"] = {"first": la[1], "last": la[ITERS], "ok": la[ITERS] < la[1]}
         resumed = [i for i in range(SAVE_AT + 1, ITERS + 1) if i in la]
         # b.jsonl holds the killed run's 1..13 then the resumed run's 13..24: the last record of each iteration
-        if steps["bridge_b"]["rc"] != 0 and resumed and all(i in lb for i in resumed):
+        if "bridge_b" in steps and steps["bridge_b"]["rc"] != 0 and resumed and all(i in lb for i in resumed):
             d = max(rel(lb[i], la[i]) for i in resumed)
             checks["resume_matches_uninterrupted"] = {"iterations": [resumed[0], resumed[-1]], "max_rel": d,
                                                       "killed_rc": steps["bridge_b"]["rc"], "ok": d <= 1e-6}

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 GPU = ["--config-name", "llama31_8b_to_3b_32k_1xh200", "data.kind=mock", "data.path=null", "train.iters=4",
        "train.global_batch_size=4", "train.optimizer=lean_adam", "kd.build_cache=true", "train.eval_interval=null",
-       "train.save_interval=1000", "train.tensorboard=false", "train.progress=false",
+       "train.save_interval=1000", "train.save_at_end=false", "train.tensorboard=false", "train.progress=false",
        "data.num_workers=0"]
 SMOKE = ["--config-name", "tiny_cpu", "data=mock", "data.vocab_size=256", "data.seq_length=64", "train.iters=4",
          "train.global_batch_size=4", "train.micro_batch_size=2", "kd.build_cache=true", "kd.top_k=8",
@@ -129,7 +129,11 @@ def main():
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
     from common import environment
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     old = run_tree(args.old, "old", args, work)
+    with open(args.out, "w") as f:  # a run cut during the new tree keeps the old one
+        json.dump({"old": old}, f, indent=1, default=str)
+    print(json.dumps({"old_rc": old["rc"], "old_wall_s": old["wall_s"]}), flush=True)
     new = run_tree(args.new, "new", args, work)
     res = {"benchmark": "megatron-kd train, old tree vs new tree, same call", "env": environment(), "old": old,
            "new": new}

@@ -67,3 +67,24 @@ def _launch_env_restored():
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+# --- GPU tests with Transformer Engine: one NCCL rank and megatron-core's groups, per test module -------------------
+
+@pytest.fixture(scope="module")
+def mcore_te_gpu():
+    """Megatron's model-parallel groups on one NCCL rank, for tests that build TE models (skipped without CUDA + TE)."""
+    import torch
+    from megatron_kd.runtime.features import te_available
+    if not te_available():
+        pytest.skip("needs CUDA and Transformer Engine")
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    if not torch.distributed.is_initialized():
+        from dist_utils import free_port
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+        torch.distributed.init_process_group("nccl", rank=0, world_size=1)
+    ps.initialize_model_parallel()
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    yield
+    ps.destroy_model_parallel()

@@ -11,8 +11,6 @@ experts with large weights).
 
 Run on the device (Bridge and TE installed):
   PYTHONPATH=/tmp/te_site:/tmp/site:$PWD python3 -m pytest -q -m gpu tests/hf/test_te_hf_gpu.py"""
-import os
-
 import pytest
 import torch
 
@@ -29,23 +27,6 @@ CASES = {  # name: (arch, make_hf keyword arguments)
 }
 
 
-@pytest.fixture(scope="module")
-def mcore():
-    from megatron_kd.runtime.features import te_available
-    if not te_available():
-        pytest.skip("needs CUDA and Transformer Engine")
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-    if not torch.distributed.is_initialized():
-        from dist_utils import free_port
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
-        torch.distributed.init_process_group("nccl", rank=0, world_size=1)
-    ps.initialize_model_parallel()
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    yield
-    ps.destroy_model_parallel()
-
-
 def _error(hf_dir, backend, grouped, tokens, ref):
     from megatron_kd.models.builder import build_hf_chunks
     from megatron_kd.recipe.schema import ModelConfig, ParallelConfig
@@ -60,7 +41,7 @@ def _error(hf_dir, backend, grouped, tokens, ref):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_te_spec_logits_match_transformers(mcore, tmp_path, case):
+def test_te_spec_logits_match_transformers(mcore_te_gpu, tmp_path, case):
     import tiny
     from transformers import AutoModelForCausalLM
     arch, kw = CASES[case]

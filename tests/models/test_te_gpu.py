@@ -13,28 +13,6 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
-def _te():
-    from megatron_kd.runtime.features import te_available
-    if not te_available():
-        pytest.skip("needs CUDA and Transformer Engine")
-
-
-@pytest.fixture(scope="module")
-def mcore():
-    _te()
-    import os
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-    if not torch.distributed.is_initialized():
-        from dist_utils import free_port
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
-        torch.distributed.init_process_group("nccl", rank=0, world_size=1)
-    ps.initialize_model_parallel()
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    yield
-    ps.destroy_model_parallel()
-
-
 def _gpt_oss(backend, grouped, layers=2):
     from megatron_kd.recipe.schema import ModelConfig
     return ModelConfig(num_layers=layers, hidden_size=256, ffn_hidden_size=256, num_attention_heads=8,
@@ -90,7 +68,7 @@ def _logits(model, toks):
     return model(toks, pos, None).float()
 
 
-def test_te_builds_without_apex_and_keeps_te_wgrad_fusion(mcore):
+def test_te_builds_without_apex_and_keeps_te_wgrad_fusion(mcore_te_gpu):
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron_kd.runtime.te_compat import apex_wgrad_available
     m = _build(_llama("te"))
@@ -106,7 +84,7 @@ def test_te_builds_without_apex_and_keeps_te_wgrad_fusion(mcore):
     assert any(p.main_grad.abs().sum() > 0 for p in m.parameters())
 
 
-def test_gpt_oss_auto_runs_the_sdpa_spec_under_te_and_te_is_refused(mcore):
+def test_gpt_oss_auto_runs_the_sdpa_spec_under_te_and_te_is_refused(mcore_te_gpu):
     """TE importable: `auto` builds GPT-OSS (sinks, windows) on the SDPA spec, with no TE module; `te` is refused."""
     m = _build(_gpt_oss("auto", False))
     assert not any("transformer_engine" in type(x).__module__ for x in m.modules())
@@ -121,7 +99,7 @@ def test_gpt_oss_auto_runs_the_sdpa_spec_under_te_and_te_is_refused(mcore):
 @pytest.mark.xfail(strict=False, reason="TE's spec does not reproduce GPT-OSS attention (sinks, sliding windows): "
                                         "auto runs it on the SDPA spec, te is refused; an XPASS says TE now does")
 @pytest.mark.parametrize("grouped", [False, True], ids=["sequential_experts", "grouped_experts"])
-def test_gpt_oss_te_spec_matches_sdpa_spec_and_trains(mcore, monkeypatch, grouped):
+def test_gpt_oss_te_spec_matches_sdpa_spec_and_trains(mcore_te_gpu, monkeypatch, grouped):
     from megatron_kd.models import builder
     ref = _build(_gpt_oss("sdpa", False))
     real = builder._backend
@@ -148,7 +126,7 @@ def test_gpt_oss_te_spec_matches_sdpa_spec_and_trains(mcore, monkeypatch, groupe
         assert g is not None and torch.isfinite(g).all(), n
 
 
-def test_fp8_trains_and_stays_near_bf16(mcore):
+def test_fp8_trains_and_stays_near_bf16(mcore_te_gpu):
     from megatron.core.fp8_utils import get_fp8_context  # noqa: F401  (megatron-core's FP8 support present)
     ref = _build(_llama("te"), seq=256)
     f8 = _main_grads(_build(_llama("te", fp8="hybrid", fp8_recipe="tensorwise"), seq=256))
@@ -162,7 +140,7 @@ def test_fp8_trains_and_stays_near_bf16(mcore):
     assert torch.isfinite(b).all() and 0 < err < 0.25, err  # FP8 differs from bf16, but not wildly
 
 
-def test_llama_te_spec_top_k_matches_sdpa_spec(mcore):
+def test_llama_te_spec_top_k_matches_sdpa_spec(mcore_te_gpu):
     """What a cache built by a TE teacher shares with one built by an SDPA teacher of the same weights: the top-K
     ids and their log-probs agree to bf16 rounding (both caches are valid; they are not byte-identical)."""
     ref = _build(_llama("sdpa"), seq=256)

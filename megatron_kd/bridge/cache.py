@@ -101,7 +101,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--teacher-args", default="{}", help='JSON keyword arguments, e.g. \'{"dtype": "bfloat16"}\'')
     b.add_argument("--out", default=None, help="cache directory (default: kd.cache)")
     b.add_argument("--top-k", type=int, default=None, help=f"default: kd.top_k, else {DEFAULT_TOP_K}")
-    b.add_argument("--encoding", choices=["fp16", "compact", "topp", "sampled"], default=None,
+    b.add_argument("--encoding", choices=["fp16", "fp32", "compact", "topp", "sampled"], default=None,
                    help="default fp16; topp when --top-p is given, sampled when --samples is")
     b.add_argument("--samples", type=int, default=None, metavar="N", help="N draws per position from the teacher's "
                    "whole distribution, stored as ids and counts (encoding sampled; docs/cache-format.md)")

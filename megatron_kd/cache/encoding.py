@@ -5,6 +5,7 @@ Each field is a stream over the S positions, so positions [a, b) decode without 
 
 - "fp16" (default): ids bit-packed in ceil(log2 V) bits each, in rank order; log-probs as float16.
   Empty slots (id -1) are stored as id 0 with log-prob -inf; finite log-probs are clamped to fp16's range.
+- "fp32": the same with the log-probs as float32 (lossless for an fp32 teacher; twice fp16's log-prob bytes).
 - "compact" (lossy, about 248 bytes/token at K=100, V=201,088): ids as an Elias-Fano set (ascending);
   per position the log of the covered mass (fp32) and the range R of (max log-prob - log-prob) (fp16);
   every entry's r = max - logprob on a 5-bit uniform grid over [0, R]; the ceil(K/5) entries with the
@@ -24,8 +25,7 @@ from .bits import (EliasFano, pack_bool, pack_uint, pack_var, packed_bytes, unpa
                    unpack_var)
 from .topp import check_top_p, select_top_p
 
-ENCODINGS = ("fp16", "compact", "topp", "sampled")
-_FP16_MIN = float(np.finfo(np.float16).min)
+ENCODINGS = ("fp16", "fp32", "compact", "topp", "sampled")
 
 
 def id_bits(vocab_size: int) -> int:
@@ -46,6 +46,8 @@ def get_encoding(name: str, vocab_size: int, top_k: int, seq_length: int, top_p=
         return TopPEncoding(vocab_size, top_k, seq_length, top_p, 1 if min_k is None else min_k)
     if name == "fp16":
         return Fp16Encoding(vocab_size, top_k, seq_length)
+    if name == "fp32":
+        return Fp32Encoding(vocab_size, top_k, seq_length)
     if name == "compact":
         return CompactEncoding(vocab_size, top_k, seq_length)
     raise ValueError(f"unknown cache encoding {name!r}; use one of {', '.join(ENCODINGS)}")
@@ -109,30 +111,39 @@ class _Base:
 
 class Fp16Encoding(_Base):
     name = "fp16"
+    dtype = np.float16
 
     def __init__(self, vocab_size, top_k, seq_length):
         super().__init__(vocab_size, top_k, seq_length)
         self.bits = id_bits(self.vocab_size)
+        self.width = np.dtype(self.dtype).itemsize
         n = self.seq * self.k
-        self.fields = _Fields([("logprobs", 2 * n), ("ids", packed_bytes(n, self.bits))])
+        self.fields = _Fields([("logprobs", self.width * n), ("ids", packed_bytes(n, self.bits))])
 
     def encode(self, ids, logp) -> np.ndarray:
         ids, logp = self._check(ids, logp)
         empty = ids < 0
-        lp16 = np.where(empty, -np.inf, np.maximum(logp, _FP16_MIN)).astype(np.float16)
+        lp = np.where(empty, -np.inf, np.maximum(logp, float(np.finfo(self.dtype).min))).astype(self.dtype)
         out = np.zeros(self.sample_bytes, dtype=np.uint8)
-        self.fields.view(out, "logprobs")[:] = lp16.view(np.uint8).ravel()
+        self.fields.view(out, "logprobs")[:] = lp.view(np.uint8).ravel()
         self.fields.view(out, "ids")[:] = pack_uint(np.where(empty, 0, ids), self.bits)
         return out
 
     def decode(self, buf, start: int = 0, stop: int | None = None):
         stop = self.seq if stop is None else stop
-        n, a = (stop - start) * self.k, start * self.k
-        raw = np.asarray(self.fields.view(buf, "logprobs")[2 * a:2 * (a + n)])
-        lp = raw.view(np.float16).astype(np.float32).reshape(-1, self.k)
+        n, a, w = (stop - start) * self.k, start * self.k, self.width
+        raw = np.asarray(self.fields.view(buf, "logprobs")[w * a:w * (a + n)])
+        lp = raw.view(self.dtype).astype(np.float32).reshape(-1, self.k)
         ids = unpack_uint(self.fields.view(buf, "ids"), self.bits, n, a).reshape(-1, self.k)
         ids[np.isneginf(lp)] = -1
         return ids, lp
+
+
+class Fp32Encoding(Fp16Encoding):
+    """The fp16 layout with the log-probs as float32: lossless for an fp32 teacher's log-probs, for a student as
+    close to its teacher as a quantized copy (its KL to the teacher of the order of fp16's rounding)."""
+    name = "fp32"
+    dtype = np.float32
 
 
 class CompactEncoding(_Base):

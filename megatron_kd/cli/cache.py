@@ -311,7 +311,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--dataset", help="module:function returning a token dataset (len and [i])")
     b.add_argument("--dataset-args", default="{}", help="JSON keyword arguments for the dataset factory")
     b.add_argument("--top-k", type=int, default=None, help=f"default {DEFAULT_TOP_K}")
-    b.add_argument("--encoding", choices=["fp16", "compact", "topp", "sampled"], default=None,
+    b.add_argument("--encoding", choices=["fp16", "fp32", "compact", "topp", "sampled"], default=None,
                    help="default fp16; topp when --top-p is given, sampled when --samples is")
     b.add_argument("--samples", type=int, default=None, metavar="N",
                    help="N draws per position from the teacher's whole distribution at --temperature, stored as the "

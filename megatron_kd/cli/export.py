@@ -42,4 +42,10 @@ def main(argv=None) -> int:
         return 2
     print(f"wrote {s['out']}: the student of iteration {s['iteration']} as a Hugging Face checkpoint "
           f"({', '.join(s['files'])}) in {s['seconds']:.1f} s")
+    q = s.get("quantized")
+    if q:
+        print(f"quantized as {q['format']}: written as its weights on that grid (AWQ input scales folded in), a "
+              "checkpoint transformers loads unquantized" + (
+                  f"; the activation quantizers ({', '.join(q['activation_quantizers_dropped'])}) are not part of "
+                  "it" if q["activation_quantizers_dropped"] else ": the trained student's logits"))
     return 0

@@ -9,9 +9,10 @@
 `--recover --quantize FORMAT` tells the other half of the story, quantization-aware distillation: stage 1 is
 instead PTQ, the teacher fake-quantized by ModelOpt as FORMAT (quant.format) and calibrated on the first
 --calib-samples of the students' training samples (ptq_FORMAT), and stages 2-4 train it from there with
-quant.format=FORMAT: CE only (QAT), offline KD from the demo's cache (QAD) and online KD, both KD ways with
-kd.tail=bucket (the teacher's mass beyond its top-K as one class: from a start this close to the teacher, the
-top-K-only divergence would sharpen the model away from it). Written to recover_FORMAT.md / recover_FORMAT.json.
+quant.format=FORMAT: CE only (QAT), offline KD (QAD) from the demo's cache rebuilt with fp32 log-probs
+(cache_fp32, once for every format: build_qad_cache says why) and online KD, both KD ways with kd.tail=bucket
+(the teacher's mass beyond its top-K as one class: from a start this close to the teacher, the top-K-only
+divergence would sharpen the model away from it). Written to recover_FORMAT.md / recover_FORMAT.json.
 """
 import dataclasses
 import json
@@ -27,9 +28,10 @@ NAMES = {"teacher": "teacher (reference)", "pruned": "pruned teacher, before tra
          "ce": "pruned + CE only", "offline": "pruned + offline top-K KD (the demo's cache)",
          "online": "pruned + online KD (teacher in memory)"}
 QUANT_NAMES = {"teacher": "teacher (fp32, reference)", "pruned": "PTQ: teacher quantized + calibrated",
-               "ce": "QAT: CE only", "offline": "QAD: offline top-K KD (the demo's cache)",
+               "ce": "QAT: CE only", "offline": "QAD: offline top-K KD (fp32 cache, the demo's samples)",
                "online": "QAD: online top-K KD (teacher in memory)"}
 CALIB_SAMPLES = 64
+QAD_CACHE = "cache_fp32"  # offline QAD's cache (build_qad_cache)
 
 
 def pruned_layers(num_layers: int) -> list:
@@ -104,8 +106,32 @@ def overrides(demo, way: str, model: dict, iters: int, lr: float, fmt: str | Non
     if targets.distills:
         o += [f"kd.top_k={demo.s.top_k}", f"teacher.load={os.path.join(demo.out, 'teacher')}"]
     if targets.reads_cache:
-        o += [f"kd.cache={demo.cache}", "kd.build_cache=false"]
+        o += [f"kd.cache={demo.cache if fmt is None else qad_cache(demo)}", "kd.build_cache=false"]
     return o
+
+
+def qad_cache(demo) -> str:
+    return os.path.join(demo.out, QAD_CACHE)
+
+
+def build_qad_cache(demo) -> dict | None:
+    """The demo's cache again (the same samples, teacher and K) with fp32 log-probs, for every format's offline
+    QAD; None when present. A quantized copy of the teacher sits within about 1e-3 nats of it, the order of the
+    fp16 cache's rounding of the teacher's log-probs (2^-11 relative): trained from the fp16 cache, offline QAD
+    ends a percent or more from online in KL, the rounding alone (online with its top-K rounded to fp16 gives
+    the offline numbers to every digit)."""
+    from ..cache.format import is_finished
+    from ..recipe.compose import compose
+    from ..recipe.schema import to_recipe
+    from ..teacher.build import build_cache_only
+    from .demo import recipe_overrides
+    path = qad_cache(demo)
+    if is_finished(path):
+        return None
+    o = [x for x in demo.student_overrides("offline") if not x.startswith("kd.cache=")]
+    r = to_recipe(compose("tiny_cpu", recipe_overrides(o + [f"kd.cache={path}", "kd.cache_encoding=fp32"])))
+    r.train.progress = demo.progress
+    return build_cache_only(r)
 
 
 def stage_name(way: str, fmt: str | None) -> str:
@@ -119,7 +145,7 @@ def run(demo, lr: float, fmt: str | None = None, calib_samples: int = CALIB_SAMP
     demo.say = lambda text: print(f"[demo recover] {text}", flush=True)
     t0 = time.time()
     first = "prune" if fmt is None else f"ptq_{fmt}"
-    stages = [first, *[stage_name(w, fmt) for w in WAYS], "recover_compare"]
+    stages = [first, *([] if fmt is None else [QAD_CACHE]), *[stage_name(w, fmt) for w in WAYS], "recover_compare"]
 
     def say(i, text):
         print(f"[demo recover {i}/{len(stages)} {stages[i - 1]}] {text}", flush=True)
@@ -132,14 +158,21 @@ def run(demo, lr: float, fmt: str | None = None, calib_samples: int = CALIB_SAMP
                f"training samples -> {demo.out}/{first}")
         model = ptq(demo, os.path.join(demo.out, first), fmt, calib_samples)
     demo.finish(first, demo.times.get(first) or time.time() - t)
-    for i, way in enumerate(WAYS, 2):
+    if fmt is not None:
+        say(2, f"the teacher's top-{demo.s.top_k} over the students' samples with fp32 log-probs -> {qad_cache(demo)}")
+        t = time.time()
+        if build_qad_cache(demo) is not None:
+            demo.finish(QAD_CACHE, time.time() - t)
+    for i, way in enumerate(WAYS, len(stages) - len(WAYS)):
         say(i, f"{iters} steps, {fmt_elapsed(t0)} so far")
         rc = demo.stage_train(stage_name(way, fmt), overrides(demo, way, model, iters, lr, fmt))
         if rc:
             return rc
-    say(5, f"held-out CE and KL(teacher || model) over {demo.s.eval_samples} validation samples")
+    last = len(stages)
+    say(last, f"held-out CE and KL(teacher || model) over {demo.s.eval_samples} validation samples")
     res = compare(demo, model, iters, lr, fmt, calib_samples if fmt else None)
     res["total_s"] = sum(demo.times.get(s) or 0.0 for s in stages[:-1])
+    res["qad_cache_s"] = demo.times.get(QAD_CACHE) if fmt else None
     table = format_table(res)
     print("\n" + table + "\n", flush=True)
     name = "recover" if fmt is None else f"recover_{fmt}"
@@ -149,7 +182,7 @@ def run(demo, lr: float, fmt: str | None = None, calib_samples: int = CALIB_SAMP
         json.dump(res, f, indent=2)
     rec = res["recovered"]
     what = "pruning's" if fmt is None else f"{fmt} quantization's"
-    say(5, f"share of the {what} held-out CE gap won back: " + ", ".join(
+    say(last, f"share of the {what} held-out CE gap won back: " + ", ".join(
         f"{w} {rec[w]['ce']:.0%}" for w in WAYS) + f"; KL won back: " + ", ".join(
         f"{w} {rec[w]['kl']:.0%}" for w in WAYS) + f"; {demo.out}/{name}.md")
     return 0
@@ -181,7 +214,12 @@ def compare(demo, model: dict, iters: int, lr: float, fmt: str | None = None, ca
         "tokens_per_s": {w: summaries[w]["tokens_per_s"] for w in WAYS},
         "train_s": {w: demo.times.get(stage_name(w, fmt)) for w in WAYS},
         "prune_s": demo.times.get("prune" if fmt is None else f"ptq_{fmt}"),
-        "date": time.strftime("%Y-%m-%d", time.gmtime())}
+        "top_k": demo.s.top_k, "date": time.strftime("%Y-%m-%d", time.gmtime())}
+
+
+def qad_cache_time(res: dict) -> str:
+    s = res.get("qad_cache_s")
+    return "" if s is None else f", built in {s:.0f} s"
 
 
 def format_table(res: dict) -> str:
@@ -209,7 +247,8 @@ def recover_md(res: dict, table: str) -> str:
                 f"The teacher ({res['teacher_layers']} layers) fake-quantized as {res['format']} by ModelOpt (output "
                 f"layer unquantized) and calibrated on {res['calib_samples']} of the students' training samples "
                 f"(PTQ), then {res['iters']} steps at lr {res['lr']:g} each way on the students' training samples "
-                "(KD ways: kd.tail=bucket). Held-out: "
+                f"(KD ways: kd.tail=bucket; offline from the demo's samples' teacher top-{res['top_k']} with fp32 "
+                f"log-probs, {QAD_CACHE}{qad_cache_time(res)}). Held-out: "
                 f"{res['eval_samples']} validation samples; KL to the teacher's full distribution. CE gap won back: "
                 "(PTQ CE - CE) / (PTQ CE - teacher CE); KL won back: (PTQ KL - KL) / PTQ KL. Offline vs online: "
                 f"CE {d['ce']:+.3%}, KL {d['kl']:+.3%}.\n")

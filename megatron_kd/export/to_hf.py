@@ -7,6 +7,7 @@ run, or hf_path), and writes through Megatron-Bridge (megatron_kd/hf): config.js
 import contextlib
 import os
 import shutil
+import sys
 import time
 
 import torch.distributed as dist
@@ -51,6 +52,7 @@ def export(checkpoint: str, out: str, *, hf_path=None, dtype: str = "auto", devi
         try:
             chunks, _ = build_hf_chunks(r.model, single, r.data.seq_length, r.train.precision, load_weights=False)
             iteration = ckpt.load_weights(checkpoint, chunks)
+            chunks, quantized = _fold_quantized(chunks, r, single)
             torch_dtype = None if dtype == "auto" else TORCH_DTYPES[dtype]
             open_hf(src, "model.hf_path").export(chunks, tmp, dtype=torch_dtype)
         except HFCheckpointError as e:
@@ -60,7 +62,29 @@ def export(checkpoint: str, out: str, *, hf_path=None, dtype: str = "auto", devi
                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); {out} is left as "
                              "it was") from None
     return {"out": out, "iteration": iteration, "source": src, "seconds": time.perf_counter() - t0,
-            "files": sorted(os.listdir(out))}
+            "files": sorted(os.listdir(out)), "quantized": quantized}
+
+
+def _fold_quantized(chunks, r, single) -> dict | None:
+    """A student trained quantized (quant.format) is written as the plain model of its quantized weights: each
+    weight on its format's grid, AWQ's input scales folded in (models/quant.folded_state_dict), which transformers
+    loads as any checkpoint. transformers has no CPU path for ModelOpt's own quantized export (it loads the stored
+    low-precision weights without their scales), so the activation quantization of fp8, int8, w4a8_awq and nvfp4
+    is left out; weight-only formats give the trained fake-quantized student's logits. Returns what was done, or
+    None for an unquantized student, with the chunks to export."""
+    if "modelopt" not in sys.modules:  # nothing was quantized in this process (the checkpoint held no quantizers)
+        return chunks, None
+    from ..models.builder import build_hf_chunks
+    from ..models import quant
+    if not any(quant.is_quantized(c) for c in chunks):
+        return chunks, None
+    fmt = getattr(chunks[0], quant.FORMAT_KEY, None)
+    acts = sorted({n.rsplit(".", 1)[-1] for c in chunks for n in quant.activation_quantizers(c)})
+    states = [quant.folded_state_dict(c) for c in chunks]
+    plain, _ = build_hf_chunks(r.model, single, r.data.seq_length, r.train.precision, load_weights=False)
+    for c, sd in zip(plain, states):
+        c.load_state_dict(sd, strict=True)
+    return plain, {"format": fmt, "activation_quantizers_dropped": acts}
 
 
 @contextlib.contextmanager

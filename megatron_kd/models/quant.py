@@ -76,3 +76,43 @@ def quantizer_bytes(model: torch.nn.Module) -> int:
     """Bytes of the quantizers' buffers (amax, AWQ pre-quant scales): what quantization adds to the model."""
     return sum(b.numel() * b.element_size() for m in model.modules() if _is_quantizer(m)
                for b in m.buffers(recurse=False))
+
+
+def _is_sequential(m) -> bool:  # a chain of quantizers on one tensor (w4a8_awq's int4 then fp8 weights)
+    from modelopt.torch.quantization.nn import SequentialQuantizer
+    return isinstance(m, SequentialQuantizer)
+
+
+def _is_quantizer_key(key: str) -> bool:
+    return any(part.endswith("_quantizer") for part in key.split("."))
+
+
+def folded_state_dict(model: torch.nn.Module) -> dict:
+    """The state dict of the unquantized model that multiplies by the weights `model`'s quantizers give: each
+    quantized weight replaced by its fake-quantized value (on the format's grid, in the weight's dtype), an AWQ
+    input scale (the input quantizer's pre_quant_scale, which multiplies the layer's input) folded into the
+    weight's input columns, and the quantizers' own buffers left out. A plain model loading it reproduces the
+    quantized model exactly for weight-only formats (int4_awq, w4a16_awq); the activation quantization of fp8,
+    int8, w4a8_awq and nvfp4 has no place in a plain model and is not reproduced."""
+    sd = {k: v for k, v in model.state_dict().items() if not _is_quantizer_key(k)}
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            wq = getattr(m, "weight_quantizer", None)
+            held = isinstance(getattr(m, "weight", None), torch.Tensor)
+            if not held or not (_is_quantizer(wq) or _is_sequential(wq)):
+                continue  # not quantized, or a weight held elsewhere (the tied output layer's: left unquantized)
+            iq = getattr(m, "input_quantizer", None)
+            for q in (wq, iq):
+                if q is not None and _is_quantizer(q) and getattr(q, "rotate_is_enabled", False):
+                    raise ValueError(f"{name}: a rotating quantizer (Hadamard) cannot be folded into its weight")
+            w = wq(m.weight)
+            s = getattr(iq, "pre_quant_scale", None) if iq is not None and _is_quantizer(iq) else None
+            if s is not None:  # y = (x * s) @ W^T = x @ (W * s)^T
+                w = w * s.to(w.dtype).reshape(1, -1)
+            sd[f"{name}.weight" if name else "weight"] = w.to(m.weight.dtype).clone()
+    return sd
+
+
+def activation_quantizers(model: torch.nn.Module) -> list:
+    """The enabled quantizers a folded export does not reproduce (all but the weights')."""
+    return [n for n in enabled_quantizers(model) if not any(p.endswith("weight_quantizer") for p in n.split("."))]

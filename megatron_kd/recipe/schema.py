@@ -137,7 +137,7 @@ class KDConfig(OfflineKD):
     """The recipe's `kd` section: OfflineKD's keys plus the mode and where the teacher's targets come from."""
     mode: str = "offline"                        # offline (top-K cache) | online (teacher beside) | ce (labels only)
     build_cache: bool = False                    # offline: build the cache from `teacher` first when it is missing
-    cache_encoding: str = "fp16"                 # when building: fp16 | compact | topp | sampled
+    cache_encoding: str = "fp16"                 # when building: fp16 | fp32 | compact | topp | sampled
     cache_top_p: Optional[float] = None          # topp: per position the fewest ids (<= top_k) holding this mass
     cache_min_k: Optional[int] = None            # topp: keep at least this many ids (null: 1)
     cache_samples: Optional[int] = None          # sampled: N draws per position from the whole distribution

@@ -17,5 +17,7 @@ $pip megatron-core==0.19.2 numpy packaging psutil
 grep -v '^#' "$here/requirements-nodeps.txt" | xargs $pip --no-deps
 $pip hydra-core==1.3.8 omegaconf==2.3.0 tqdm pyyaml einops rich pandas pyarrow fsspec xxhash requests aiohttp \
     huggingface_hub scipy matplotlib tensorboard pytest pytest-timeout
+# lm-evaluation-harness and its HF backend's accelerate: tests/hf/test_lm_eval.py (neither changes torch/transformers)
+$pip lm-eval==0.4.13 accelerate==1.16.0
 "$venv/bin/python" -c "import sys; sys.path.insert(0, '$here'); import shims; from megatron.bridge import AutoBridge; \
 import megatron.core as m; print('bridge test env ok: megatron-core', m.__version__)"

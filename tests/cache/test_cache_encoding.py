@@ -52,7 +52,7 @@ def oss_rows():
 
 
 # Measured on these rows (96 positions, K=100, V=201,088): bytes/token, mean KL error, mean student-loss error.
-EXPECT = {"fp16": (425.0, 2e-4, 5e-4), "compact": (248.125, 1e-3, 1e-3)}
+EXPECT = {"fp16": (425.0, 2e-4, 5e-4), "fp32": (625.0, 1e-12, 1e-12), "compact": (248.125, 1e-3, 1e-3)}
 
 
 @pytest.mark.parametrize("name", FIXED)
@@ -104,14 +104,15 @@ def test_round_trip_small_and_odd_shapes(name, vocab, k):
     enc = get_encoding(name, vocab, k, 9)
     dec_ids, dec_lp = enc.decode(enc.encode(ids, lp))
     np.testing.assert_array_equal(np.sort(dec_ids, 1), np.sort(ids, 1))
-    if name == "fp16":
+    if name in ("fp16", "fp32"):
         np.testing.assert_array_equal(dec_ids, ids)
-        np.testing.assert_array_equal(dec_lp, lp.astype(np.float16).astype(np.float32))
+        np.testing.assert_array_equal(dec_lp, lp.astype(name.replace("fp", "float")).astype(np.float32))
     assert kl_error(ids, lp, dec_ids, dec_lp).mean() < 2e-3
 
 
-def test_fp16_empty_slots_and_extreme_values():
-    enc = get_encoding("fp16", 1000, 4, 3)
+@pytest.mark.parametrize("name", ["fp16", "fp32"])
+def test_fp16_empty_slots_and_extreme_values(name):
+    enc = get_encoding(name, 1000, 4, 3)
     ids = np.array([[5, 999, -1, -1], [0, 1, 2, 3], [7, 8, 9, -1]])
     lp = np.array([[-0.1, -2.5, 0, 0], [-1e-8, -70000.0, -1e5, -3.0], [-1, -2, -3, 0]], np.float32)
     dec_ids, dec_lp = enc.decode(enc.encode(ids, lp))

@@ -5,6 +5,7 @@ offline `train` of the student from model.hf_path -> `export` -> transformers lo
 megatron-kd's evaluation logits of the trained checkpoint (fp32, 1e-5), and it generates. Each step is the
 documented `megatron-kd` command, called in-process (one Bridge import).
 """
+import contextlib
 import json
 import os
 
@@ -33,8 +34,9 @@ def _cli(*argv):
     assert rc == 0, f"megatron-kd {' '.join(argv)} -> exit {rc}"
 
 
-def megatron_logits(checkpoint, student_hf, tokens, vocab=V):
-    """megatron-kd's evaluation logits of a train checkpoint: the student rebuilt from the checkpoint."""
+@contextlib.contextmanager
+def trained_student(checkpoint):
+    """The student of a train checkpoint rebuilt on one process (fp32, eval), inside its process group."""
     from megatron_kd.checkpoint import store as ckpt
     from megatron_kd.recipe.schema import ParallelConfig, to_recipe
     from megatron_kd.runtime.dist import distributed
@@ -44,10 +46,19 @@ def megatron_logits(checkpoint, student_hf, tokens, vocab=V):
     with distributed(p, 0, "cpu"):
         chunks, _ = build_hf_chunks(r.model, p, SEQ, "fp32", load_weights=False)
         ckpt.load_weights(checkpoint, chunks)
-        m = chunks[0].eval()
-        pos = torch.arange(tokens.shape[1]).expand_as(tokens)
-        with torch.no_grad():
-            return m(input_ids=tokens, position_ids=pos, attention_mask=None)[..., :vocab].float()
+        yield chunks[0].eval()
+
+
+def logits_of(m, tokens, vocab=V):
+    pos = torch.arange(tokens.shape[1]).expand_as(tokens)
+    with torch.no_grad():
+        return m(input_ids=tokens, position_ids=pos, attention_mask=None)[..., :vocab].float()
+
+
+def megatron_logits(checkpoint, student_hf, tokens, vocab=V):
+    """megatron-kd's evaluation logits of a train checkpoint: the student rebuilt from the checkpoint."""
+    with trained_student(checkpoint) as m:
+        return logits_of(m, tokens, vocab)
 
 
 # (tokenizer ids, teacher embedding rows, student embedding rows): one size; and Qwen-style embeddings padded past

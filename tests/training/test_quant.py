@@ -1,5 +1,7 @@
 """Quantized students (recipe section quant, NVIDIA ModelOpt): refused formats, the output layer left unquantized
 for the fused loss, resume with the quantizers' state, TP."""
+import contextlib
+
 import pytest
 import torch
 
@@ -39,14 +41,13 @@ def test_a_format_this_machine_cannot_run_is_refused_naming_the_key(tmp_path, mo
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "int4_awq"])
-def test_the_fused_loss_reads_the_output_layer_the_quantized_model_multiplies_by(fmt):
-    """The loss takes hidden states and the output layer's weight; the quantized model's own logits (its output
-    layer's forward, quantizers and all) must give the same CE, so the output layer must stay unquantized."""
+@contextlib.contextmanager
+def tiny_quantized(fmt):
+    """A small GPT quantized as fmt, calibrated on random tokens, inside its process group: (recipe, model,
+    tokens, position ids)."""
     from megatron_kd.models import quant
     from megatron_kd.models.builder import build_gpt
     from megatron_kd.runtime.dist import distributed
-    from megatron_kd.training.evaluate import _ce
     r = recipe("model.hidden_size=128", "model.ffn_hidden_size=256", "model.make_vocab_size_divisible_by=8")
     torch.manual_seed(0)
     with distributed(r.parallel, 1, "cpu"):
@@ -54,6 +55,16 @@ def test_the_fused_loss_reads_the_output_layer_the_quantized_model_multiplies_by
         tokens = torch.randint(0, 250, (2, 32))
         pos = torch.arange(32).expand(2, 32)
         quant.quantize(model, fmt, lambda m: m(tokens, pos, None))
+        yield r, model, tokens, pos
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4_awq"])
+def test_the_fused_loss_reads_the_output_layer_the_quantized_model_multiplies_by(fmt):
+    """The loss takes hidden states and the output layer's weight; the quantized model's own logits (its output
+    layer's forward, quantizers and all) must give the same CE, so the output layer must stay unquantized."""
+    from megatron_kd.models import quant
+    from megatron_kd.training.evaluate import _ce
+    with tiny_quantized(fmt) as (r, model, tokens, pos):
         assert quant.enabled_quantizers(model) and not [n for n in quant.enabled_quantizers(model)
                                                         if "output_layer" in n or "embedding" in n]
         model.eval()
@@ -138,3 +149,35 @@ def test_the_planner_counts_the_quantizer_state_modelopt_makes(fmt):
     rp = from_recipe(r)
     plan = plan_memory(rp.shape, rp.layout, rp.training_for(rp.layout))
     assert plan.get("quantizer state") == measured
+
+
+@pytest.mark.parametrize("fmt", ["int4_awq", "fp8", "w4a8_awq"])
+def test_the_folded_weights_give_the_quantized_models_logits_without_its_activation_quantizers(fmt):
+    """What the export writes (quant.folded_state_dict) in a plain model of the same architecture multiplies by
+    the quantized model's weights, AWQ's input scales folded in: its logits are the quantized model's with only
+    the activation quantizers off (to fp32 rounding), which for a weight-only format are its logits."""
+    from megatron_kd.models import quant
+    from megatron_kd.models.builder import build_gpt
+    with tiny_quantized(fmt) as (r, model, tokens, pos):
+        model.eval()
+        plain = build_gpt(r.model, r.parallel, 250, 32, "fp32").eval()
+        plain.load_state_dict(quant.folded_state_dict(model), strict=True)
+        assert not quant.is_quantized(plain)
+        with torch.no_grad():
+            fq = model(tokens, pos, None).double()
+            got = plain(tokens, pos, None).double()
+            acts = quant.activation_quantizers(model)
+            for n in acts:
+                model.get_submodule(n).disable()
+            weights_only = model(tokens, pos, None).double()
+            ref = build_gpt(r.model, r.parallel, 250, 32, "fp32").eval()
+            ref.load_state_dict({k: v for k, v in model.state_dict().items() if "_quantizer" not in k},
+                                strict=True)
+            unquantized = ref(tokens, pos, None).double()
+        scale = weights_only.abs().max()
+        assert (got - weights_only).abs().max() <= 1e-5 * scale
+        assert (unquantized - weights_only).abs().max() > 1e-3 * scale  # the grid is live in what is compared
+        if fmt == "int4_awq":  # weight-only: the quantized model itself
+            assert not acts and (got - fq).abs().max() <= 1e-5 * scale
+        else:
+            assert acts and (got - fq).abs().max() > 1e-5 * scale  # activation quantization is not reproduced

@@ -220,15 +220,40 @@ def stop_if_signalled() -> None:
 
 
 _writer_manager = None
+_forking_pid = None
 
 
-def _die_with_parent() -> None:
-    """In the writer's Manager process: the kernel kills it when the run's process dies (kill -9 included)."""
+def _pdeathsig() -> None:
+    """In a process this run forked: the kernel kills it when its parent dies (kill -9 included). A parent that
+    died between the fork and this call left it under another parent already: it ends now."""
     try:
         import ctypes
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        pass
+        return
+    if _forking_pid is not None and os.getppid() != _forking_pid:
+        os._exit(1)
+
+
+def _remember_forking_pid() -> None:
+    global _forking_pid
+    _forking_pid = os.getpid()
+
+
+def children_die_with_run() -> None:
+    """Every process this run forks from now on (megatron-core's async checkpoint writer and its write workers,
+    data loader workers, the writer's Manager) dies with the process that forked it. A run killed with kill -9
+    during a save otherwise leaves a writer under init, still writing into the save directory. Once per process
+    (forked children inherit the hooks, so their own children do the same)."""
+    if getattr(children_die_with_run, "_on", False):
+        return
+    os.register_at_fork(before=_remember_forking_pid, after_in_child=_pdeathsig)
+    children_die_with_run._on = True
+
+
+def _die_with_parent() -> None:
+    """In the writer's Manager process: the kernel kills it when the run's process dies (kill -9 included)."""
+    _pdeathsig()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the run ends it; a Ctrl-C to the process group must not
 
 
@@ -238,6 +263,7 @@ def checkpoint_writer_ready() -> None:
     and multiprocessing's resource_tracker alive under init), and (b) one ended by an interrupt is replaced before
     the next save in the same process (a dead one fails that save with BrokenPipeError)."""
     global _writer_manager
+    children_die_with_run()
     try:
         from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
     except ImportError:

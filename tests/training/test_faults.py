@@ -507,6 +507,33 @@ def test_kill_9_leaves_no_process_behind(tmp_path):
     assert not alive, f"left behind: {[(p.pid, p.name(), p.cmdline()[:3]) for p in alive]}"
 
 
+@pytest.mark.parametrize("hooked", [True, False], ids=["children_die_with_run", "without"])
+def test_forked_children_die_with_a_killed_run(tmp_path, hooked):
+    """A process forked after children_die_with_run() (as megatron-core forks its checkpoint writer) ends when the
+    run is killed with kill -9; without the hook it lives on under init (the control, which this test kills)."""
+    import time
+    import psutil
+    code = ("import os, sys, time\n"
+            "from megatron_kd.training import safety\n"
+            f"{'safety.children_die_with_run()' if hooked else 'pass'}\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n"
+            "    time.sleep(600); os._exit(0)\n"
+            "print(pid, flush=True)\n"
+            "time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": ROOT})
+    child = psutil.Process(int(proc.stdout.readline()))
+    proc.kill()
+    proc.wait()
+    try:
+        _, alive = psutil.wait_procs([child], timeout=120 if hooked else 3)
+        assert bool(alive) is not hooked, f"hooked={hooked}: child alive={bool(alive)}"
+    finally:
+        if child.is_running():
+            child.kill()
+
+
 def test_a_cache_build_that_cannot_fit_is_refused_before_the_teacher_runs(tmp_path, monkeypatch):
     class Usage:
         free = 1024

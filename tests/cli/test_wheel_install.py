@@ -93,3 +93,13 @@ def test_launch_runs_the_installed_scripts(venv):
     script = (bin_dir.parent / "share" / "megatron-kd" / "launch" / "torchrun.sh").resolve()
     assert p.stdout.startswith(f"bash {script} train --config-name tiny_cpu"), p.stdout
     assert "-m megatron_kd train --config-name tiny_cpu" in p.stdout  # torchrun.sh's own dry run answered
+
+
+def test_train_runs_a_few_iterations_from_the_wheel(venv):
+    """Last in this file: the tests above check that nothing was written to the working directory."""
+    bin_dir, work, env = venv
+    p = run([bin_dir / "megatron-kd", "train", "--config-name", "tiny_cpu", "train.iters=2",
+             "train.tensorboard=false", "train.progress=false"], work, env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "done: 2/2 iterations" in p.stdout + p.stderr, p.stdout[-2000:]
+    assert (work / "runs" / "tiny_cpu" / "summary.json").is_file()

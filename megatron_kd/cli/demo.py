@@ -301,9 +301,14 @@ class Demo:
 
     def student_recipe(self, mode: str):
         """The Recipe of the student stage `mode` (what `megatron-kd train` composes from its overrides)."""
+        return self.recipe_of(self.student_overrides(mode))
+
+    @staticmethod
+    def recipe_of(argv: list):
+        """The Recipe that `megatron-kd train ARGV` composes (ARGV as `common` and its callers build it)."""
         from ..recipe.compose import compose
         from ..recipe.schema import to_recipe
-        return to_recipe(compose("tiny_cpu", recipe_overrides(self.student_overrides(mode))))
+        return to_recipe(compose("tiny_cpu", recipe_overrides(argv)))
 
     def student_overrides(self, mode: str) -> list:
         o = self.common(f"student_{mode}", self.s.student_iters, self.s.student_lr) + [f"kd={mode}"]

@@ -121,15 +121,12 @@ def build_qad_cache(demo) -> dict | None:
     ends a percent or more from online in KL, the rounding alone (online with its top-K rounded to fp16 gives
     the offline numbers to every digit)."""
     from ..cache.format import is_finished
-    from ..recipe.compose import compose
-    from ..recipe.schema import to_recipe
     from ..teacher.build import build_cache_only
-    from .demo import recipe_overrides
     path = qad_cache(demo)
     if is_finished(path):
         return None
     o = [x for x in demo.student_overrides("offline") if not x.startswith("kd.cache=")]
-    r = to_recipe(compose("tiny_cpu", recipe_overrides(o + [f"kd.cache={path}", "kd.cache_encoding=fp32"])))
+    r = demo.recipe_of(o + [f"kd.cache={path}", "kd.cache_encoding=fp32"])
     r.train.progress = demo.progress
     return build_cache_only(r)
 

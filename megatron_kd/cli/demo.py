@@ -319,7 +319,10 @@ class Demo:
             o += [f"kd.cache={self.cache}", "kd.build_cache=false"]
         return o
 
-    def stage_train(self, stage: str, overrides: list) -> int:
+    def stage_train(self, stage: str, overrides: list, log: str | None = None) -> int:
+        """The `megatron-kd train` process of `stage` (kept when finished); its exit status. log: a file its
+        output (stdout and stderr) is appended to instead of this process's output, so that stages run side by
+        side do not interleave; a failure names it."""
         from ..checkpoint.store import latest_iteration
         iters = int(next(o.split("=", 1)[1] for o in overrides if o.startswith("train.iters=")))
         d = os.path.join(self.out, stage)
@@ -327,23 +330,41 @@ class Demo:
             self.say(f"already trained ({d})")
             return 0
         cmd = ["megatron-kd", "train", *overrides]
-        self.say(f"$ {shlex.join(cmd)}")
+        self.say(f"$ {shlex.join(cmd)}" + (f"  > {log}" if log else ""))
         t = time.time()
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                                 "MASTER_PORT")}
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see main(); sleeping waiters cost little on an idle machine
+        env = self.child_env()
         before = self.times.pop(f"{stage}_partial", 0.0)  # an interrupted start's share of this stage
+        argv = [sys.executable, "-m", "megatron_kd", "train", *overrides]
         try:
-            rc = subprocess.call([sys.executable, "-m", "megatron_kd", "train", *overrides], env=env)
+            if log is None:
+                rc = subprocess.call(argv, env=env)
+            else:
+                os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
+                with open(log, "a") as f:
+                    f.write(f"$ {shlex.join(cmd)}\n")
+                    f.flush()
+                    rc = subprocess.call(argv, env=env, stdout=f, stderr=subprocess.STDOUT)
         except KeyboardInterrupt:
             self.finish(f"{stage}_partial", before + time.time() - t)
             raise
         if rc:
             self.finish(f"{stage}_partial", before + time.time() - t)
-            self.say(f"failed (exit {rc}); rerun `megatron-kd demo --out {self.out}` to resume")
+            what = f"{stage} failed (exit {rc}); its output is in {log}" if log else f"failed (exit {rc})"
+            self.say(f"{what}; rerun `{self.resume_command()}` to resume")
         else:
             self.finish(stage, before + time.time() - t)
         return rc
+
+    def child_env(self) -> dict:
+        """The environment of a stage's `megatron-kd train` process: without a launcher's variables (it makes its
+        own single-process group), with sleeping OpenMP waiters (see main())."""
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                                 "MASTER_PORT")}
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # sleeping waiters cost little on an idle machine
+        return env
+
+    def resume_command(self) -> str:
+        return f"megatron-kd demo --out {self.out}"
 
     def stage_cache(self) -> None:
         from ..cache.format import is_finished

@@ -26,6 +26,8 @@ def use_cuda(device: str = "auto") -> bool:
 
 
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+PORT_TRIES = 5  # ports a single-process group tries when another process takes the one picked for it
+DistNetworkError = getattr(dist, "DistNetworkError", RuntimeError)  # what the store raises on a taken port
 
 
 def init_process_group(cuda: bool, *, launched_only: bool = False) -> bool:
@@ -38,15 +40,24 @@ def init_process_group(cuda: bool, *, launched_only: bool = False) -> bool:
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
-    if os.environ["WORLD_SIZE"] == "1" and "MASTER_ADDR" not in os.environ:
+    made_up = os.environ["WORLD_SIZE"] == "1" and "MASTER_ADDR" not in os.environ
+    if made_up:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     else:
         share_cpu_cores()
-    dist.init_process_group("nccl" if cuda else "gloo", rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]))
-    return True
+    for attempt in range(PORT_TRIES):
+        try:
+            dist.init_process_group("nccl" if cuda else "gloo", rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]))
+            return True
+        except DistNetworkError as e:
+            # free_port() lets the port go before the group's store binds it: a process started beside this one
+            # (runs side by side on one host) can take it in between. Only a port we made up may be replaced.
+            if not made_up or attempt == PORT_TRIES - 1 or "EADDRINUSE" not in str(e):
+                raise
+            os.environ["MASTER_PORT"] = str(free_port())
 
 
 def share_cpu_cores() -> None:

@@ -9,6 +9,12 @@ iter_* dir) and its recipe, builds the student on one process with the architect
 checkpoint's dtype (train.precision; --dtype to change it) and the source's tokenizer files. An existing
 non-empty --out is kept unless --overwrite. Needs Megatron-Bridge (the NeMo container, or Python 3.12 with
 megatron-bridge 0.6.2).
+
+A student trained quantized (quant.format) is written as a compressed-tensors checkpoint (fp8, int8, int4_awq,
+w4a16_awq: low-precision weights, their scales, static input scales), which transformers loads with the
+compressed-tensors package and runs with the trained student's weight and activation quantization (docs/hf.md);
+--quantized folded writes the plain checkpoint of its weights on the quantization grid instead (the only export
+of w4a8_awq, nvfp4 and MoE students).
 """
 import argparse
 import sys

@@ -280,12 +280,12 @@ def _compact(full: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def hf_tensors(hf, chunks, plans) -> tuple[dict, dict]:
-    """The compressed-tensors tensors of each quantized HF Linear (module name -> {tensor name: tensor}) and the
-    HF module names of the Linears written unquantized (name -> why), through Bridge's own mappings."""
+    """Each quantized HF Linear's codes, steps and input step (module name -> {"codes", "step", "input_step"}),
+    and the HF names of the Linears written unquantized (name -> why), through Bridge's own mappings."""
     if len(chunks) != 1:
         raise ValueError("the compressed-tensors export reads one model chunk (no virtual pipeline)")
     p = plans[0]
-    fmt, scheme = p.fmt, SCHEMES[p.fmt]
+    scheme = SCHEMES[p.fmt]
     entries = {f"{n}.weight": e for n, e in p.linears.items()}
     out = {}
     for pname, d in hf.convert(chunks, lambda n: entries[n]["codes"].float() if n in entries else None):
@@ -304,23 +304,26 @@ def hf_tensors(hf, chunks, plans) -> tuple[dict, dict]:
     for pname, d in hf.convert(chunks, lambda n: torch.zeros(shapes[n]) if n in weights else None):
         for k in d:
             dense[k[:-len(".weight")]] = p.dense[weights[pname]]
-    tensors = {}
     for mod, t in out.items():
-        codes, step = t["codes"], t["step"]
-        if scheme["format"] == "pack-quantized":
-            d = {"weight_packed": pack_int4(codes), "weight_shape": torch.tensor(list(codes.shape), dtype=torch.int64)}
-        else:
-            d = {"weight": codes}
         if scheme["weights"]["strategy"] == "tensor":  # one step for the tensor: one value
-            if not bool((step == step.reshape(-1)[0]).all()):
+            st = t["step"]
+            if not bool((st == st.reshape(-1)[0]).all()):
                 raise ValueError(f"{mod}: its rows have different steps, which a per-tensor scale cannot hold")
-            step = step.reshape(-1)[:1].clone()
-        d["weight_scale"] = step
-        if t["input_step"] is not None:
-            d["input_scale"] = torch.tensor([t["input_step"]], dtype=torch.float32)
-        d["_dequantized"] = codes.float() * expand(step.reshape(-1, step.shape[-1]), codes.shape)  # the check against the dense export
-        tensors[mod] = d
-    return tensors, dense
+            t["step"] = st.reshape(-1)[:1].clone()
+    return out, dense
+
+
+def ct_tensors(t: dict, fmt: str) -> dict:
+    """One quantized Linear's compressed-tensors tensors (names after the module's) from its codes and steps."""
+    codes, step = t["codes"], t["step"]
+    if SCHEMES[fmt]["format"] == "pack-quantized":
+        d = {"weight_packed": pack_int4(codes), "weight_shape": torch.tensor(list(codes.shape), dtype=torch.int64)}
+    else:
+        d = {"weight": codes}
+    d["weight_scale"] = step
+    if t["input_step"] is not None:
+        d["input_scale"] = torch.tensor([t["input_step"]], dtype=torch.float32)
+    return d
 
 
 def hf_linears(out: str) -> list:
@@ -369,10 +372,12 @@ def rewrite(out: str, hf, chunks, plans) -> dict:
             if mod not in tensors:
                 new[k] = v
                 continue
-            t = dict(tensors[mod])
-            deq = t.pop("_dequantized").to(v.dtype)
-            if deq.shape != v.shape or ((deq.float() - v.float()).abs() > 2 ** -7 * v.float().abs() + 1e-30).any():
-                raise ValueError(f"{k}: the codes x scales do not give the weight Bridge exported")
+            e = tensors[mod]
+            deq = (e["codes"].float() * expand(e["step"].reshape(-1, e["step"].shape[-1]), e["codes"].shape))
+            # the weight Bridge wrote, to the rounding of the export's dtype: else the mapping moved it elsewhere
+            if deq.shape != v.shape or ((deq - v.float()).abs() > 2 ** -7 * v.float().abs() + 1e-30).any():
+                raise ValueError(f"{k}: its codes x scales do not give the weight Bridge exported")
+            t = ct_tensors(e, fmt)
             for name, x in t.items():
                 new[f"{mod}.{name}"] = x
                 if weight_map is not None:

@@ -13,6 +13,7 @@ import time
 import torch.distributed as dist
 
 from ..recipe.checks import check_target
+from . import compressed
 from ..runtime.dist import ENV_KEYS, free_port, restore_env
 
 
@@ -66,12 +67,12 @@ def export(checkpoint: str, out: str, *, hf_path=None, dtype: str = "auto", devi
             if fmt is None and quantized == "compressed-tensors":
                 raise ValueError(f"--quantized compressed-tensors: the student of {checkpoint} is not quantized "
                                  "(its run had no quant.format); leave --quantized out")
-            mode = quantized if quantized != "auto" else "compressed-tensors" if _ct().supported(fmt) else "folded"
+            mode = quantized if quantized != "auto" else "compressed-tensors" if compressed.supported(fmt) else "folded"
             if fmt is not None and mode == "compressed-tensors":
-                plans = [_ct().plan(c, fmt) for c in chunks]
+                plans = [compressed.plan(c, fmt) for c in chunks]
                 chunks = _plain(r, single, [p.state for p in plans])
                 hf.export(chunks, tmp, dtype=torch_dtype)
-                summary = _ct().rewrite(tmp, hf, chunks, plans)
+                summary = compressed.rewrite(tmp, hf, chunks, plans)
             else:
                 chunks, summary = _fold_quantized(chunks, r, single, fmt)
                 hf.export(chunks, tmp, dtype=torch_dtype)
@@ -83,11 +84,6 @@ def export(checkpoint: str, out: str, *, hf_path=None, dtype: str = "auto", devi
                              "it was") from None
     return {"out": out, "iteration": iteration, "source": src, "seconds": time.perf_counter() - t0,
             "files": sorted(os.listdir(out)), "quantized": summary}
-
-
-def _ct():
-    from . import compressed
-    return compressed
 
 
 def _quant_format(chunks):

@@ -37,7 +37,8 @@ def build_parser():
                    help="a student trained quantized (quant.format): compressed-tensors (a quantized checkpoint: "
                         "its low-precision weights, scales and input scales), folded (a plain checkpoint of its "
                         "weights on the quantization grid, without the activation quantization), auto (default): "
-                        "compressed-tensors for fp8, int8, int4_awq and w4a16_awq, folded for the others")
+                        "compressed-tensors where the student has that form (fp8, int8, int4_awq, w4a16_awq; "
+                        "no MoE), folded otherwise")
     return p
 
 
@@ -63,6 +64,8 @@ def main(argv=None) -> int:
         for name, why in q["unquantized"].items():
             print(f"  {name}: written unquantized (its fake-quantized weight): {why}")
     elif q:
+        if q.get("no_compressed_tensors"):
+            print(f"no compressed-tensors export: {q['no_compressed_tensors']}")
         print(f"quantized as {q['format']}: written as its weights on that grid (AWQ input scales folded in), a "
               "checkpoint transformers loads unquantized" + (
                   f"; the activation quantizers ({', '.join(q['activation_quantizers_dropped'])}) are not part of "

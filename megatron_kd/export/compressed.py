@@ -58,9 +58,13 @@ def supported(fmt) -> bool:
     return fmt in SCHEMES
 
 
-def _unsupported(name: str, why: str) -> ValueError:
-    return ValueError(f"{name}: {why}; export it with --quantized folded (its weights on the quantization grid, "
-                      "unquantized) instead")
+class Unsupported(ValueError):
+    """The student has no exact compressed-tensors form here (--quantized auto then writes it folded)."""
+
+
+def _unsupported(name: str, why: str) -> Unsupported:
+    return Unsupported(f"{name}: {why}; export it with --quantized folded (its weights on the quantization grid, "
+                       "unquantized) instead")
 
 
 def _is_tq(q) -> bool:
@@ -153,8 +157,8 @@ def plan(chunk, fmt: str) -> Plan:
     """The compressed-tensors export of chunk, quantized (models/quant.quantize) as `fmt`."""
     from ..models import quant
     if not supported(fmt):
-        raise ValueError(f"quant.format={fmt} has no compressed-tensors form that reproduces it here "
-                         f"({', '.join(sorted(SCHEMES))} have); export it with --quantized folded")
+        raise Unsupported(f"quant.format={fmt} has no compressed-tensors form that reproduces it here "
+                          f"({', '.join(sorted(SCHEMES))} have); export it with --quantized folded")
     config = chunk.config
     if getattr(config, "num_moe_experts", None):
         raise _unsupported("the student", "its MoE layers have no compressed-tensors export here")

@@ -25,8 +25,8 @@ def export(checkpoint: str, out: str, *, hf_path=None, dtype: str = "auto", devi
     """The checkpoint's student -> `out` as an HF checkpoint; returns a summary. Errors are ValueError.
     Written beside `out`, then swapped in: a failed export leaves `out` (and everything else) as it was.
     quantized (a student trained with quant.format): compressed-tensors (a quantized checkpoint, export/
-    compressed.py), folded (a plain checkpoint of its weights on the quantization grid), or auto: the first for
-    the formats it holds (fp8, int8, int4_awq, w4a16_awq), else the second."""
+    compressed.py), folded (a plain checkpoint of its weights on the quantization grid), or auto: the first where
+    the student has that form (fp8, int8, int4_awq, w4a16_awq; no MoE), else the second."""
     if quantized not in QUANTIZED:
         raise ValueError(f"--quantized {quantized}: choose one of {', '.join(QUANTIZED)}")
     from ..hf import HFCheckpointError, check_hf_dir
@@ -67,14 +67,22 @@ def export(checkpoint: str, out: str, *, hf_path=None, dtype: str = "auto", devi
             if fmt is None and quantized == "compressed-tensors":
                 raise ValueError(f"--quantized compressed-tensors: the student of {checkpoint} is not quantized "
                                  "(its run had no quant.format); leave --quantized out")
-            mode = quantized if quantized != "auto" else "compressed-tensors" if compressed.supported(fmt) else "folded"
-            if fmt is not None and mode == "compressed-tensors":
-                plans = [compressed.plan(c, fmt) for c in chunks]
+            plans, refused = None, None
+            if fmt is not None and quantized != "folded":
+                try:
+                    plans = [compressed.plan(c, fmt) for c in chunks]
+                except compressed.Unsupported as e:
+                    if quantized == "compressed-tensors":
+                        raise
+                    refused = str(e).split("; export it with")[0]  # auto: written folded, and export says why
+            if plans is not None:
                 chunks = _plain(r, single, [p.state for p in plans])
                 hf.export(chunks, tmp, dtype=torch_dtype)
                 summary = compressed.rewrite(tmp, hf, chunks, plans)
             else:
                 chunks, summary = _fold_quantized(chunks, r, single, fmt)
+                if refused:
+                    summary["no_compressed_tensors"] = refused
                 hf.export(chunks, tmp, dtype=torch_dtype)
         except HFCheckpointError as e:
             raise ValueError(str(e)) from None

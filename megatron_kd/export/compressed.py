@@ -1,9 +1,10 @@
 """A student trained quantized (quant.format) as a compressed-tensors checkpoint: the quantized Hugging Face format
-transformers loads through its CompressedTensorsHfQuantizer (with the `compressed-tensors` package) and vLLM serves.
+transformers loads through its CompressedTensorsHfQuantizer (with the `compressed-tensors` package), also vLLM's.
+Dense GPT students (no MoE).
 
-Why not ModelOpt's own export: it marks its checkpoints `quant_method: "modelopt"`, which transformers (5.x, up to
-5.25) does not know; it skips the quantization and reads the stored low-precision weights without their scales, or
-fails on packed int4 shapes. compressed-tensors stores the same things (low-precision weights, their scales, the
+Why not ModelOpt's own export: it marks its checkpoints `quant_method: "modelopt"`, which transformers has no
+quantizer for (5.17; 5.25, the newest, neither); it skips the quantization and reads the stored low-precision
+weights without their scales, or fails on packed int4 shapes. compressed-tensors stores the same things (low-precision weights, their scales, the
 static input scales) under a method transformers runs, on a CPU too: each quantized Linear dequantizes its weight
 and fake-quantizes its input with the stored input scale in forward, which is what the trained student's quantizers
 do. So the export holds exactly the trained student's quantized values, read off its ModelOpt quantizers:

@@ -9,11 +9,18 @@ iter_* dir) and its recipe, builds the student on one process with the architect
 checkpoint's dtype (train.precision; --dtype to change it) and the source's tokenizer files. An existing
 non-empty --out is kept unless --overwrite. Needs Megatron-Bridge (the NeMo container, or Python 3.12 with
 megatron-bridge 0.6.2).
+
+A student trained quantized (quant.format) is written as a compressed-tensors checkpoint (fp8, int8, int4_awq,
+w4a16_awq: low-precision weights, their scales, static input scales), which transformers loads with the
+compressed-tensors package and runs with the trained student's weight and activation quantization (docs/hf.md);
+--quantized folded writes the plain checkpoint of its weights on the quantization grid instead (the only export
+of w4a8_awq, nvfp4 and MoE students).
 """
 import argparse
 import sys
 
 DTYPES = ("auto", "fp32", "bf16", "fp16")
+QUANTIZED = ("auto", "compressed-tensors", "folded")  # export/to_hf.QUANTIZED (not imported: --help loads no torch)
 
 
 def build_parser():
@@ -26,6 +33,12 @@ def build_parser():
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="tensor dtype (auto: the checkpoint's)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--quantized", choices=QUANTIZED, default="auto",
+                   help="a student trained quantized (quant.format): compressed-tensors (a quantized checkpoint: "
+                        "its low-precision weights, scales and input scales), folded (a plain checkpoint of its "
+                        "weights on the quantization grid, without the activation quantization), auto (default): "
+                        "compressed-tensors where the student has that form (fp8, int8, int4_awq, w4a16_awq; "
+                        "no MoE), folded otherwise")
     return p
 
 
@@ -36,14 +49,23 @@ def main(argv=None) -> int:
     quiet_megatron_warnings()
     try:
         s = export(args.checkpoint, args.out, hf_path=args.hf_path, dtype=args.dtype, device=args.device,
-                   overwrite=args.overwrite)
+                   overwrite=args.overwrite, quantized=args.quantized)
     except (ValueError, FileNotFoundError) as e:
         print(f"megatron-kd export: error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {s['out']}: the student of iteration {s['iteration']} as a Hugging Face checkpoint "
           f"({', '.join(s['files'])}) in {s['seconds']:.1f} s")
     q = s.get("quantized")
-    if q:
+    if q and q["export"] == "compressed-tensors":
+        print(f"quantized as {q['format']}: a compressed-tensors checkpoint ({q['compressed_tensors_format']}: "
+              f"{q['quantized_linears']} quantized Linear layers with their scales"
+              + (" and static input scales" if q["format"] in ("fp8", "int8") else "") + "); transformers loads it "
+              "with the compressed-tensors package installed and gives the trained fake-quantized student's logits")
+        for name, why in q["unquantized"].items():
+            print(f"  {name}: written unquantized (its fake-quantized weight): {why}")
+    elif q:
+        if q.get("no_compressed_tensors"):
+            print(f"no compressed-tensors export: {q['no_compressed_tensors']}")
         print(f"quantized as {q['format']}: written as its weights on that grid (AWQ input scales folded in), a "
               "checkpoint transformers loads unquantized" + (
                   f"; the activation quantizers ({', '.join(q['activation_quantizers_dropped'])}) are not part of "

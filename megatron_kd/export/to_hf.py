@@ -13,13 +13,22 @@ import time
 import torch.distributed as dist
 
 from ..recipe.checks import check_target
+from . import compressed
 from ..runtime.dist import ENV_KEYS, free_port, restore_env
 
 
+QUANTIZED = ("auto", "compressed-tensors", "folded")
+
+
 def export(checkpoint: str, out: str, *, hf_path=None, dtype: str = "auto", device: str = "auto",
-           overwrite: bool = False) -> dict:
+           overwrite: bool = False, quantized: str = "auto") -> dict:
     """The checkpoint's student -> `out` as an HF checkpoint; returns a summary. Errors are ValueError.
-    Written beside `out`, then swapped in: a failed export leaves `out` (and everything else) as it was."""
+    Written beside `out`, then swapped in: a failed export leaves `out` (and everything else) as it was.
+    quantized (a student trained with quant.format): compressed-tensors (a quantized checkpoint, export/
+    compressed.py), folded (a plain checkpoint of its weights on the quantization grid), or auto: the first where
+    the student has that form (fp8, int8, int4_awq, w4a16_awq; no MoE), else the second."""
+    if quantized not in QUANTIZED:
+        raise ValueError(f"--quantized {quantized}: choose one of {', '.join(QUANTIZED)}")
     from ..hf import HFCheckpointError, check_hf_dir
     from ..checkpoint import store as ckpt
     from ..recipe.schema import ParallelConfig, to_recipe
@@ -52,9 +61,29 @@ def export(checkpoint: str, out: str, *, hf_path=None, dtype: str = "auto", devi
         try:
             chunks, _ = build_hf_chunks(r.model, single, r.data.seq_length, r.train.precision, load_weights=False)
             iteration = ckpt.load_weights(checkpoint, chunks)
-            chunks, quantized = _fold_quantized(chunks, r, single)
             torch_dtype = None if dtype == "auto" else TORCH_DTYPES[dtype]
-            open_hf(src, "model.hf_path").export(chunks, tmp, dtype=torch_dtype)
+            hf = open_hf(src, "model.hf_path")
+            fmt = _quant_format(chunks)
+            if fmt is None and quantized == "compressed-tensors":
+                raise ValueError(f"--quantized compressed-tensors: the student of {checkpoint} is not quantized "
+                                 "(its run had no quant.format); leave --quantized out")
+            plans, refused = None, None
+            if fmt is not None and quantized != "folded":
+                try:
+                    plans = [compressed.plan(c, fmt) for c in chunks]
+                except compressed.Unsupported as e:
+                    if quantized == "compressed-tensors":
+                        raise
+                    refused = str(e).split("; export it with")[0]  # auto: written folded, and export says why
+            if plans is not None:
+                chunks = _plain(r, single, [p.state for p in plans])
+                hf.export(chunks, tmp, dtype=torch_dtype)
+                summary = compressed.rewrite(tmp, hf, chunks, plans)
+            else:
+                chunks, summary = _fold_quantized(chunks, r, single, fmt)
+                if refused:
+                    summary["no_compressed_tensors"] = refused
+                hf.export(chunks, tmp, dtype=torch_dtype)
         except HFCheckpointError as e:
             raise ValueError(str(e)) from None
         except (OSError, RuntimeError, KeyError) as e:  # a checkpoint or source the export cannot use
@@ -62,29 +91,40 @@ def export(checkpoint: str, out: str, *, hf_path=None, dtype: str = "auto", devi
                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); {out} is left as "
                              "it was") from None
     return {"out": out, "iteration": iteration, "source": src, "seconds": time.perf_counter() - t0,
-            "files": sorted(os.listdir(out)), "quantized": quantized}
+            "files": sorted(os.listdir(out)), "quantized": summary}
 
 
-def _fold_quantized(chunks, r, single) -> dict | None:
-    """A student trained quantized (quant.format) is written as the plain model of its quantized weights: each
-    weight on its format's grid, AWQ's input scales folded in (models/quant.folded_state_dict), which transformers
-    loads as any checkpoint. transformers has no CPU path for ModelOpt's own quantized export (it loads the stored
-    low-precision weights without their scales), so the activation quantization of fp8, int8, w4a8_awq and nvfp4
-    is left out; weight-only formats give the trained fake-quantized student's logits. Returns what was done, or
-    None for an unquantized student, with the chunks to export."""
+def _quant_format(chunks):
+    """The student's quant.format, or None for an unquantized one."""
     if "modelopt" not in sys.modules:  # nothing was quantized in this process (the checkpoint held no quantizers)
-        return chunks, None
-    from ..models.builder import build_hf_chunks
+        return None
     from ..models import quant
     if not any(quant.is_quantized(c) for c in chunks):
-        return chunks, None
-    fmt = getattr(chunks[0], quant.FORMAT_KEY, None)
-    acts = sorted({n.rsplit(".", 1)[-1] for c in chunks for n in quant.activation_quantizers(c)})
-    states = [quant.folded_state_dict(c) for c in chunks]
+        return None
+    return getattr(chunks[0], quant.FORMAT_KEY, None)
+
+
+def _plain(r, single, states):
+    """The student's architecture unquantized, holding `states`."""
+    from ..models.builder import build_hf_chunks
     plain, _ = build_hf_chunks(r.model, single, r.data.seq_length, r.train.precision, load_weights=False)
     for c, sd in zip(plain, states):
         c.load_state_dict(sd, strict=True)
-    return plain, {"format": fmt, "activation_quantizers_dropped": acts}
+    return plain
+
+
+def _fold_quantized(chunks, r, single, fmt):
+    """--quantized folded: a student trained quantized (quant.format) written as the plain model of its quantized
+    weights: each weight on its format's grid, AWQ's input scales folded in (models/quant.folded_state_dict),
+    which transformers loads as any checkpoint. The activation quantization of fp8, int8, w4a8_awq and nvfp4 is
+    left out; weight-only formats give the trained fake-quantized student's logits. Returns the chunks to export
+    and what was done (None for an unquantized student)."""
+    if fmt is None:
+        return chunks, None
+    from ..models import quant
+    acts = sorted({n.rsplit(".", 1)[-1] for c in chunks for n in quant.activation_quantizers(c)})
+    plain = _plain(r, single, [quant.folded_state_dict(c) for c in chunks])
+    return plain, {"format": fmt, "export": "folded", "activation_quantizers_dropped": acts}
 
 
 @contextlib.contextmanager

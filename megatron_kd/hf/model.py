@@ -216,6 +216,20 @@ class HFModel:
                 if os.path.isfile(src) and not os.path.exists(dst):
                     shutil.copy2(src, dst)
 
+    def convert(self, chunks, tensor_for):
+        """Bridge's Megatron -> HF mapping of other tensors than the parameters: for each parameter of `chunks`
+        for which tensor_for(param_name) gives a tensor of its shape, yields (param_name, {hf_name: tensor}),
+        that tensor split and renamed as the export writes the parameter (rows of a fused qkv or gate/up weight
+        into q, k, v / gate, up). One process, the chunks' own layout (TP 1: nothing to gather)."""
+        bridge = self.bridge._model_bridge
+        tasks = bridge.build_conversion_tasks(self.bridge.hf_pretrained, list(chunks))
+        for task in tasks:
+            if task is None or task.megatron_module is None:
+                continue
+            t = tensor_for(task.param_name)
+            if t is not None:
+                yield task.param_name, task.mapping.megatron_to_hf(t, task.megatron_module)
+
     def te_attention_unverified(self) -> bool:
         """Whether TE's spec would not reproduce this checkpoint's attention (sinks, sliding windows: see
         runtime/te_compat), from Bridge's provider with config.json's exact fields."""

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# TEST ENVIRONMENT ONLY (CI's Python 3.12 job): a CPU venv with real megatron-core 0.19.2, Megatron-Bridge 0.6.2
-# and transformers 5.17 for the tests marked `bridge`. Usage: bash tests/bridge_env/make_venv.sh VENV_DIR
+# TEST ENVIRONMENT ONLY (CI's Python 3.12 job): a CPU venv with real megatron-core 0.19.2, Megatron-Bridge 0.6.2,
+# transformers 5.17 and compressed-tensors for the tests marked `bridge`.
+# Usage: bash tests/bridge_env/make_venv.sh VENV_DIR
 # PyPI's torch for 3.12 is the CUDA build (runs on CPU; about 5 GB). Transformer Engine is NOT installed (with TE
 # present but no GPU, megatron-core does not import); tests import tests/bridge_env/shims.py (import-only
 # stand-ins) before megatron.bridge. Users run Bridge in the NeMo container instead.
@@ -19,5 +20,7 @@ $pip hydra-core==1.3.8 omegaconf==2.3.0 tqdm pyyaml einops rich pandas pyarrow f
     huggingface_hub scipy matplotlib tensorboard pytest pytest-timeout
 # lm-evaluation-harness and its HF backend's accelerate: tests/hf/test_lm_eval.py (neither changes torch/transformers)
 $pip lm-eval==0.4.13 accelerate==1.16.0
+# compressed-tensors: transformers loads a QAD student's quantized export through it (test_quant_export.py)
+$pip compressed-tensors==0.20.1
 "$venv/bin/python" -c "import sys; sys.path.insert(0, '$here'); import shims; from megatron.bridge import AutoBridge; \
 import megatron.core as m; print('bridge test env ok: megatron-core', m.__version__)"

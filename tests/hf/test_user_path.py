@@ -125,3 +125,6 @@ def test_hf_teacher_and_student_to_exported_student(tmp_path, tok, t_rows, s_row
     # --overwrite never reaches the source checkpoint: refused before anything is deleted
     assert main(["export", "--checkpoint", run, "--out", student, "--overwrite"]) == 2
     assert os.path.isfile(os.path.join(student, "model.safetensors"))
+    # an unquantized student has no quantized export: refused, and --out is left as it was
+    assert main(["export", "--checkpoint", run, "--out", out, "--overwrite", "--quantized", "compressed-tensors"]) == 2
+    assert sorted(load_file(os.path.join(out, "model.safetensors"))) == sorted(src)

@@ -181,3 +181,66 @@ def test_the_folded_weights_give_the_quantized_models_logits_without_its_activat
             assert not acts and (got - fq).abs().max() <= 1e-5 * scale
         else:
             assert acts and (got - fq).abs().max() > 1e-5 * scale  # activation quantization is not reproduced
+
+
+def _ct_input_quant(x, step, fmt):
+    """compressed-tensors' static input fake quantization (quantization/lifecycle/forward_helpers.py:
+    _quantize_dequantize): x / scale rounded onto the format's grid, times scale."""
+    r = x / step
+    q = r.clamp(-448, 448).to(torch.float8_e4m3fn).to(x.dtype) if fmt == "fp8" else r.round().clamp(-128, 127)
+    return q * step
+
+
+@pytest.mark.parametrize("fmt,groups,act", [("fp8", 2, "swiglu"), ("int8", 2, "swiglu"), ("int4_awq", 4, "swiglu"),
+                                            ("int4_awq", 2, "swiglu"), ("int4_awq", 4, "gelu")])
+def test_the_compressed_tensors_export_computes_the_quantized_model(fmt, groups, act):
+    """export/compressed.plan: the quantized weights as codes x steps (codes on the format's grid), AWQ's input
+    scales folded into the norms and into V's / up's rows, and static input steps. A plain model holding the plan's
+    state, its quantized Linears' inputs fake-quantized with those steps as compressed-tensors does, gives the
+    quantized model's logits (fp32 rounding). Where a scale cannot be folded (the query heads of a group disagree,
+    a non-gated MLP) the Linear is written unquantized, and the logits still match."""
+    from megatron_kd.export import compressed
+    from megatron_kd.models import quant
+    from megatron_kd.models.builder import build_gpt
+    r0 = recipe("model.hidden_size=128", "model.ffn_hidden_size=256", "model.make_vocab_size_divisible_by=8",
+                f"model.num_query_groups={groups}", f"model.activation={act}")
+    from megatron_kd.runtime.dist import distributed
+    torch.manual_seed(0)
+    with distributed(r0.parallel, 1, "cpu"):
+        model = build_gpt(r0.model, r0.parallel, 250, 32, "fp32")
+        tokens, pos = torch.randint(0, 250, (2, 32)), torch.arange(32).expand(2, 32)
+        quant.quantize(model, fmt, lambda m: m(tokens, pos, None))
+        model.eval()
+        p = compressed.plan(model, fmt)
+        plain = build_gpt(r0.model, r0.parallel, 250, 32, "fp32").eval()
+        plain.load_state_dict(p.state, strict=True)
+        hooks = []
+        for name, e in p.linears.items():
+            c = e["codes"]
+            assert c.dtype == (torch.float8_e4m3fn if fmt == "fp8" else torch.int8)
+            if fmt == "int4_awq":
+                assert int(c.min()) >= -8 and int(c.max()) <= 7 and e["step"].shape == (c.shape[0], c.shape[1] // 128)
+                assert e["input_step"] is None
+            else:
+                amax = model.get_submodule(name).input_quantizer.amax.item()
+                assert e["input_step"] == pytest.approx(amax / (448 if fmt == "fp8" else 127), rel=1e-6)
+                hooks.append(plain.get_submodule(name).register_forward_pre_hook(
+                    lambda mod, args, s=e["input_step"]: (_ct_input_quant(args[0], s, fmt), *args[1:])))
+            assert torch.equal(p.state[f"{name}.weight"], compressed.dequantized(e))
+        with torch.no_grad():
+            fq = model(tokens, pos, None).double()
+            got = plain(tokens, pos, None).double()
+            for h in hooks:
+                h.remove()
+            no_inputs = plain(tokens, pos, None).double()
+    scale = fq.abs().max()
+    assert (got - fq).abs().max() <= 1e-5 * scale
+    if fmt != "int4_awq":  # the input quantization is live in what is compared
+        assert (no_inputs - fq).abs().max() > 1e-3 * scale
+    dense = {n.split(".")[-1] for n in p.dense}
+    if fmt == "int4_awq" and groups == 2:
+        assert dense == {"linear_proj"}  # the 2 query heads of a group have their own AWQ scales
+    elif act == "gelu":
+        assert dense == {"linear_fc2"}  # gelu(fc1 x): no row of fc1 reaches fc2's input linearly
+    else:
+        assert not dense and len(p.linears) == 4 * r0.model.num_layers

@@ -13,6 +13,10 @@ from megatron_kd.runtime import dist as rdist
 def taken_port(monkeypatch):
     """A port some other process listens on, and free_port() handing it out first (as when another process binds
     it between free_port() and the group's store)."""
+    if dist.is_initialized():  # a group an earlier test in this process left behind: init would just join it
+        from megatron.core import parallel_state
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
     saved = {k: os.environ.pop(k, None) for k in rdist.ENV_KEYS}
     s = socket.socket()
     s.bind(("0.0.0.0", 0))

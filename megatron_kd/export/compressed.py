@@ -60,11 +60,16 @@ def supported(fmt) -> bool:
 
 
 class Unsupported(ValueError):
-    """The student has no exact compressed-tensors form here (--quantized auto then writes it folded)."""
+    """The student has no exact compressed-tensors form here (--quantized auto then writes it folded).
+    reason: why, without the fix (what `export` reports when auto falls back)."""
+
+    def __init__(self, reason: str, fix: str):
+        super().__init__(f"{reason}; {fix}")
+        self.reason = reason
 
 
 def _unsupported(name: str, why: str) -> Unsupported:
-    return Unsupported(f"{name}: {why}; export it with --quantized folded (its weights on the quantization grid, "
+    return Unsupported(f"{name}: {why}", "export it with --quantized folded (its weights on the quantization grid, "
                        "unquantized) instead")
 
 
@@ -159,7 +164,7 @@ def plan(chunk, fmt: str) -> Plan:
     from ..models import quant
     if not supported(fmt):
         raise Unsupported(f"quant.format={fmt} has no compressed-tensors form that reproduces it here "
-                          f"({', '.join(sorted(SCHEMES))} have); export it with --quantized folded")
+                          f"({', '.join(sorted(SCHEMES))} have)", "export it with --quantized folded")
     config = chunk.config
     if getattr(config, "num_moe_experts", None):
         raise _unsupported("the student", "its MoE layers have no compressed-tensors export here")

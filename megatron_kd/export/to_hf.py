@@ -74,7 +74,7 @@ def export(checkpoint: str, out: str, *, hf_path=None, dtype: str = "auto", devi
                 except compressed.Unsupported as e:
                     if quantized == "compressed-tensors":
                         raise
-                    refused = str(e).split("; export it with")[0]  # auto: written folded, and export says why
+                    refused = e.reason  # auto: written folded, and export says why
             if plans is not None:
                 chunks = _plain(r, single, [p.state for p in plans])
                 hf.export(chunks, tmp, dtype=torch_dtype)

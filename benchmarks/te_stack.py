@@ -6,13 +6,15 @@ Parts (--parts picks; each writes into one JSON, rewritten after every arm so a 
           of the backend or fusions; for each --recompute count R (layers recomputed), arms named *_rR:
             sdpa_no_te      TE not importable (its folder off PYTHONPATH): auto -> SDPA; the first builds the cache
             te_bf16         TE importable: auto -> TE's spec; the first also builds a cache with a TE teacher
-            te_fp8          TE, model.fp8=hybrid model.fp8_recipe=tensorwise (also at each --fp8-recompute count)
+            te_fp8[_RECIPE] TE, model.fp8=hybrid model.fp8_recipe=RECIPE, one arm per --fp8-arms RECIPE:R
             sdpa_te_user    TE importable, model.attention_backend=sdpa, torch's cuDNN NOT first on LD_LIBRARY_PATH
                             (what a pip install of TE gives): megatron-kd's restart puts it first
             sdpa_te_clash   (--clash-arm) the same with the restart off (MEGATRON_KD_NO_CUDNN_REEXEC=1)
           the two caches are compared position by position only when their teachers' weights are equal.
-  gptoss  GPT-OSS-20B's architecture cut to 4 layers at 32K under TE with the recipe's expert setting
-          (moe_grouped_gemm=false, sequential experts), and with grouped experts, offline KD from a 2-layer teacher.
+          Each arm's TFLOP/s is also given over the SDPA arm at its R (or at the first R).
+  gptoss  GPT-OSS-20B's architecture cut to 4 layers at 32K under TE (TE's layers, megatron-kd's sink / window
+          attention) with the recipe's expert setting (moe_grouped_gemm=true: TE's grouped GEMM) and with sequential
+          experts, beside the SDPA path without TE; offline KD from a 2-layer teacher.
   fp8     a 1.07 B student (22 layers, hidden 2048) trained 200 steps on real text (pydoc, --data PREFIX) with CE, bf16 vs FP8 (TE both),
           held-out loss every 25 steps; a PNG of both curves (--plot-only draws it from the JSON afterwards), and
           the check: held-out CE of FP8 within 2% of bf16's at every evaluation and 0.5% at the last.
@@ -120,41 +122,49 @@ def part_user(a, out, E, deadline):
     c1, c2 = os.path.join(a.scratch, "cache_sdpa"), os.path.join(a.scratch, "cache_te")
     base = ["--config-name", RECIPE, "data.kind=mock", "data.path=null", "train.iters=4", "train.global_batch_size=1",
             "train.lr_warmup_iters=0", "train.optimizer=lean_adam", *QUIET]
-    fp8 = ["model.fp8=hybrid", "model.fp8_recipe=tensorwise"]
+
+    def fp8(recipe):
+        return ["model.fp8=hybrid", f"model.fp8_recipe={recipe}"]
+
     r0 = a.recompute[0]
     run_arm(f"sdpa_no_te_r{r0}", [*base, f"model.recompute_num_layers={r0}", "kd.build_cache=true", f"kd.cache={c1}"],
             E["no_te"], a, out, deadline)
-    # the TE teacher writes its own cache: the teacher pass under TE's spec (random weights of its own init)
-    run_arm(f"te_bf16_r{r0}", [*base, f"model.recompute_num_layers={r0}", "kd.build_cache=true", f"kd.cache={c2}"],
-            E["te"], a, out, deadline)
-    if os.path.isdir(c1) and os.path.isdir(c2):
-        try:
-            out["cache_te_vs_sdpa"] = compare_caches(c1, c2)
-        except Exception as e:  # noqa: BLE001
-            out["cache_te_vs_sdpa"] = {"error": repr(e)}
-    shutil.rmtree(c2, ignore_errors=True)
-    run_arm(f"te_fp8_r{r0}", [*base, f"model.recompute_num_layers={r0}", f"kd.cache={c1}", *fp8], E["te"], a, out,
-            deadline)
+    if a.te_cache:  # the TE teacher writes its own cache: the teacher pass under TE's spec (its own random weights)
+        run_arm(f"te_bf16_r{r0}", [*base, f"model.recompute_num_layers={r0}", "kd.build_cache=true",
+                                   f"kd.cache={c2}"], E["te"], a, out, deadline)
+        if os.path.isdir(c1) and os.path.isdir(c2):
+            try:
+                out["cache_te_vs_sdpa"] = compare_caches(c1, c2)
+            except Exception as e:  # noqa: BLE001
+                out["cache_te_vs_sdpa"] = {"error": repr(e)}
+        shutil.rmtree(c2, ignore_errors=True)
+    else:
+        run_arm(f"te_bf16_r{r0}", [*base, f"model.recompute_num_layers={r0}", f"kd.cache={c1}"], E["te"], a, out,
+                deadline)
     for r in a.recompute[1:]:
         run_arm(f"sdpa_no_te_r{r}", [*base, f"model.recompute_num_layers={r}", f"kd.cache={c1}"], E["no_te"], a, out,
                 deadline)
         run_arm(f"te_bf16_r{r}", [*base, f"model.recompute_num_layers={r}", f"kd.cache={c1}"], E["te"], a, out,
                 deadline)
-        run_arm(f"te_fp8_r{r}", [*base, f"model.recompute_num_layers={r}", f"kd.cache={c1}", *fp8], E["te"], a, out,
+    for arm in a.fp8_arms:  # RECIPE:R[:exp], e.g. tensorwise:6, delayed:4:exp
+        recipe, r, *more = arm.split(":")
+        name = (f"te_fp8_r{r}" if recipe == "tensorwise" else f"te_fp8_{recipe}_r{r}") + "".join(f"_{m}" for m in more)
+        env = dict(E["te"], PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True") if "exp" in more else E["te"]
+        run_arm(name, [*base, f"model.recompute_num_layers={r}", f"kd.cache={c1}", *fp8(recipe)], env, a, out,
                 deadline)
-    for r in a.fp8_recompute:
-        run_arm(f"te_fp8_r{r}", [*base, f"model.recompute_num_layers={r}", f"kd.cache={c1}", *fp8], E["te"], a, out,
-                deadline)
-    sdpa = [*base, f"model.recompute_num_layers={r0}", f"kd.cache={c1}", "model.attention_backend=sdpa"]
-    run_arm(f"sdpa_te_user_r{r0}", sdpa, E["te_user"], a, out, deadline)
-    if a.clash_arm:
-        run_arm(f"sdpa_te_clash_r{r0}", sdpa, E["te_clash"], a, out, deadline)
+    if a.sdpa_te_arm:
+        sdpa = [*base, f"model.recompute_num_layers={r0}", f"kd.cache={c1}", "model.attention_backend=sdpa"]
+        run_arm(f"sdpa_te_user_r{r0}", sdpa, E["te_user"], a, out, deadline)
+        if a.clash_arm:
+            run_arm(f"sdpa_te_clash_r{r0}", sdpa, E["te_clash"], a, out, deadline)
     arms = out["arms"]
     for k, v in arms.items():
         r = k.rsplit("_r", 1)[-1]
-        ref = (arms.get(f"sdpa_no_te_r{r}") or {}).get("tflops")
+        r = r.split("_")[0]
+        ref = (arms.get(f"sdpa_no_te_r{r}") or arms.get(f"sdpa_no_te_r{r0}") or {}).get("tflops")
         if ref and v.get("tflops") and not k.startswith("sdpa_no_te"):
-            v["tflops_over_sdpa_no_te_same_recompute"] = round(v["tflops"] / ref, 4)
+            v["tflops_over_sdpa_no_te"] = round(v["tflops"] / ref, 4)
+            v["sdpa_no_te_baseline"] = f"sdpa_no_te_r{r}" if arms.get(f"sdpa_no_te_r{r}") else f"sdpa_no_te_r{r0}"
     out_write(a.out, out)
 
 
@@ -167,8 +177,8 @@ def part_gptoss(a, out, E, deadline):
             "train.iters=4", "train.global_batch_size=1", "train.micro_batch_size=1", "train.lr_warmup_iters=0",
             "model.recompute_granularity=null", "model.recompute_method=null", "model.recompute_num_layers=null",
             *QUIET]
-    run_arm("gptoss_te_sequential", [*base, "kd.build_cache=true", f"kd.cache={cache}"], E["te"], a, out, deadline)
-    run_arm("gptoss_te_grouped", [*base, f"kd.cache={cache}", "model.moe_grouped_gemm=true"], E["te"], a, out,
+    run_arm("gptoss_te_recipe", [*base, "kd.build_cache=true", f"kd.cache={cache}"], E["te"], a, out, deadline)
+    run_arm("gptoss_te_sequential", [*base, f"kd.cache={cache}", "model.moe_grouped_gemm=false"], E["te"], a, out,
             deadline)
     run_arm("gptoss_sdpa_no_te", [*base, f"kd.cache={cache}"], E["no_te"], a, out, deadline)
     shutil.rmtree(cache, ignore_errors=True)
@@ -240,7 +250,13 @@ def main():
     ap.add_argument("--budget-s", type=float, default=560)
     ap.add_argument("--arm-s", type=float, default=150, help="cut one arm at this many seconds")
     ap.add_argument("--recompute", type=int, nargs="+", default=[12], help="recomputed layers of the user arms")
-    ap.add_argument("--fp8-recompute", type=int, nargs="*", default=[], help="more FP8 arms at these recompute counts")
+    ap.add_argument("--fp8-arms", nargs="*", default=["tensorwise:12"],
+                    help="FP8 arms of the user part as RECIPE:R[:exp] (model.fp8_recipe, recomputed layers; exp: "
+                         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)")
+    ap.add_argument("--te-cache", action=argparse.BooleanOptionalAction, default=True,
+                    help="the first TE arm also builds a cache with a TE teacher")
+    ap.add_argument("--sdpa-te-arm", action=argparse.BooleanOptionalAction, default=True,
+                    help="the SDPA arm with TE importable (torch's cuDNN not first)")
     ap.add_argument("--clash-arm", action="store_true", help="also the arm with the cuDNN restart turned off")
     ap.add_argument("--scratch", default=None)
     ap.add_argument("--plot-only", action="store_true", help="the FP8 check and PNG from --out's JSON (no runs)")

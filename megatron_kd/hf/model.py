@@ -62,14 +62,6 @@ def activation_name(act: str, gated: bool) -> str:
     return "gelu" if "gelu" in act else "squared_relu"
 
 
-def te_layer_spec(config, vp_stage=None):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-    from ..runtime.te_compat import fix_te_moe_spec
-    return fix_te_moe_spec(get_gpt_layer_with_transformer_engine_spec(num_experts=config.num_moe_experts,
-                                                                      moe_grouped_gemm=config.moe_grouped_gemm,
-                                                                      qk_layernorm=config.qk_layernorm))
-
-
 class HFModel:
     """One local HF checkpoint directory. Checks it (directory, Bridge, architecture) when made; `key` is the
     recipe key the errors name (teacher.hf_path, model.hf_path)."""

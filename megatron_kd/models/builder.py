@@ -1,7 +1,8 @@
 """Build Megatron-Core GPTModels (student and teacher) from the recipe's `model` / `teacher` sections.
 
 Layer spec: Transformer Engine's when TE imports (GPU containers), else Megatron's local spec with its core
-attention swapped for torch SDPA (flash attention on GPU, so 32K sequences fit without TE).
+attention swapped for torch SDPA (flash attention on GPU, so 32K sequences fit without TE). Models with attention
+sinks or sliding windows (GPT-OSS) keep megatron-kd's core attention in either spec.
 """
 import torch
 import torch.nn.functional as F
@@ -68,31 +69,44 @@ def transformer_config(m: ModelConfig, p: ParallelConfig, precision: str = "fp32
     return config
 
 
-def _backend(m: ModelConfig, unverified: bool | None = None) -> str:
-    """The layer spec a model runs on: te, sdpa or local. `auto` is TE's where TE imports, except for models whose
-    attention TE's spec does not reproduce (sinks, sliding windows: runtime/te_compat), which run on the SDPA path.
-    unverified: that property when `m` does not carry it (an HF checkpoint's config)."""
-    from ..runtime.te_compat import te_attention_refusal, te_attention_unverified
-    unverified = te_attention_unverified(m) if unverified is None else unverified
+def _backend(m: ModelConfig) -> str:
+    """The layer spec a model runs on: te, sdpa or local. `auto` is TE's where TE imports, else sdpa."""
     if m.attention_backend == "auto":
-        return "te" if te_available() and not unverified else "sdpa"
+        return "te" if te_available() else "sdpa"
     if m.attention_backend == "te" and not te_available():
         raise RuntimeError("model.attention_backend=te but Transformer Engine does not import here; use sdpa "
                            "(or auto) or run in a container with TE")
-    if m.attention_backend == "te" and unverified:
-        raise RuntimeError(te_attention_refusal("model"))
     return m.attention_backend
 
 
+def own_core_attention(spec, core_attention):
+    """`spec` (a layer ModuleSpec) with `core_attention` as its self-attention's core attention (in place)."""
+    from ..runtime.te_compat import spec_submodules
+    spec_submodules(spec_submodules(spec).self_attention).core_attention = core_attention
+    return spec
+
+
+def te_spec(num_experts, moe_grouped_gemm, qk_layernorm, sinks_or_window: bool):
+    """megatron-core's TE layer spec, made right for what our models use: sequential experts whose in-place bias
+    add TE's linears allow (runtime/te_compat), and for models with attention sinks or sliding windows
+    (GPT-OSS) megatron-kd's core attention in place of TE's, whose logits for those models are not
+    transformers' (runtime/te_compat); TE's linears, norms, grouped GEMMs and FP8 stay."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from ..runtime.te_compat import fix_te_moe_spec
+    spec = fix_te_moe_spec(get_gpt_layer_with_transformer_engine_spec(
+        num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, qk_layernorm=qk_layernorm))
+    if sinks_or_window:
+        from .attention import SDPAttention
+        own_core_attention(spec, SDPAttention)
+    return spec
+
+
 def layer_spec(m: ModelConfig):
-    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
-                                                          get_gpt_layer_with_transformer_engine_spec)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from ..runtime.te_compat import te_attention_unverified
     backend = _backend(m)
     if backend == "te":
-        from ..runtime.te_compat import fix_te_moe_spec
-        return fix_te_moe_spec(get_gpt_layer_with_transformer_engine_spec(num_experts=m.num_moe_experts,
-                                                                          moe_grouped_gemm=m.moe_grouped_gemm,
-                                                                          qk_layernorm=m.qk_layernorm))
+        return te_spec(m.num_moe_experts, m.moe_grouped_gemm, m.qk_layernorm, te_attention_unverified(m))
     spec = get_gpt_layer_local_spec(num_experts=m.num_moe_experts, moe_grouped_gemm=m.moe_grouped_gemm,
                                     qk_layernorm=m.qk_layernorm, normalization=m.normalization)
     if backend == "sdpa":
@@ -143,14 +157,17 @@ def set_rope_scaling(model, m: ModelConfig) -> None:
 
 def build_hf_chunks(m: ModelConfig, p: ParallelConfig, seq_length: int, precision: str, load_weights: bool = True):
     """m.hf_path's architecture and weights through Megatron-Bridge (megatron_kd/hf), our layer spec."""
-    from ..hf.model import local_layer_spec, te_layer_spec
+    from ..hf.model import local_layer_spec
     from ..hf.model import open_hf
+    from ..runtime.te_compat import te_attention_unverified
     hf = open_hf(m.hf_path, "hf_path")
-    backend = _backend(m, hf.te_attention_unverified())
-    if backend == "sdpa":
+    backend = _backend(m)
+    if backend == "te":
+        def spec(config, vp_stage=None):
+            return te_spec(config.num_moe_experts, config.moe_grouped_gemm, config.qk_layernorm,
+                           te_attention_unverified(config))
+    else:
         from .attention import SDPAttention
-    spec = te_layer_spec
-    if backend != "te":
         from .gpt_oss import fix_local_moe_spec  # MoE experts with biases train at EP=1 (as layer_spec does)
         local = local_layer_spec(SDPAttention if backend == "sdpa" else None)
         spec = lambda config, vp_stage=None: fix_local_moe_spec(local(config, vp_stage))  # noqa: E731

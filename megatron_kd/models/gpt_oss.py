@@ -95,13 +95,9 @@ def _expert_row_linear():
     return ExpertRowParallelLinear
 
 
-def _submodules(spec):
-    """A ModuleSpec's or (megatron-core 0.19) functools.partial's submodules."""
-    return spec.submodules if hasattr(spec, "submodules") else spec.keywords["submodules"]
-
-
 def fix_local_moe_spec(spec):
     """Local layer spec of a MoE model with biases: experts' linear_fc2 -> ExpertRowParallelLinear (in place)."""
+    from ..runtime.te_compat import spec_submodules as _submodules
     mlp = _submodules(spec).mlp
     try:
         experts = _submodules(_submodules(mlp).experts)

@@ -50,7 +50,6 @@ def check_model(m: ModelConfig, section: str, tp: int) -> None:
     _need(m.attention_backend in ATTENTION_BACKENDS,
           f"{section}.attention_backend={m.attention_backend!r}: use one of {ATTENTION_BACKENDS}")
     if te_attention_unverified(m):
-        _need(m.attention_backend != "te", te_attention_refusal(section))
         _need(not m.fp8, te_attention_refusal(section, m.fp8))
     _need(m.make_vocab_size_divisible_by >= 1, f"{section}.make_vocab_size_divisible_by must be >= 1")
     check_fp8(m, section)

@@ -57,7 +57,7 @@ def resolve(r, *, teacher: bool | None = None) -> list:
         else:
             check_layout(m.hf_path, key, tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp)
         hf = open_hf(m.hf_path, key)
-        if hf.te_attention_unverified() and (m.attention_backend == "te" or m.fp8):
+        if m.fp8 and hf.te_attention_unverified():
             raise HFCheckpointError(f"{key}={m.hf_path!r}: " + te_attention_refusal(name, m.fp8))
         arch = hf.architecture()
         for k, v in arch.items():

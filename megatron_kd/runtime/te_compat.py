@@ -13,7 +13,8 @@ Three things go wrong there unless handled, each with no word from the libraries
 - Attention sinks and sliding windows. On the GPU, TE's core attention gave a GPT-OSS model's logits far from
   transformers' and from megatron-kd's SDPA / FlexAttention path on the same weights (learned sinks, alternate
   sliding-window layers, YaRN), while Llama's agreed to bf16 rounding. `te_attention_unverified` names those models:
-  `attention_backend=auto` runs them on the SDPA path, and `te` is refused (`te_attention_refusal`).
+  their TE layer spec (models/builder) keeps TE's linears, norms and experts but megatron-kd's core attention.
+  FP8 for them is refused (`te_attention_refusal`) until it is measured against bf16.
 - Two cuDNNs in one process. TE may load a system cuDNN before torch's own pip cuDNN; torch's cuDNN attention then
   fails its version check and SDPA falls back to a slower kernel. `cudnn_clash` reads which cuDNN files this
   process has mapped and says which two, and `torch_cudnn_env` gives the environment that avoids it.
@@ -31,16 +32,11 @@ def te_attention_unverified(config) -> bool:
     return getattr(config, "softmax_type", "vanilla") != "vanilla" or bool(getattr(config, "window_size", None))
 
 
-def te_attention_refusal(section: str, fp8=None) -> str:
-    """The sentence that refuses `{section}.attention_backend=te`, or `{section}.fp8` (FP8 runs in TE's layers), for
-    such a model, with the fix."""
-    why = ("Transformer Engine's attention does not reproduce this model's attention sinks / sliding window (a "
-           "GPT-OSS model's logits differ from transformers')")
-    if fp8:
-        return (f"{section}.fp8={fp8} runs in Transformer Engine's layers, but {why}; set {section}.fp8=null, and "
-                f"{section}.attention_backend=auto runs the model on megatron-kd's SDPA / FlexAttention path")
-    return (f"{section}.attention_backend=te: {why}; set {section}.attention_backend=auto or sdpa, which run it on "
-            "megatron-kd's SDPA / FlexAttention path")
+def te_attention_refusal(section: str, fp8) -> str:
+    """The sentence that refuses `{section}.fp8` for such a model, with the fix."""
+    return (f"{section}.fp8={fp8}: FP8 has not been checked against bf16 for models with attention sinks / sliding "
+            f"windows (GPT-OSS); set {section}.fp8=null (the model then trains in bf16 on Transformer Engine's "
+            "layers with megatron-kd's sink / window attention)")
 
 
 def apex_wgrad_available() -> bool:
@@ -110,7 +106,7 @@ def _expert_te_row_linear():
     return ExpertTERowParallelLinear
 
 
-def _submodules(spec):
+def spec_submodules(spec):
     """A ModuleSpec's or (megatron-core 0.19) functools.partial's submodules."""
     return spec.submodules if hasattr(spec, "submodules") else spec.keywords["submodules"]
 
@@ -119,7 +115,7 @@ def fix_te_moe_spec(spec):
     """TE layer spec of a MoE model with sequential experts (moe_grouped_gemm=false): experts' linear_fc2 ->
     ExpertTERowParallelLinear (in place). Grouped experts and dense MLPs are left as they are."""
     try:
-        experts = _submodules(_submodules(_submodules(spec).mlp).experts)
+        experts = spec_submodules(spec_submodules(spec_submodules(spec).mlp).experts)
     except (AttributeError, KeyError, TypeError):
         return spec
     from megatron.core.extensions.transformer_engine import TERowParallelLinear

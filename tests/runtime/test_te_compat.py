@@ -130,31 +130,48 @@ def test_reexec_restarts_once_with_torch_cudnn_first(monkeypatch):
     assert len(calls) == 1
 
 
-# --- models whose attention TE's spec does not reproduce (sinks, sliding windows) ---------------------------------
+# --- models whose attention TE's core attention does not reproduce (sinks, sliding windows) -----------------------
 
 @pytest.mark.parametrize("fields, unverified", [
     ({}, False), ({"softmax_type": "learnable"}, True), ({"softmax_type": "off-by-one"}, True),
     ({"window_size": [127, 0], "window_attn_skip_freq": 2}, True)], ids=["plain", "sinks", "off_by_one", "window"])
-def test_auto_runs_sinks_and_windows_on_the_sdpa_path_where_te_imports(monkeypatch, fields, unverified):
+def test_te_spec_keeps_megatron_kd_core_attention_for_sinks_and_windows(monkeypatch, fields, unverified):
+    """Where TE imports, `auto` and `te` build TE's spec; a model with sinks or a window gets megatron-kd's core
+    attention in it (TE's spec itself needs TE, so the spec builder is observed here; tests/models/test_te_gpu.py
+    builds it on the GPU)."""
     from megatron_kd.models import builder
     assert te_compat.te_attention_unverified(_config(**fields)) is unverified
     monkeypatch.setattr(builder, "te_available", lambda: True)
+    seen = []
+    monkeypatch.setattr(builder, "te_spec", lambda *a: seen.append(a[-1]) or "spec")
+    for backend in ("auto", "te"):
+        m = _config(**fields)
+        m.attention_backend = backend
+        assert builder._backend(m) == "te"
+        assert builder.layer_spec(m) == "spec"
+    assert seen == [unverified, unverified]
+    monkeypatch.setattr(builder, "te_available", lambda: False)
     m = _config(**fields)
     m.attention_backend = "auto"
-    assert builder._backend(m) == ("sdpa" if unverified else "te")
-    m.attention_backend = "te"
-    if unverified:
-        with pytest.raises(RuntimeError, match="model.attention_backend=te: .*set model.attention_backend=auto"):
-            builder._backend(m)
-    else:
-        assert builder._backend(m) == "te"
-    monkeypatch.setattr(builder, "te_available", lambda: False)
-    m.attention_backend = "auto"
     assert builder._backend(m) == "sdpa"
+    m.attention_backend = "te"
+    with pytest.raises(RuntimeError, match="model.attention_backend=te but Transformer Engine does not import"):
+        builder._backend(m)
 
 
-@pytest.mark.parametrize("key, value", [("attention_backend", "te"), ("fp8", "hybrid")])
-def test_recipe_with_sinks_refuses_te_attention_and_fp8_naming_the_key(monkeypatch, key, value):
+def test_own_core_attention_replaces_the_core_attention_of_a_layer_spec():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron_kd.models.attention import SDPAttention
+    from megatron_kd.models.builder import own_core_attention
+    spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
+    assert te_compat.spec_submodules(te_compat.spec_submodules(spec).self_attention).core_attention \
+        is not SDPAttention
+    own_core_attention(spec, SDPAttention)
+    assert te_compat.spec_submodules(te_compat.spec_submodules(spec).self_attention).core_attention is SDPAttention
+
+
+@pytest.mark.parametrize("key, value", [("fp8", "hybrid")])
+def test_recipe_with_sinks_refuses_fp8_naming_the_key(monkeypatch, key, value):
     from megatron_kd.recipe import checks
     from megatron_kd.recipe.schema import RecipeError
     monkeypatch.setattr(checks, "te_available", lambda: True)
@@ -170,3 +187,12 @@ def test_recipe_with_sinks_refuses_te_attention_and_fp8_naming_the_key(monkeypat
         checks.check_model(m2, "teacher", 1)
     except RecipeError as e:
         assert "sinks" not in str(e), e
+
+
+def test_recipe_with_sinks_takes_te_layers(monkeypatch):
+    """attention_backend=te on a model with sinks / a window: TE's layers with megatron-kd's core attention."""
+    from megatron_kd.recipe import checks
+    monkeypatch.setattr(checks, "te_available", lambda: True)
+    m = _config(softmax_type="learnable", window_size=[127, 0], window_attn_skip_freq=2)
+    m.attention_backend = "te"
+    checks.check_model(m, "teacher", 1)

@@ -1,0 +1,250 @@
+"""Where Transformer Engine's layer spec departs from GPT-OSS's attention, on one GPU with TE.
+
+Part `core`: megatron-core's TEDotProductAttention and megatron-kd's SDPAttention against a float64 reference of
+the same math (causal, GQA, learned per-head sinks in the softmax denominator, a left window of W-1 keys on odd
+layers), for each feature alone and together, and for each of TE's attention backends TE will run (each in its own
+process: NVTE_FLASH_ATTN / NVTE_FUSED_ATTN / NVTE_UNFUSED_ATTN), with TE's own backend choice (NVTE_DEBUG) kept.
+Part `model`: a tiny GPT-OSS (2 layers, MoE, sinks, window, YaRN, clamped GLU) built by megatron-kd's builder on
+the SDPA spec, on TE's spec as megatron-core gives it (TE's core attention) and on megatron-kd's TE spec, same
+weights: max |logit difference| / max |logit|, with one feature turned off at a time.
+
+  source .whlte/device_install.sh && PYTHONPATH=$PYTHONPATH:$PWD python3 benchmarks/te_gptoss_check.py \\
+      --out $OUT/te_gptoss_check_h200.json
+  python3 benchmarks/te_gptoss_check.py --cpu-selfcheck   # the reference against SDPAttention, on a CPU
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+HEADS, GROUPS, DIM, SEQ, BATCH, WINDOW = 8, 2, 64, 256, 2, 16
+CORE_CASES = {
+    "vanilla": {},
+    "sinks": {"softmax_type": "learnable"},
+    "window": {"window_size": (WINDOW - 1, 0), "window_attn_skip_freq": 2},
+    "sinks_window": {"softmax_type": "learnable", "window_size": (WINDOW - 1, 0), "window_attn_skip_freq": 2},
+}
+BACKENDS = {
+    "default": {},
+    "flash": {"NVTE_FUSED_ATTN": "0", "NVTE_UNFUSED_ATTN": "0"},
+    "fused": {"NVTE_FLASH_ATTN": "0", "NVTE_UNFUSED_ATTN": "0"},
+    "unfused": {"NVTE_FLASH_ATTN": "0", "NVTE_FUSED_ATTN": "0"},
+}
+
+
+def reference(q, k, v, sink, window, scale):
+    """float64 attention. q [s, b, h, d], k/v [s, b, g, d], sink [h] or None, window: left keys or None
+    -> [s, b, h * d]."""
+    import torch
+    q, k, v = (x.double().permute(1, 2, 0, 3) for x in (q, k, v))  # [b, heads, s, d]
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    s = q.shape[2]
+    scores = (q @ k.transpose(-1, -2)) * scale
+    i = torch.arange(s, device=q.device)[:, None]
+    j = torch.arange(s, device=q.device)[None, :]
+    masked = j > i
+    if window is not None:
+        masked = masked | (j < i - window)
+    scores = scores.masked_fill(masked, float("-inf"))
+    if sink is not None:
+        col = sink.double().view(1, -1, 1, 1).expand(scores.shape[0], -1, s, 1)
+        lse = torch.logsumexp(torch.cat([scores, col], dim=-1), dim=-1, keepdim=True)
+    else:
+        lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    out = torch.exp(scores - lse) @ v
+    b, h, _, d = out.shape
+    return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
+
+
+def _config(dtype, **kw):
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    return TransformerConfig(num_layers=2, hidden_size=HEADS * DIM, num_attention_heads=HEADS,
+                             num_query_groups=GROUPS, kv_channels=DIM, attention_dropout=0.0, hidden_dropout=0.0,
+                             bf16=dtype == torch.bfloat16, params_dtype=dtype,
+                             use_cpu_initialization=not torch.cuda.is_available(), **kw)
+
+
+def _init(cuda):
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        torch.distributed.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    ps.initialize_model_parallel()
+    if cuda:
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
+
+
+def _err(a, ref):
+    return float((a.double() - ref).abs().max() / ref.abs().max())
+
+
+def core_child(cuda: bool) -> dict:
+    """Every core case on this process's TE backend (or only SDPAttention on a CPU): {case/layer: errors}."""
+    import torch
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron_kd.models.attention import SDPAttention
+    _init(cuda)
+    dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    out = {}
+    for name, kw in CORE_CASES.items():
+        cfg = _config(dtype, **kw)
+        for layer in (1, 2):
+            g = torch.Generator().manual_seed(layer)
+            q = torch.randn(SEQ, BATCH, HEADS, DIM, generator=g).to(dev, dtype)
+            k = torch.randn(SEQ, BATCH, GROUPS, DIM, generator=g).to(dev, dtype)
+            v = torch.randn(SEQ, BATCH, GROUPS, DIM, generator=g).to(dev, dtype)
+            sink = (torch.randn(HEADS, generator=g) * 2).to(dev, dtype) if "softmax_type" in kw else None
+            window = WINDOW - 1 if "window_size" in kw and layer % 2 == 1 else None
+            ref = reference(q, k, v, sink, window, DIM ** -0.5)
+            mods = {"sdpa": SDPAttention(cfg, layer, AttnMaskType.causal, "self")}
+            if cuda:
+                from megatron.core.extensions.transformer_engine import TEDotProductAttention
+                mods["te"] = TEDotProductAttention(cfg, layer_number=layer, attn_mask_type=AttnMaskType.causal,
+                                                   attention_type="self")
+            row = {"window": window, "sink": sink is not None}
+            for mname, mod in mods.items():
+                params = dict(mod.named_parameters())
+                if sink is not None:
+                    if "softmax_offset" not in params:
+                        row[mname] = f"no softmax_offset parameter; parameters: {sorted(params)}"
+                        continue
+                    with torch.no_grad():
+                        params["softmax_offset"].copy_(sink.reshape(params["softmax_offset"].shape))
+                try:
+                    with torch.no_grad():
+                        o = mod(q, k, v, None, attn_mask_type=AttnMaskType.causal)
+                    row[mname] = _err(o, ref)
+                except Exception as e:  # noqa: BLE001  (a backend that refuses the case: recorded)
+                    row[mname] = f"{type(e).__name__}: {str(e)[:300]}"
+            out[f"{name}/layer{layer}"] = row
+    return out
+
+
+def run_core(a) -> dict:
+    res = {}
+    for bname, env in BACKENDS.items():
+        e = dict(os.environ, **env, NVTE_DEBUG="1", NVTE_DEBUG_LEVEL="2")
+        p = subprocess.run([sys.executable, os.path.abspath(__file__), "--core-child"], env=e, capture_output=True,
+                           text=True, timeout=a.child_s)
+        lines = (p.stdout + p.stderr).splitlines()
+        got = [ln for ln in lines if ln.startswith("RESULT ")]
+        picked = sorted({ln.split("Selected backend")[-1].strip()[:80] for ln in lines if "Selected backend" in ln})
+        res[bname] = {"env": env, "rc": p.returncode, "selected": picked,
+                      "cases": json.loads(got[-1][7:]) if got else None,
+                      "tail": None if got else lines[-15:]}
+        print(bname, json.dumps(res[bname])[:2000], flush=True)
+    return res
+
+
+def _gpt_oss(backend, **change):
+    from megatron_kd.recipe.schema import ModelConfig
+    kw = dict(num_layers=2, hidden_size=256, ffn_hidden_size=256, num_attention_heads=8, num_query_groups=2,
+              kv_channels=64, normalization="RMSNorm", activation="quick_geglu", activation_func_clamp_value=7.0,
+              glu_linear_offset=1.0, add_bias_linear=True, add_qkv_bias=True, position_embedding_type="yarn",
+              rotary_base=150000, yarn=dict(rotary_scaling_factor=32.0, original_max_position_embeddings=4096,
+                                            beta_fast=32.0, beta_slow=1.0, mscale=None, mscale_all_dim=None,
+                                            correction_range_round_to_int=False),
+              softmax_type="learnable", window_size=[15, 0], window_attn_skip_freq=2, tie_embeddings=False,
+              num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=256, moe_grouped_gemm=False,
+              attention_backend=backend, megatron={"moe_token_dispatcher_type": "allgather"})
+    kw.update(change)
+    return ModelConfig(**kw)
+
+
+def _copy(src, dst):
+    def key(n):
+        return (n.replace("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight")
+                 .replace("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"))
+    import torch
+    d = dict(dst.named_parameters())
+    s = {(n if n in d else key(n)): p for n, p in src.named_parameters()}
+    with torch.no_grad():
+        for n, p in d.items():
+            if n in s:
+                p.copy_(s[n].reshape(p.shape))
+    return sorted(set(d) - set(s))
+
+
+def run_model(a) -> dict:
+    import torch
+    from megatron_kd.models import builder
+    from megatron_kd.recipe.schema import ParallelConfig
+    from megatron_kd.runtime import te_compat
+    _init(True)
+    variants = {"all": {}, "no_sinks": {"softmax_type": "vanilla"},
+                "no_window": {"window_size": None, "window_attn_skip_freq": None},
+                "rope_not_yarn": {"position_embedding_type": "rope", "yarn": None},
+                "dense": {"num_moe_experts": None, "moe_router_topk": 2, "moe_ffn_hidden_size": None,
+                          "megatron": {}}}
+    toks = torch.randint(0, 512, (2, 128), generator=torch.Generator().manual_seed(7)).cuda()
+    pos = torch.arange(128, device="cuda").expand_as(toks)
+    real = te_compat.te_attention_unverified
+    out = {}
+    for name, ch in variants.items():
+        row = {}
+        try:
+            torch.manual_seed(0)
+            ref = builder.build_gpt(_gpt_oss("sdpa", **ch), ParallelConfig(), 512, 128, "bf16")
+            with torch.no_grad():
+                a_ = ref(toks, pos, None).float()
+            for arm in ("te_core_attention", "megatron_kd_te_spec"):
+                te_compat.te_attention_unverified = (lambda c: False) if arm == "te_core_attention" else real
+                try:
+                    torch.manual_seed(0)
+                    m = builder.build_gpt(_gpt_oss("te", **ch), ParallelConfig(), 512, 128, "bf16")
+                finally:
+                    te_compat.te_attention_unverified = real
+                missing = _copy(ref, m)
+                with torch.no_grad():
+                    b_ = m(toks, pos, None).float()
+                row[arm] = {"err": float((a_ - b_).abs().max() / a_.abs().max()), "missing": missing,
+                            "core_attention": type(m.decoder.layers[0].self_attention.core_attention).__name__}
+                del m
+            del ref
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        out[name] = row
+        print(name, json.dumps(row), flush=True)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--parts", nargs="+", default=["core", "model"], choices=["core", "model"])
+    ap.add_argument("--child-s", type=float, default=120)
+    ap.add_argument("--core-child", action="store_true")
+    ap.add_argument("--cpu-selfcheck", action="store_true")
+    a = ap.parse_args()
+    if a.core_child or a.cpu_selfcheck:
+        import torch
+        res = core_child(torch.cuda.is_available() and not a.cpu_selfcheck)
+        print("RESULT " + json.dumps(res), flush=True)
+        if a.cpu_selfcheck:
+            bad = {k: r["sdpa"] for k, r in res.items() if not (isinstance(r["sdpa"], float) and r["sdpa"] < 1e-4)}
+            print("selfcheck:", "ok" if not bad else f"FAILED {bad}")
+            sys.exit(1 if bad else 0)
+        return
+    from long_context import env_info  # noqa: E402  (benchmarks/)
+    out = {"benchmark": "TE spec vs GPT-OSS attention", "env": env_info()}
+    if "core" in a.parts:
+        out["core"] = run_core(a)
+    if "model" in a.parts:
+        out["model"] = run_model(a)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    main()

@@ -7,6 +7,10 @@ process: NVTE_FLASH_ATTN / NVTE_FUSED_ATTN / NVTE_UNFUSED_ATTN), with TE's own b
 Part `model`: a tiny GPT-OSS (2 layers, MoE, sinks, window, YaRN, clamped GLU) built by megatron-kd's builder on
 the SDPA spec, on TE's spec as megatron-core gives it (TE's core attention) and on megatron-kd's TE spec, same
 weights: max |logit difference| / max |logit|, with one feature turned off at a time.
+Part `hf`: a tiny GPT-OSS Hugging Face checkpoint (4 layers, sliding / full, sinks, YaRN, biased experts) through
+Megatron-Bridge as `megatron-kd` builds it (`build_hf_chunks`), against transformers' fp32 logits: SDPA spec, TE
+spec (with and without TE's core attention), fp32 and bf16, and the TE spec with each of the provider's fusions
+turned off in turn (the fusions `fused=True` keeps under TE), to locate a departure in the HF path.
 
   source .whlte/device_install.sh && PYTHONPATH=$PYTHONPATH:$PWD python3 benchmarks/te_gptoss_check.py \\
       --out $OUT/te_gptoss_check_h200.json
@@ -217,10 +221,72 @@ def run_model(a) -> dict:
     return out
 
 
+def run_hf(a) -> dict:
+    import tempfile
+
+    import torch
+    sys.path.insert(0, os.path.join(ROOT, "tests", "hf"))
+    import tiny  # noqa: E402  (tests/hf/tiny.py: random tiny HF checkpoints)
+    from transformers import AutoModelForCausalLM
+
+    from megatron_kd.hf.model import FUSIONS
+    from megatron_kd.models.builder import build_hf_chunks
+    from megatron_kd.recipe.schema import ModelConfig, ParallelConfig
+    from megatron_kd.runtime import te_compat
+    cuda = torch.cuda.is_available()
+    dev = "cuda" if cuda else "cpu"
+    _init(cuda)
+    seq = 64
+    full, sliding = "full_attention", "sliding_attention"
+    hf_dir = tempfile.mkdtemp(prefix="te_gptoss_hf_")
+    tiny.make_hf(hf_dir, "gptoss", hidden=256, heads=4, kv_heads=2, ffn=256, seed=3, layers=4,
+                 config={"layer_types": [sliding, full] * 2})
+    toks = torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(5)).to(dev)
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(dev).eval()
+    with torch.no_grad():
+        ref = hf(toks).logits.float()
+    del hf
+    real = te_compat.te_attention_unverified
+
+    def err(backend, precision, grouped, megatron=None, te_core=False):
+        te_compat.te_attention_unverified = (lambda c: False) if te_core else real
+        try:
+            m = ModelConfig(hf_path=hf_dir, attention_backend=backend,
+                            megatron={"moe_grouped_gemm": grouped, **(megatron or {})})
+            chunks, _ = build_hf_chunks(m, ParallelConfig(etp=1), seq, precision)
+        finally:
+            te_compat.te_attention_unverified = real
+        model = chunks[0].eval()
+        pos = torch.arange(seq, device=dev).expand_as(toks)
+        with torch.no_grad():
+            logits = model(input_ids=toks, position_ids=pos, attention_mask=None).float()[..., :ref.shape[-1]]
+        fus = {k: getattr(model.config, k, None) for k in FUSIONS}
+        return {"err": float((logits - ref).abs().max() / ref.abs().max()),
+                "core_attention": type(model.decoder.layers[0].self_attention.core_attention).__name__,
+                "fusions_on": sorted(k for k, v in fus.items() if v)}
+
+    out = {}
+    arms = [(f"{b}_{p}_{'grouped' if g else 'sequential'}", dict(backend=b, precision=p, grouped=g))
+            for g in (False, True) for p in ("fp32", "bf16") for b in ("sdpa", "te")]
+    arms += [(f"te_core_attention_{p}_grouped", dict(backend="te", precision=p, grouped=True, te_core=True))
+             for p in ("fp32", "bf16")]
+    arms += [(f"te_fp32_grouped_no_{k}", dict(backend="te", precision="fp32", grouped=True, megatron={k: False}))
+             for k in FUSIONS]
+    for name, kw in arms:
+        try:
+            out[name] = err(**kw)
+        except Exception as e:  # noqa: BLE001
+            out[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        print(name, json.dumps(out[name]), flush=True)
+        if cuda:
+            torch.cuda.empty_cache()
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
-    ap.add_argument("--parts", nargs="+", default=["core", "model"], choices=["core", "model"])
+    ap.add_argument("--parts", nargs="+", default=["core", "model"], choices=["core", "model", "hf"])
     ap.add_argument("--child-s", type=float, default=120)
     ap.add_argument("--core-child", action="store_true")
     ap.add_argument("--cpu-selfcheck", action="store_true")
@@ -240,6 +306,8 @@ def main():
         out["core"] = run_core(a)
     if "model" in a.parts:
         out["model"] = run_model(a)
+    if "hf" in a.parts:
+        out["hf"] = run_hf(a)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)

@@ -6,7 +6,8 @@ Parts (--parts picks; each writes into one JSON, rewritten after every arm so a 
           of the backend or fusions; for each --recompute count R (layers recomputed), arms named *_rR:
             sdpa_no_te      TE not importable (its folder off PYTHONPATH): auto -> SDPA; the first builds the cache
             te_bf16         TE importable: auto -> TE's spec; the first also builds a cache with a TE teacher
-            te_fp8[_RECIPE] TE, model.fp8=hybrid model.fp8_recipe=RECIPE, one arm per --fp8-arms RECIPE:R
+            te_fp8[_RECIPE] TE, model.fp8=hybrid model.fp8_recipe=RECIPE, one arm per --fp8-arms RECIPE:R (:dpa adds
+                            TE's FP8 attention, megatron-core's fp8_dot_product_attention)
             sdpa_te_user    TE importable, model.attention_backend=sdpa, torch's cuDNN NOT first on LD_LIBRARY_PATH
                             (what a pip install of TE gives): megatron-kd's restart puts it first
             sdpa_te_clash   (--clash-arm) the same with the restart off (MEGATRON_KD_NO_CUDNN_REEXEC=1)
@@ -146,11 +147,12 @@ def part_user(a, out, E, deadline):
                 deadline)
         run_arm(f"te_bf16_r{r}", [*base, f"model.recompute_num_layers={r}", f"kd.cache={c1}"], E["te"], a, out,
                 deadline)
-    for arm in a.fp8_arms:  # RECIPE:R[:exp], e.g. tensorwise:6, delayed:4:exp
+    for arm in a.fp8_arms:  # RECIPE:R[:exp][:dpa], e.g. tensorwise:6, delayed:4:exp
         recipe, r, *more = arm.split(":")
         name = (f"te_fp8_r{r}" if recipe == "tensorwise" else f"te_fp8_{recipe}_r{r}") + "".join(f"_{m}" for m in more)
         env = dict(E["te"], PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True") if "exp" in more else E["te"]
-        run_arm(name, [*base, f"model.recompute_num_layers={r}", f"kd.cache={c1}", *fp8(recipe)], env, a, out,
+        dpa = ["model.megatron.fp8_dot_product_attention=true"] if "dpa" in more else []
+        run_arm(name, [*base, f"model.recompute_num_layers={r}", f"kd.cache={c1}", *fp8(recipe), *dpa], env, a, out,
                 deadline)
     if a.sdpa_te_arm:
         sdpa = [*base, f"model.recompute_num_layers={r0}", f"kd.cache={c1}", "model.attention_backend=sdpa"]
@@ -196,7 +198,11 @@ def part_fp8(a, out, E, deadline):
             "train.save_interval=null", "train.save_at_end=false", "train.log_interval=1", "train.progress=false",
             "train.tensorboard=false", *shape]
     run_arm("fp8_curve_bf16", base, E["te"], a, out, deadline)
-    run_arm("fp8_curve_fp8", [*base, "model.fp8=hybrid", "model.fp8_recipe=tensorwise"], E["te"], a, out, deadline)
+    recipe, *more = a.fp8_curve.split(":")
+    dpa = ["model.megatron.fp8_dot_product_attention=true"] if "dpa" in more else []
+    out["fp8_curve_recipe"] = a.fp8_curve
+    run_arm("fp8_curve_fp8", [*base, "model.fp8=hybrid", f"model.fp8_recipe={recipe}", *dpa], E["te"], a, out,
+            deadline)
 
 
 FP8_TOL_EVERY, FP8_TOL_END = 0.02, 0.005  # |FP8 - bf16| / bf16 held-out CE: at every evaluation, at the last
@@ -251,8 +257,9 @@ def main():
     ap.add_argument("--arm-s", type=float, default=150, help="cut one arm at this many seconds")
     ap.add_argument("--recompute", type=int, nargs="+", default=[12], help="recomputed layers of the user arms")
     ap.add_argument("--fp8-arms", nargs="*", default=["tensorwise:12"],
-                    help="FP8 arms of the user part as RECIPE:R[:exp] (model.fp8_recipe, recomputed layers; exp: "
-                         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)")
+                    help="FP8 arms of the user part as RECIPE:R[:exp][:dpa] (model.fp8_recipe, recomputed layers; exp: "
+                         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; dpa: TE's FP8 attention too)")
+    ap.add_argument("--fp8-curve", default="tensorwise", help="the fp8 part's FP8 arm as RECIPE[:dpa]")
     ap.add_argument("--te-cache", action=argparse.BooleanOptionalAction, default=True,
                     help="the first TE arm also builds a cache with a TE teacher")
     ap.add_argument("--sdpa-te-arm", action=argparse.BooleanOptionalAction, default=True,

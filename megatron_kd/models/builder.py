@@ -59,14 +59,21 @@ def transformer_config(m: ModelConfig, p: ParallelConfig, precision: str = "fp32
         masked_softmax_fusion=False,
         persist_layer_norm=False,
     )
-    if m.fp8:  # TE's FP8 for the transformer layers; the output layer and the fused loss stay in bf16
-        kw.update(fp8=m.fp8, fp8_recipe=m.fp8_recipe)
+    kw.update(fp8_kwargs(m))
     from . import gpt_oss  # gpt-oss: sinks, window, clamped GLU, YaRN
     kw.update(gpt_oss.config_kwargs(m))
     kw.update(m.megatron or {})
     config = TransformerConfig(**kw)
     gpt_oss.apply_yarn(config, m)
     return config
+
+
+def fp8_kwargs(m: ModelConfig) -> dict:
+    """TE's FP8 for the transformer layers (and TE's attention if asked); the output layer and the fused loss stay
+    in bf16. Both the recipe builder and Bridge's provider (HF checkpoints) take these fields."""
+    if not m.fp8:
+        return {}
+    return dict(fp8=m.fp8, fp8_recipe=m.fp8_recipe, fp8_dot_product_attention=bool(m.fp8_attention))
 
 
 def _backend(m: ModelConfig) -> str:
@@ -175,7 +182,7 @@ def build_hf_chunks(m: ModelConfig, p: ParallelConfig, seq_length: int, precisio
     return hf.build(
         p, load_weights=load_weights, precision=precision, seq_length=seq_length, layer_spec=spec,
         fused=backend == "te" and torch.cuda.is_available(), make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
-        overrides=m.megatron, recompute=recompute)
+        overrides={**fp8_kwargs(m), **(m.megatron or {})}, recompute=recompute)
 
 
 def build_model_chunks(m: ModelConfig, p: ParallelConfig, vocab_size: int, seq_length: int, precision: str):

@@ -67,6 +67,8 @@ def check_model(m: ModelConfig, section: str, tp: int) -> None:
 def check_fp8(m: ModelConfig, section: str) -> None:
     """FP8 runs in Transformer Engine's layers only, and each scaling recipe on the GPUs that have it."""
     if m.fp8 is None:
+        _need(not m.fp8_attention, f"{section}.fp8_attention=true needs FP8 layers: set {section}.fp8=hybrid "
+              f"(and {section}.fp8_recipe=delayed), or {section}.fp8_attention=false")
         return
     _need(m.fp8 in FP8_FORMATS, f"{section}.fp8={m.fp8!r}: use one of {FP8_FORMATS} (or null for bf16)")
     _need(m.fp8_recipe in FP8_RECIPES, f"{section}.fp8_recipe={m.fp8_recipe!r}: use one of {FP8_RECIPES}")
@@ -75,6 +77,10 @@ def check_fp8(m: ModelConfig, section: str) -> None:
           f"{section}.fp8=null")
     _need(te_available(), f"{section}.fp8={m.fp8} needs Transformer Engine on a GPU, which does not import here; "
           f"set {section}.fp8=null (bf16), or run in a container with TE (NeMo / Megatron-Bridge)")
+    _need(not m.fp8_attention or m.fp8_recipe == "delayed",
+          f"{section}.fp8_attention=true with {section}.fp8_recipe={m.fp8_recipe}: Transformer Engine's FP8 "
+          f"attention runs with delayed scaling only (it has no backend for {m.fp8_recipe}); set "
+          f"{section}.fp8_recipe=delayed, or {section}.fp8_attention=false")
     if m.fp8_recipe == "mxfp8":
         major = torch.cuda.get_device_capability()[0]
         _need(major >= 10, f"{section}.fp8_recipe=mxfp8 needs a Blackwell GPU (compute capability 10+; this one "

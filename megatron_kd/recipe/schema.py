@@ -65,6 +65,9 @@ class ModelConfig:
     # | e4m3. The embedding, the output layer and the fused KD loss stay in bf16.
     fp8: Optional[str] = None
     fp8_recipe: str = "tensorwise"               # Hopper: tensorwise (current scaling) | delayed | blockwise
+    # Transformer Engine's FP8 attention (cuDNN) as well; with fp8_recipe=delayed (TE has no FP8 attention for
+    # current scaling on Hopper). Not for models with attention sinks / sliding windows.
+    fp8_attention: bool = False
     recompute_granularity: Optional[str] = None  # null | full | selective
     recompute_method: Optional[str] = None       # uniform | block (with full)
     recompute_num_layers: Optional[int] = None

@@ -196,3 +196,57 @@ def test_recipe_with_sinks_takes_te_layers(monkeypatch):
     m = _config(softmax_type="learnable", window_size=[127, 0], window_attn_skip_freq=2)
     m.attention_backend = "te"
     checks.check_model(m, "teacher", 1)
+
+
+def test_fp8_attention_is_checked_by_name(monkeypatch):
+    """model.fp8_attention needs FP8 layers and the delayed recipe (TE has no FP8 attention backend for current
+    scaling on Hopper): refused by name before any work; fp8=hybrid, fp8_recipe=delayed passes."""
+    from megatron_kd.recipe import checks
+    from megatron_kd.recipe.schema import RecipeError
+    monkeypatch.setattr(checks, "te_available", lambda: True)
+    m = _config()
+    m.attention_backend = "auto"
+    m.fp8_attention = True
+    with pytest.raises(RecipeError, match=r"^model\.fp8_attention=true needs FP8 layers: set model\.fp8=hybrid"):
+        checks.check_model(m, "model", 1)
+    m.fp8 = "hybrid"
+    for recipe in ("tensorwise", "blockwise"):
+        m.fp8_recipe = recipe
+        with pytest.raises(RecipeError, match=rf"^model\.fp8_attention=true with model\.fp8_recipe={recipe}: .*"
+                                              r"set model\.fp8_recipe=delayed"):
+            checks.check_model(m, "model", 1)
+    m.fp8_recipe = "delayed"
+    checks.check_model(m, "model", 1)
+
+
+def test_fp8_fields_reach_both_builders():
+    """The recipe builder's TransformerConfig and Bridge's provider (HF checkpoints, through the overrides) get
+    the same FP8 fields; without model.fp8 none (bf16)."""
+    from megatron_kd.models.builder import fp8_kwargs
+    m = _config()
+    assert fp8_kwargs(m) == {}
+    m.fp8, m.fp8_recipe, m.fp8_attention = "hybrid", "delayed", True
+    assert fp8_kwargs(m) == dict(fp8="hybrid", fp8_recipe="delayed", fp8_dot_product_attention=True)
+
+
+def test_hf_students_get_fp8_through_the_provider(monkeypatch):
+    """An HF checkpoint's student with model.fp8 is built by Bridge's provider with the FP8 fields (it trained in
+    bf16 with no word when they were not passed); model.megatron still wins over them."""
+    from megatron_kd.hf import model as hf_model
+    from megatron_kd.models import builder
+    from megatron_kd.recipe.schema import ParallelConfig
+    seen = {}
+
+    class FakeHF:
+        def build(self, p, **kw):
+            seen.update(kw)
+            return [], None
+    monkeypatch.setattr(hf_model, "open_hf", lambda path, key: FakeHF())
+    monkeypatch.setattr(builder, "_backend", lambda m: "te")
+    m = _config(hf_path="/x", fp8="hybrid", fp8_recipe="delayed", fp8_attention=True,
+                megatron={"fp8_recipe": "tensorwise", "moe_grouped_gemm": True})
+    builder.build_hf_chunks(m, ParallelConfig(), 128, "bf16")
+    assert seen["overrides"] == dict(fp8="hybrid", fp8_recipe="tensorwise", fp8_dot_product_attention=True,
+                                     moe_grouped_gemm=True)
+    builder.build_hf_chunks(_config(hf_path="/x"), ParallelConfig(), 128, "bf16")
+    assert seen["overrides"] == {}

@@ -82,6 +82,8 @@ def _init(cuda):
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
         torch.distributed.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    if ps.model_parallel_is_initialized():  # an earlier part of this process made the groups
+        return
     ps.initialize_model_parallel()
     if cuda:
         tensor_parallel.model_parallel_cuda_manual_seed(1234)
@@ -194,30 +196,32 @@ def run_model(a) -> dict:
     real = te_compat.te_attention_unverified
     out = {}
     for name, ch in variants.items():
-        row = {}
-        try:
-            torch.manual_seed(0)
-            ref = builder.build_gpt(_gpt_oss("sdpa", **ch), ParallelConfig(), 512, 128, "bf16")
-            with torch.no_grad():
-                a_ = ref(toks, pos, None).float()
-            for arm in ("te_core_attention", "megatron_kd_te_spec"):
-                te_compat.te_attention_unverified = (lambda c: False) if arm == "te_core_attention" else real
-                try:
-                    torch.manual_seed(0)
-                    m = builder.build_gpt(_gpt_oss("te", **ch), ParallelConfig(), 512, 128, "bf16")
-                finally:
-                    te_compat.te_attention_unverified = real
-                missing = _copy(ref, m)
+        for precision in ("fp32", "bf16"):
+            row = {}
+            try:
+                torch.manual_seed(0)
+                ref = builder.build_gpt(_gpt_oss("sdpa", **ch), ParallelConfig(), 512, 128, precision)
                 with torch.no_grad():
-                    b_ = m(toks, pos, None).float()
-                row[arm] = {"err": float((a_ - b_).abs().max() / a_.abs().max()), "missing": missing,
-                            "core_attention": type(m.decoder.layers[0].self_attention.core_attention).__name__}
-                del m
-            del ref
-        except Exception as e:  # noqa: BLE001
-            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-        out[name] = row
-        print(name, json.dumps(row), flush=True)
+                    a_ = ref(toks, pos, None).float()
+                for arm in ("te_core_attention", "megatron_kd_te_spec"):
+                    te_compat.te_attention_unverified = (lambda c: False) if arm == "te_core_attention" else real
+                    try:
+                        torch.manual_seed(0)
+                        m = builder.build_gpt(_gpt_oss("te", **ch), ParallelConfig(), 512, 128, precision)
+                    finally:
+                        te_compat.te_attention_unverified = real
+                    missing = _copy(ref, m)
+                    with torch.no_grad():
+                        b_ = m(toks, pos, None).float()
+                    row[arm] = {"err": float((a_ - b_).abs().max() / a_.abs().max()),
+                                "err_mean": float((a_ - b_).abs().mean() / a_.abs().mean()), "missing": missing,
+                                "core_attention": type(m.decoder.layers[0].self_attention.core_attention).__name__}
+                    del m
+                del ref
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+            out[f"{name}_{precision}"] = row
+            print(f"{name}_{precision}", json.dumps(row), flush=True)
     return out
 
 
@@ -245,7 +249,11 @@ def run_hf(a) -> dict:
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(dev).eval()
     with torch.no_grad():
         ref = hf(toks).logits.float()
+        hf16 = hf.to(torch.bfloat16)(toks).logits.float()  # transformers' own bf16 rounding: the yardstick
     del hf
+    out = {"transformers_bf16": {"err": float((hf16 - ref).abs().max() / ref.abs().max()),
+                                 "err_mean": float((hf16 - ref).abs().mean() / ref.abs().mean())}}
+    print("transformers_bf16", json.dumps(out["transformers_bf16"]), flush=True)
     real = te_compat.te_attention_unverified
 
     def err(backend, precision, grouped, megatron=None, te_core=False):
@@ -262,10 +270,10 @@ def run_hf(a) -> dict:
             logits = model(input_ids=toks, position_ids=pos, attention_mask=None).float()[..., :ref.shape[-1]]
         fus = {k: getattr(model.config, k, None) for k in FUSIONS}
         return {"err": float((logits - ref).abs().max() / ref.abs().max()),
+                "err_mean": float((logits - ref).abs().mean() / ref.abs().mean()),
                 "core_attention": type(model.decoder.layers[0].self_attention.core_attention).__name__,
                 "fusions_on": sorted(k for k, v in fus.items() if v)}
 
-    out = {}
     arms = [(f"{b}_{p}_{'grouped' if g else 'sequential'}", dict(backend=b, precision=p, grouped=g))
             for g in (False, True) for p in ("fp32", "bf16") for b in ("sdpa", "te")]
     arms += [(f"te_core_attention_{p}_grouped", dict(backend="te", precision=p, grouped=True, te_core=True))

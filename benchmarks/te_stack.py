@@ -7,7 +7,7 @@ Parts (--parts picks; each writes into one JSON, rewritten after every arm so a 
             sdpa_no_te      TE not importable (its folder off PYTHONPATH): auto -> SDPA; the first builds the cache
             te_bf16         TE importable: auto -> TE's spec; the first also builds a cache with a TE teacher
             te_fp8[_RECIPE] TE, model.fp8=hybrid model.fp8_recipe=RECIPE, one arm per --fp8-arms RECIPE:R (:dpa adds
-                            TE's FP8 attention, megatron-core's fp8_dot_product_attention)
+                            TE's FP8 attention: model.fp8_attention=true)
             sdpa_te_user    TE importable, model.attention_backend=sdpa, torch's cuDNN NOT first on LD_LIBRARY_PATH
                             (what a pip install of TE gives): megatron-kd's restart puts it first
             sdpa_te_clash   (--clash-arm) the same with the restart off (MEGATRON_KD_NO_CUDNN_REEXEC=1)
@@ -151,7 +151,7 @@ def part_user(a, out, E, deadline):
         recipe, r, *more = arm.split(":")
         name = (f"te_fp8_r{r}" if recipe == "tensorwise" else f"te_fp8_{recipe}_r{r}") + "".join(f"_{m}" for m in more)
         env = dict(E["te"], PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True") if "exp" in more else E["te"]
-        dpa = ["model.megatron.fp8_dot_product_attention=true"] if "dpa" in more else []
+        dpa = ["model.fp8_attention=true"] if "dpa" in more else []
         run_arm(name, [*base, f"model.recompute_num_layers={r}", f"kd.cache={c1}", *fp8(recipe), *dpa], env, a, out,
                 deadline)
     if a.sdpa_te_arm:
@@ -199,7 +199,7 @@ def part_fp8(a, out, E, deadline):
             "train.tensorboard=false", *shape]
     run_arm("fp8_curve_bf16", base, E["te"], a, out, deadline)
     recipe, *more = a.fp8_curve.split(":")
-    dpa = ["model.megatron.fp8_dot_product_attention=true"] if "dpa" in more else []
+    dpa = ["model.fp8_attention=true"] if "dpa" in more else []
     out["fp8_curve_recipe"] = a.fp8_curve
     run_arm("fp8_curve_fp8", [*base, "model.fp8=hybrid", f"model.fp8_recipe={recipe}", *dpa], E["te"], a, out,
             deadline)

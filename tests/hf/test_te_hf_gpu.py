@@ -5,9 +5,10 @@ A fresh random tiny Llama 3 checkpoint (its RoPE scaling) is built by megatron-k
 bf16 tolerance: the TE spec's largest logit error, relative to the largest logit, is under 3e-2, and at most twice
 the SDPA spec's error plus 5e-3 (the two specs round differently, but a missing RoPE factor shows as an error of
 the logits' own size). GPT-OSS checkpoints (learned sinks, alternate sliding-window / full layers, YaRN, biased
-experts, sequential and grouped), whose attention TE's own core attention does not reproduce: `te` builds TE's
-layers with megatron-kd's core attention; its error is under 0.1 and within 1e-2 of `sdpa`'s (bf16 through random
-experts with large weights).
+experts, sequential and grouped): in fp32 both specs give transformers' logits (largest error under 5e-3 of the
+largest logit: TE's fp32 GEMMs may round through TF32); in bf16 a random top-2 router flips experts for some
+tokens, so the largest error says little and the yardstick is transformers' own bf16 run of the same checkpoint:
+the TE spec's mean error is at most twice transformers' own plus 5e-3, and at most twice the SDPA spec's plus 5e-3.
 
 Run on the device (Bridge and TE installed):
   PYTHONPATH=/tmp/te_site:/tmp/site:$PWD python3 -m pytest -q -m gpu tests/hf/test_te_hf_gpu.py"""
@@ -27,16 +28,18 @@ CASES = {  # name: (arch, make_hf keyword arguments)
 }
 
 
-def _error(hf_dir, backend, grouped, tokens, ref):
+def _error(hf_dir, backend, grouped, tokens, ref, precision="bf16", mean=False):
     from megatron_kd.models.builder import build_hf_chunks
     from megatron_kd.recipe.schema import ModelConfig, ParallelConfig
     m = ModelConfig(hf_path=hf_dir, attention_backend=backend,
                     megatron={"moe_grouped_gemm": grouped} if "gptoss" in hf_dir else {})
-    chunks, _ = build_hf_chunks(m, ParallelConfig(etp=1), SEQ, "bf16")
+    chunks, _ = build_hf_chunks(m, ParallelConfig(etp=1), SEQ, precision)
     model = chunks[0].eval()
     pos = torch.arange(SEQ, device="cuda").expand_as(tokens)
     with torch.no_grad():
         logits = model(input_ids=tokens, position_ids=pos, attention_mask=None).float()[..., :ref.shape[-1]]
+    if mean:
+        return ((logits - ref).abs().mean() / ref.abs().mean()).item()
     return ((logits - ref).abs().max() / ref.abs().max()).item()
 
 
@@ -51,13 +54,18 @@ def test_te_spec_logits_match_transformers(mcore_te_gpu, tmp_path, case):
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).cuda().eval()
     with torch.no_grad():
         ref = hf(tokens).logits.float()
+        own = hf.to(torch.bfloat16)(tokens).logits.float()
     del hf
     grouped = case.endswith("grouped")
+    if arch == "gptoss":
+        fp32 = {b: _error(hf_dir, b, grouped, tokens, ref, "fp32") for b in ("te", "sdpa")}
+        bf16 = {b: _error(hf_dir, b, grouped, tokens, ref, "bf16", mean=True) for b in ("te", "sdpa")}
+        own_mean = ((own - ref).abs().mean() / ref.abs().mean()).item()
+        print(f"{case}: fp32 max error {fp32}; bf16 mean error {bf16}, transformers' own bf16 {own_mean:.3g}")
+        assert fp32["te"] < 5e-3 and fp32["sdpa"] < 5e-3, fp32
+        assert bf16["te"] <= 2 * own_mean + 5e-3 and bf16["te"] <= 2 * bf16["sdpa"] + 5e-3, (bf16, own_mean)
+        return
     sdpa = _error(hf_dir, "sdpa", grouped, tokens, ref)
     te = _error(hf_dir, "te", grouped, tokens, ref)
-    if arch == "gptoss":
-        print(f"{case}: max |logit - transformers' fp32| / max |logit|: te {te:.3g}, sdpa {sdpa:.3g}")
-        assert te < 0.1 and abs(te - sdpa) < 1e-2, (te, sdpa)
-        return
     print(f"{case}: max |logit - transformers' fp32| / max |logit|: te {te:.3g}, sdpa {sdpa:.3g}")
     assert te < 3e-2 and te <= 2 * sdpa + 5e-3, f"{case}: TE spec {te:.3g} vs SDPA spec {sdpa:.3g}"

@@ -10,7 +10,10 @@ and at TP=2 names the same ids whenever the two layouts produce the same logits.
 The local top-K ranks the logits in their own dtype: torch.topk of K + slack candidates per row (a 16-bit radix
 select on bf16 logits, against a 64-bit one over int64 keys of every logit), then the exact (value, id) keys of
 those candidates only. The candidates hold every logit the exact rule could pick unless the row's K-th value ties
-with its last candidate; such rows are rare, and their chunk is redone with keys over the whole row. The
+with its last candidate; such rows are rare, and their chunk is redone with keys over the whole row. Wide rows (a
+201K-id vocabulary) take those K + slack candidates from the columns of the K + slack blocks of 64 ids with the
+largest maxima (_block_topk): one read of the row for the block maxima replaces the radix select's passes over it,
+and the candidates' values are the same. The
 log-sum-exp reads the logits once (kernels.sumexp on CUDA). Chunks run without host syncs: the ties and
 non-finite logits are flagged on the device and looked at once, after the last chunk.
 """
@@ -24,6 +27,9 @@ from .vocab import VocabShard
 
 _LOW = 1 << 32
 _EMPTY = torch.iinfo(torch.int64).min  # key of a padding candidate (a shard with fewer than K valid ids)
+# Columns per block of the wide-row prefilter (_block_topk): small enough that the kept blocks hold few columns
+# (kk x 64 of a 201K-id row), large enough that the block maxima are a small array to rank.
+BLOCK = 64
 
 
 def candidates(k: int) -> int:
@@ -81,14 +87,57 @@ def _local_exact(v: torch.Tensor, k: int, start: int):
     return _pad(local, k), m, torch.zeros(n, dtype=torch.bool, device=u.device)
 
 
+def _blocks_pay(width: int, kk: int) -> bool:
+    """Whether the block prefilter is worth it: the row must hold many more blocks than the kk it keeps (below,
+    the block maxima and the gather cost about what the plain top-kk saves)."""
+    return width >= 4 * kk * BLOCK
+
+
+def _block_topk(v: torch.Tensor, kk: int):
+    """The kk largest values of each row of v [n, W] (sorted, descending) and their columns, as v.topk(kk) gives
+    them, through a prefilter: the row's full blocks of BLOCK columns are ranked by their max, and the top-kk runs
+    only over the columns of the kk best blocks plus the last partial block (if W % BLOCK). Only ties at the kk-th
+    value may come out in another order than v.topk's, which never changes a result (see _local_fast).
+
+    Why nothing is lost. Let t be the row's kk-th largest value (with multiplicity), so fewer than kk of its values
+    are > t. Every selected block's max is >= the max of every block left out (the block top-kk), in v's dtype,
+    the order the final top-kk uses.
+    (a) Every value x > t lies in the candidates: if x sat in a block left out, that block's max would be >= x > t,
+        so each of the kk selected blocks would hold a max > t: with x, kk + 1 values > t. Contradiction.
+    (b) The candidates hold at least kk values >= t: if some value equal to t lies in a block left out, each of the
+        kk selected blocks has max >= t (kk distinct values); otherwise every value >= t of the row is a candidate.
+    The candidates are a subset of the row, so their kk-th largest value is <= t, and by (b) it is >= t: it is t.
+    With (a), their top-kk values are the row's top-kk values, one for one (equal values, possibly other columns
+    among those equal to t): the K-th value, the kk-th value (the tie flag), the row max are those of v.topk(kk).
+    NaN (ranked above everything by both amax and topk) and +-inf make the chunk raise (_sum_exp counts them)."""
+    n, width = v.shape
+    nb = width // BLOCK
+    full = nb * BLOCK
+    blocks = v[:, :full].unflatten(1, (nb, BLOCK))
+    best = blocks.amax(dim=2).topk(kk, dim=1, sorted=False).indices  # kk blocks, not K: (a) and (b) need kk
+    cand = blocks.gather(1, best.unsqueeze(2).expand(n, kk, BLOCK)).flatten(1)  # [n, kk * BLOCK]
+    if full < width:
+        cand = torch.cat([cand, v[:, full:]], dim=1)
+    vals, j = cand.topk(kk, dim=1)
+    picked = kk * BLOCK  # j below: column j % BLOCK of kept block j // BLOCK; from there on, the partial block
+    cols = torch.where(j < picked, best.gather(1, (j // BLOCK).clamp(max=kk - 1)) * BLOCK + j % BLOCK,
+                       j - picked + full)
+    return vals, cols
+
+
 def _local_fast(v: torch.Tensor, k: int, start: int):
     """The same result from K + slack candidates ranked in v's dtype; the flag marks rows whose K-th value ties
-    with their last candidate (the exact rule may pick a logit the candidates left out)."""
+    with their last candidate (the exact rule may pick a logit the candidates left out).
+
+    Wide rows take their candidates through _block_topk: the same top-kk values, only the columns of values equal
+    to the kk-th may differ from v.topk's. That changes nothing: a row is flagged exactly when its K-th value equals
+    its kk-th (then the chunk is redone over the whole row); otherwise every logit the exact rule can pick is > the
+    kk-th value, and both candidate sets hold all of those."""
     n, width = v.shape
     kk = min(width, candidates(k))
     if kk == 0:
         return _local_exact(v, k, start)
-    vals, idx = v.topk(kk, dim=1)
+    vals, idx = _block_topk(v, kk) if _blocks_pay(width, kk) else v.topk(kk, dim=1)
     u = vals.float()
     kw = min(k, width)
     local = _keys_of(u, idx + start).topk(kw, dim=1).values

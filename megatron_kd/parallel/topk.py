@@ -15,7 +15,8 @@ with its last candidate; such rows are rare, and their chunk is redone with keys
 largest maxima (_block_topk): one read of the row for the block maxima replaces the radix select's passes over it,
 and the candidates' values are the same. The
 log-sum-exp reads the logits once (kernels.sumexp on CUDA). Chunks run without host syncs: the ties and
-non-finite logits are flagged on the device and looked at once, after the last chunk.
+non-finite logits are flagged on the device and looked at once, after the last chunk, through a copy queued right
+after it (PendingTopK), so looking waits for this top-K and nothing queued later.
 """
 import torch
 import torch.distributed as dist
@@ -179,8 +180,13 @@ def _chunk(x, k, shard, group, temperature, exact):
 
 
 class PendingTopK:
-    """The top-K of N rows, queued on the device; result() waits for it (one host sync), raises on non-finite
-    logits, and redoes with whole-row keys the chunks whose ties the candidates could not settle."""
+    """The top-K of N rows, queued on the device; result() waits for it, raises on non-finite logits, and redoes
+    with whole-row keys the chunks whose ties the candidates could not settle.
+
+    On CUDA the flags leave the device as they are queued (pinned memory, an event after them), so result() waits
+    for this top-K only, never for work queued after it (the next micro-batch's forward): a builder queues that
+    forward first and takes this result while the device runs it. copy_to_host() queues the result's copy the
+    same way (on a side stream) and host_result() hands out the host copies."""
 
     @torch.no_grad()
     def __init__(self, n, logits_of, k, shard, group, temperature, step, device):
@@ -193,28 +199,96 @@ class PendingTopK:
             i, lp, f = _chunk(logits_of(a, min(n, a + step)), k, shard, group, temperature, exact=False)
             self.ids[a:a + step], self.logp[a:a + step] = i, lp
             flags.append(f)
-        self.flags = torch.stack(flags) if flags else torch.zeros(0, 2, dtype=torch.int32, device=device)
+        flags = torch.stack(flags) if flags else torch.zeros(0, 2, dtype=torch.int32, device=device)
+        self.flags = all_reduce_max(flags, group)  # every rank takes the same decisions
+        self._flags_host = self._flags_ready = self._host = None
+        self._redone = False
+        if self.flags.is_cuda:
+            self._flags_host = torch.empty(self.flags.shape, dtype=self.flags.dtype, pin_memory=True)
+            self._flags_host.copy_(self.flags, non_blocking=True)
+            self._flags_ready = torch.cuda.Event()
+            self._flags_ready.record()
 
     @torch.no_grad()
-    def result(self):
-        flags = all_reduce_max(self.flags, self.group).tolist()  # every rank takes the same decisions
+    def copy_to_host(self) -> "PendingTopK":
+        """Queue the copy of ids (as int32: ids < 2**31) and log-probs into pinned host memory on a side stream,
+        after this top-K and before anything queued later; no-op off CUDA."""
+        if not self.ids.is_cuda or self._host is not None:
+            return self
+        ids = self.ids.to(torch.int32)
+        stream = _copy_stream(self.ids.device)
+        stream.wait_stream(torch.cuda.current_stream(self.ids.device))
+        host = []
+        with torch.cuda.stream(stream):
+            for t in (ids, self.logp):
+                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                h.copy_(t, non_blocking=True)
+                t.record_stream(stream)  # the device tensor lives until the copy has read it
+                host.append(h)
+        ready = torch.cuda.Event()
+        ready.record(stream)
+        self._host = (host[0], host[1], ready)
+        return self
+
+    def _settle(self) -> None:
+        """Check the flags (waiting for this top-K only) and redo the tied chunks."""
+        if self._flags_ready is not None:
+            self._flags_ready.synchronize()
+            flags = self._flags_host.tolist()
+        else:
+            flags = self.flags.tolist()
         if any(f[1] for f in flags):
             raise ValueError("teacher logits contain NaN or inf; check the teacher's dtype and weights")
         for c, (tie, _) in enumerate(flags):
             if tie:
+                if self._host is not None:  # the copy reads self.logp: its writes below must come after
+                    torch.cuda.current_stream(self.ids.device).wait_event(self._host[2])
                 a = c * self.step
                 b = min(self.n, a + self.step)
                 i, lp, _ = _chunk(self.logits_of(a, b), self.k, self.shard, self.group, self.temperature, exact=True)
                 self.ids[a:b], self.logp[a:b] = i, lp
+                self._redone = True
         self.logits_of = None  # drop the references to the hidden states / logits
+
+    @torch.no_grad()
+    def result(self):
+        """(ids int64 [N, K], log-probs float32 [N, K]) on the device of the logits."""
+        if self.logits_of is not None:
+            self._settle()
         return self.ids, self.logp
 
+    @torch.no_grad()
+    def host_result(self):
+        """(ids, log-probs, ready): after copy_to_host(), the pinned host copies (int32 ids) and the CUDA event
+        after which they are complete; else (or when a chunk was redone, the copy being stale) result()'s tensors
+        and None."""
+        if self.logits_of is not None:
+            self._settle()
+        if self._host is None or self._redone:
+            return self.ids, self.logp, None
+        return self._host
 
-def _shard_and_k(local_rows, k, group, vocab_start_index, temperature, valid_vocab_size):
+
+_COPY_STREAMS = {}
+
+
+def _copy_stream(device):
+    """One side stream per device for the results' device-to-host copies."""
+    d = torch.device(device)
+    key = d.index if d.index is not None else torch.cuda.current_device()
+    if key not in _COPY_STREAMS:
+        _COPY_STREAMS[key] = torch.cuda.Stream(device=key)
+    return _COPY_STREAMS[key]
+
+
+def _shard_and_k(local_rows, k, group, vocab_start_index, temperature, valid_vocab_size, shard=None):
     problem = temperature_problem(temperature)
     if problem:
         raise ValueError(f"temperature={temperature} {problem}")
-    shard = VocabShard.build(local_rows, group, vocab_start_index, valid_vocab_size)
+    if (shard is None or shard.size != local_rows or shard.group is not group
+            or (vocab_start_index is not None and shard.start != int(vocab_start_index))
+            or (valid_vocab_size is not None and shard.valid_size != int(valid_vocab_size))):
+        shard = VocabShard.build(local_rows, group, vocab_start_index, valid_vocab_size)
     k = int(k)
     if not top_k_fits(k, shard.valid_size):
         raise ValueError(f"k={k} must be in [1, {shard.valid_size}] (the valid vocabulary size)")
@@ -240,18 +314,20 @@ def hidden_source(hidden, weight_shard, chunk_size=None):
 
 
 def start_topk(logits_shard, k, group=None, vocab_start_index=None, temperature=1.0, valid_vocab_size=None,
-               chunk_size=None) -> PendingTopK:
-    """vocab_parallel_topk, queued: logits_shard [N, V_local], chunk_size rows at a time."""
+               chunk_size=None, *, shard=None) -> PendingTopK:
+    """vocab_parallel_topk, queued: logits_shard [N, V_local], chunk_size rows at a time.
+    shard: the .shard of an earlier PendingTopK of the same layout (same group, vocab_start_index and
+    valid_vocab_size): reused, it saves the collective that sizes an uneven layout's vocabulary (a host sync)."""
     n, rows, logits_of, step = logits_source(logits_shard, chunk_size)
-    shard, k = _shard_and_k(rows, k, group, vocab_start_index, temperature, valid_vocab_size)
+    shard, k = _shard_and_k(rows, k, group, vocab_start_index, temperature, valid_vocab_size, shard)
     return PendingTopK(n, logits_of, k, shard, group, temperature, step, logits_shard.device)
 
 
 def start_topk_from_hidden(hidden, weight_shard, k, group=None, chunk_size=None, temperature=1.0,
-                           vocab_start_index=None, valid_vocab_size=None) -> PendingTopK:
-    """topk_from_hidden, queued (see PendingTopK)."""
+                           vocab_start_index=None, valid_vocab_size=None, *, shard=None) -> PendingTopK:
+    """topk_from_hidden, queued (see PendingTopK; shard as in start_topk)."""
     n, rows, logits_of, step = hidden_source(hidden, weight_shard, chunk_size)
-    shard, k = _shard_and_k(rows, k, group, vocab_start_index, temperature, valid_vocab_size)
+    shard, k = _shard_and_k(rows, k, group, vocab_start_index, temperature, valid_vocab_size, shard)
     return PendingTopK(n, logits_of, k, shard, group, temperature, step, hidden.device)
 
 

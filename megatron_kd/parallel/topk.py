@@ -120,7 +120,9 @@ def _block_topk(v: torch.Tensor, kk: int):
     if full < width:
         cand = torch.cat([cand, v[:, full:]], dim=1)
     vals, j = cand.topk(kk, dim=1)
-    picked = kk * BLOCK  # j below: column j % BLOCK of kept block j // BLOCK; from there on, the partial block
+    if full == width:  # j: column j % BLOCK of kept block j // BLOCK
+        return vals, best.gather(1, j // BLOCK) * BLOCK + j % BLOCK
+    picked = kk * BLOCK  # from there on, the partial block
     cols = torch.where(j < picked, best.gather(1, (j // BLOCK).clamp(max=kk - 1)) * BLOCK + j % BLOCK,
                        j - picked + full)
     return vals, cols
@@ -169,7 +171,8 @@ def _chunk(x, k, shard, group, temperature, exact):
     if temperature != 1.0:
         v = v.float() / float(temperature)  # ranked as u itself: fp32 division can merge neighbouring values
     local, m, tie = (_local_exact if exact else _local_fast)(v, k, shard.start)
-    best = _all_gather_cat(local, group).topk(k, dim=1).values
+    # local is sorted (a top-K's values, then padding keys at the minimum): alone, it is its own top-K
+    best = local if group_size(group) == 1 else _all_gather_cat(local, group).topk(k, dim=1).values
     ids, vals = _decode_keys(best)
     m = all_reduce_max(m.contiguous(), group)
     s, bad = _sum_exp(v, m)

@@ -172,9 +172,12 @@ def profile(a, build, seq) -> dict:
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     trace = os.path.join(tempfile.mkdtemp(prefix="tp_trace_"), "trace.json")
     from megatron_kd.cache import writer as writer_mod
+    from megatron_kd.parallel import topk as topk_mod
     from megatron_kd.teacher import build as build_mod
     patched = [(build_mod, "_teacher_topk", "kd.teacher_forward_and_topk"),
                (build_mod, "_start_teacher_topk", "kd.queue_forward_and_topk"),
+               (topk_mod.PendingTopK, "result", "kd.take_result"),  # the builder's wait for a micro-batch's top-K
+               (topk_mod.PendingTopK, "host_result", "kd.take_result"),
                (writer_mod.ShardWriter, "add", "kd.encode_and_write"),
                (writer_mod.ShardWriter, "append", "kd.write")]
     try:
@@ -204,6 +207,9 @@ def profile(a, build, seq) -> dict:
     prof.export_chrome_trace(trace)
     events = json.load(open(trace))["traceEvents"]
     kinds, busy, d2h, syncs, host = {}, [], 0.0, {"count": 0, "us": 0.0}, {}
+    taking = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events
+              if e.get("ph") == "X" and e.get("name") == "kd.take_result"]
+    in_take = {"count": 0, "us": 0.0}  # host syncs while taking a result: waits the pipelining should not have
     for e in events:
         if e.get("ph") != "X":
             continue
@@ -221,6 +227,9 @@ def profile(a, build, seq) -> dict:
             if "Synchronize" in nm or dur > 50:
                 syncs["count"] += 1
                 syncs["us"] += dur
+                if any(a <= float(e["ts"]) <= b for a, b in taking):
+                    in_take["count"] += 1
+                    in_take["us"] += dur
         elif cat in ("cpu_op", "user_annotation", "python_function") and nm.startswith("kd."):
             host[nm] = host.get(nm, 0.0) + dur
     busy.sort()
@@ -233,6 +242,7 @@ def profile(a, build, seq) -> dict:
             "gpu_idle_fraction": 1 - union / 1e6 / wall if cuda else None,
             "gpu_s_by_kind": {kd: v / 1e6 for kd, v in sorted(kinds.items(), key=lambda x: -x[1])},
             "d2h_s": d2h / 1e6, "host_wall_s": {nm: v / 1e6 for nm, v in host.items()}, "host_syncs": {"count": syncs["count"], "s": syncs["us"] / 1e6},
+            "host_syncs_taking_results": {"count": in_take["count"], "s": in_take["us"] / 1e6},
             "tokens_per_s": a.profile_samples * seq / wall}
 
 

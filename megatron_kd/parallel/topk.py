@@ -10,9 +10,13 @@ and at TP=2 names the same ids whenever the two layouts produce the same logits.
 The local top-K ranks the logits in their own dtype: torch.topk of K + slack candidates per row (a 16-bit radix
 select on bf16 logits, against a 64-bit one over int64 keys of every logit), then the exact (value, id) keys of
 those candidates only. The candidates hold every logit the exact rule could pick unless the row's K-th value ties
-with its last candidate; such rows are rare, and their chunk is redone with keys over the whole row. The
+with its last candidate; such rows are rare, and their chunk is redone with keys over the whole row. Wide rows (a
+201K-id vocabulary) take those K + slack candidates from the columns of the K + slack blocks of 64 ids with the
+largest maxima (_block_topk): one read of the row for the block maxima replaces the radix select's passes over it,
+and the candidates' values are the same. The
 log-sum-exp reads the logits once (kernels.sumexp on CUDA). Chunks run without host syncs: the ties and
-non-finite logits are flagged on the device and looked at once, after the last chunk.
+non-finite logits are flagged on the device and looked at once, after the last chunk, through a copy queued right
+after it (PendingTopK), so looking waits for this top-K and nothing queued later.
 """
 import torch
 import torch.distributed as dist
@@ -24,6 +28,9 @@ from .vocab import VocabShard
 
 _LOW = 1 << 32
 _EMPTY = torch.iinfo(torch.int64).min  # key of a padding candidate (a shard with fewer than K valid ids)
+# Columns per block of the wide-row prefilter (_block_topk): small enough that the kept blocks hold few columns
+# (kk x 64 of a 201K-id row), large enough that the block maxima are a small array to rank.
+BLOCK = 64
 
 
 def candidates(k: int) -> int:
@@ -81,14 +88,59 @@ def _local_exact(v: torch.Tensor, k: int, start: int):
     return _pad(local, k), m, torch.zeros(n, dtype=torch.bool, device=u.device)
 
 
+def _blocks_pay(width: int, kk: int) -> bool:
+    """Whether the block prefilter is worth it: the row must hold many more blocks than the kk it keeps (below,
+    the block maxima and the gather cost about what the plain top-kk saves)."""
+    return width >= 4 * kk * BLOCK
+
+
+def _block_topk(v: torch.Tensor, kk: int):
+    """The kk largest values of each row of v [n, W] (sorted, descending) and their columns, as v.topk(kk) gives
+    them, through a prefilter: the row's full blocks of BLOCK columns are ranked by their max, and the top-kk runs
+    only over the columns of the kk best blocks plus the last partial block (if W % BLOCK). Only ties at the kk-th
+    value may come out in another order than v.topk's, which never changes a result (see _local_fast).
+
+    Why nothing is lost. Let t be the row's kk-th largest value (with multiplicity), so fewer than kk of its values
+    are > t. Every selected block's max is >= the max of every block left out (the block top-kk), in v's dtype,
+    the order the final top-kk uses.
+    (a) Every value x > t lies in the candidates: if x sat in a block left out, that block's max would be >= x > t,
+        so each of the kk selected blocks would hold a max > t: with x, kk + 1 values > t. Contradiction.
+    (b) The candidates hold at least kk values >= t: if some value equal to t lies in a block left out, each of the
+        kk selected blocks has max >= t (kk distinct values); otherwise every value >= t of the row is a candidate.
+    The candidates are a subset of the row, so their kk-th largest value is <= t, and by (b) it is >= t: it is t.
+    With (a), their top-kk values are the row's top-kk values, one for one (equal values, possibly other columns
+    among those equal to t): the K-th value, the kk-th value (the tie flag), the row max are those of v.topk(kk).
+    NaN (ranked above everything by both amax and topk) and +-inf make the chunk raise (_sum_exp counts them)."""
+    n, width = v.shape
+    nb = width // BLOCK
+    full = nb * BLOCK
+    blocks = v[:, :full].unflatten(1, (nb, BLOCK))
+    best = blocks.amax(dim=2).topk(kk, dim=1, sorted=False).indices  # kk blocks, not K: (a) and (b) need kk
+    cand = blocks.gather(1, best.unsqueeze(2).expand(n, kk, BLOCK)).flatten(1)  # [n, kk * BLOCK]
+    if full < width:
+        cand = torch.cat([cand, v[:, full:]], dim=1)
+    vals, j = cand.topk(kk, dim=1)
+    if full == width:  # j: column j % BLOCK of kept block j // BLOCK
+        return vals, best.gather(1, j // BLOCK) * BLOCK + j % BLOCK
+    picked = kk * BLOCK  # from there on, the partial block
+    cols = torch.where(j < picked, best.gather(1, (j // BLOCK).clamp(max=kk - 1)) * BLOCK + j % BLOCK,
+                       j - picked + full)
+    return vals, cols
+
+
 def _local_fast(v: torch.Tensor, k: int, start: int):
     """The same result from K + slack candidates ranked in v's dtype; the flag marks rows whose K-th value ties
-    with their last candidate (the exact rule may pick a logit the candidates left out)."""
+    with their last candidate (the exact rule may pick a logit the candidates left out).
+
+    Wide rows take their candidates through _block_topk: the same top-kk values, only the columns of values equal
+    to the kk-th may differ from v.topk's. That changes nothing: a row is flagged exactly when its K-th value equals
+    its kk-th (then the chunk is redone over the whole row); otherwise every logit the exact rule can pick is > the
+    kk-th value, and both candidate sets hold all of those."""
     n, width = v.shape
     kk = min(width, candidates(k))
     if kk == 0:
         return _local_exact(v, k, start)
-    vals, idx = v.topk(kk, dim=1)
+    vals, idx = _block_topk(v, kk) if _blocks_pay(width, kk) else v.topk(kk, dim=1)
     u = vals.float()
     kw = min(k, width)
     local = _keys_of(u, idx + start).topk(kw, dim=1).values
@@ -119,7 +171,8 @@ def _chunk(x, k, shard, group, temperature, exact):
     if temperature != 1.0:
         v = v.float() / float(temperature)  # ranked as u itself: fp32 division can merge neighbouring values
     local, m, tie = (_local_exact if exact else _local_fast)(v, k, shard.start)
-    best = _all_gather_cat(local, group).topk(k, dim=1).values
+    # local is sorted (a top-K's values, then padding keys at the minimum): alone, it is its own top-K
+    best = local if group_size(group) == 1 else _all_gather_cat(local, group).topk(k, dim=1).values
     ids, vals = _decode_keys(best)
     m = all_reduce_max(m.contiguous(), group)
     s, bad = _sum_exp(v, m)
@@ -130,8 +183,13 @@ def _chunk(x, k, shard, group, temperature, exact):
 
 
 class PendingTopK:
-    """The top-K of N rows, queued on the device; result() waits for it (one host sync), raises on non-finite
-    logits, and redoes with whole-row keys the chunks whose ties the candidates could not settle."""
+    """The top-K of N rows, queued on the device; result() waits for it, raises on non-finite logits, and redoes
+    with whole-row keys the chunks whose ties the candidates could not settle.
+
+    On CUDA the flags leave the device as they are queued (pinned memory, an event after them), so result() waits
+    for this top-K only, never for work queued after it (the next micro-batch's forward): a builder queues that
+    forward first and takes this result while the device runs it. copy_to_host() queues the result's copy the
+    same way (on a side stream) and host_result() hands out the host copies."""
 
     @torch.no_grad()
     def __init__(self, n, logits_of, k, shard, group, temperature, step, device):
@@ -144,28 +202,96 @@ class PendingTopK:
             i, lp, f = _chunk(logits_of(a, min(n, a + step)), k, shard, group, temperature, exact=False)
             self.ids[a:a + step], self.logp[a:a + step] = i, lp
             flags.append(f)
-        self.flags = torch.stack(flags) if flags else torch.zeros(0, 2, dtype=torch.int32, device=device)
+        flags = torch.stack(flags) if flags else torch.zeros(0, 2, dtype=torch.int32, device=device)
+        self.flags = all_reduce_max(flags, group)  # every rank takes the same decisions
+        self._flags_host = self._flags_ready = self._host = None
+        self._redone = False
+        if self.flags.is_cuda:
+            self._flags_host = torch.empty(self.flags.shape, dtype=self.flags.dtype, pin_memory=True)
+            self._flags_host.copy_(self.flags, non_blocking=True)
+            self._flags_ready = torch.cuda.Event()
+            self._flags_ready.record()
 
     @torch.no_grad()
-    def result(self):
-        flags = all_reduce_max(self.flags, self.group).tolist()  # every rank takes the same decisions
+    def copy_to_host(self) -> "PendingTopK":
+        """Queue the copy of ids (as int32: ids < 2**31) and log-probs into pinned host memory on a side stream,
+        after this top-K and before anything queued later; no-op off CUDA."""
+        if not self.ids.is_cuda or self._host is not None:
+            return self
+        ids = self.ids.to(torch.int32)
+        stream = _copy_stream(self.ids.device)
+        stream.wait_stream(torch.cuda.current_stream(self.ids.device))
+        host = []
+        with torch.cuda.stream(stream):
+            for t in (ids, self.logp):
+                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                h.copy_(t, non_blocking=True)
+                t.record_stream(stream)  # the device tensor lives until the copy has read it
+                host.append(h)
+        ready = torch.cuda.Event()
+        ready.record(stream)
+        self._host = (host[0], host[1], ready)
+        return self
+
+    def _settle(self) -> None:
+        """Check the flags (waiting for this top-K only) and redo the tied chunks."""
+        if self._flags_ready is not None:
+            self._flags_ready.synchronize()
+            flags = self._flags_host.tolist()
+        else:
+            flags = self.flags.tolist()
         if any(f[1] for f in flags):
             raise ValueError("teacher logits contain NaN or inf; check the teacher's dtype and weights")
         for c, (tie, _) in enumerate(flags):
             if tie:
+                if self._host is not None:  # the copy reads self.logp: its writes below must come after
+                    torch.cuda.current_stream(self.ids.device).wait_event(self._host[2])
                 a = c * self.step
                 b = min(self.n, a + self.step)
                 i, lp, _ = _chunk(self.logits_of(a, b), self.k, self.shard, self.group, self.temperature, exact=True)
                 self.ids[a:b], self.logp[a:b] = i, lp
+                self._redone = True
         self.logits_of = None  # drop the references to the hidden states / logits
+
+    @torch.no_grad()
+    def result(self):
+        """(ids int64 [N, K], log-probs float32 [N, K]) on the device of the logits."""
+        if self.logits_of is not None:
+            self._settle()
         return self.ids, self.logp
 
+    @torch.no_grad()
+    def host_result(self):
+        """(ids, log-probs, ready): after copy_to_host(), the pinned host copies (int32 ids) and the CUDA event
+        after which they are complete; else (or when a chunk was redone, the copy being stale) result()'s tensors
+        and None."""
+        if self.logits_of is not None:
+            self._settle()
+        if self._host is None or self._redone:
+            return self.ids, self.logp, None
+        return self._host
 
-def _shard_and_k(local_rows, k, group, vocab_start_index, temperature, valid_vocab_size):
+
+_COPY_STREAMS = {}
+
+
+def _copy_stream(device):
+    """One side stream per device for the results' device-to-host copies."""
+    d = torch.device(device)
+    key = d.index if d.index is not None else torch.cuda.current_device()
+    if key not in _COPY_STREAMS:
+        _COPY_STREAMS[key] = torch.cuda.Stream(device=key)
+    return _COPY_STREAMS[key]
+
+
+def _shard_and_k(local_rows, k, group, vocab_start_index, temperature, valid_vocab_size, shard=None):
     problem = temperature_problem(temperature)
     if problem:
         raise ValueError(f"temperature={temperature} {problem}")
-    shard = VocabShard.build(local_rows, group, vocab_start_index, valid_vocab_size)
+    if (shard is None or shard.size != local_rows or shard.group is not group
+            or (vocab_start_index is not None and shard.start != int(vocab_start_index))
+            or (valid_vocab_size is not None and shard.valid_size != int(valid_vocab_size))):
+        shard = VocabShard.build(local_rows, group, vocab_start_index, valid_vocab_size)
     k = int(k)
     if not top_k_fits(k, shard.valid_size):
         raise ValueError(f"k={k} must be in [1, {shard.valid_size}] (the valid vocabulary size)")
@@ -191,18 +317,20 @@ def hidden_source(hidden, weight_shard, chunk_size=None):
 
 
 def start_topk(logits_shard, k, group=None, vocab_start_index=None, temperature=1.0, valid_vocab_size=None,
-               chunk_size=None) -> PendingTopK:
-    """vocab_parallel_topk, queued: logits_shard [N, V_local], chunk_size rows at a time."""
+               chunk_size=None, *, shard=None) -> PendingTopK:
+    """vocab_parallel_topk, queued: logits_shard [N, V_local], chunk_size rows at a time.
+    shard: the .shard of an earlier PendingTopK of the same layout (same group, vocab_start_index and
+    valid_vocab_size): reused, it saves the collective that sizes an uneven layout's vocabulary (a host sync)."""
     n, rows, logits_of, step = logits_source(logits_shard, chunk_size)
-    shard, k = _shard_and_k(rows, k, group, vocab_start_index, temperature, valid_vocab_size)
+    shard, k = _shard_and_k(rows, k, group, vocab_start_index, temperature, valid_vocab_size, shard)
     return PendingTopK(n, logits_of, k, shard, group, temperature, step, logits_shard.device)
 
 
 def start_topk_from_hidden(hidden, weight_shard, k, group=None, chunk_size=None, temperature=1.0,
-                           vocab_start_index=None, valid_vocab_size=None) -> PendingTopK:
-    """topk_from_hidden, queued (see PendingTopK)."""
+                           vocab_start_index=None, valid_vocab_size=None, *, shard=None) -> PendingTopK:
+    """topk_from_hidden, queued (see PendingTopK; shard as in start_topk)."""
     n, rows, logits_of, step = hidden_source(hidden, weight_shard, chunk_size)
-    shard, k = _shard_and_k(rows, k, group, vocab_start_index, temperature, valid_vocab_size)
+    shard, k = _shard_and_k(rows, k, group, vocab_start_index, temperature, valid_vocab_size, shard)
     return PendingTopK(n, logits_of, k, shard, group, temperature, step, hidden.device)
 
 

@@ -70,11 +70,15 @@ def _tokens(dataset, i) -> torch.Tensor:
     return split_sample(dataset[i])["tokens"].reshape(-1)
 
 
-def _start_teacher_topk(teacher, tokens, k, temperature, chunk_size, tp_group, draws_of=None):
+def _start_teacher_topk(teacher, tokens, k, temperature, chunk_size, tp_group, draws_of=None, to_host=False,
+                        shards=None):
     """Queue the teacher's forward and top-K of one micro-batch (PendingTopK); None on ranks of an earlier
     pipeline stage (their hidden states went to the next stage).
     draws_of: (sample indices of the micro-batch's rows, seed) for a sampled cache: k draws per position from the
-    whole distribution (PendingSample) instead of the top-K, keyed by (seed, sample index, position, draw)."""
+    whole distribution (PendingSample) instead of the top-K, keyed by (seed, sample index, position, draw).
+    to_host: queue the top-K's copy to the host right behind it (PendingTopK.copy_to_host), ahead of the next
+    micro-batch's forward. shards: a dict kept across micro-batches, the VocabShard of each output layout: found
+    once, the collective that sizes the vocabulary (a host sync at TP > 1) does not run per micro-batch."""
     out = teacher(tokens)
     if out is None:
         return None
@@ -88,11 +92,17 @@ def _start_teacher_topk(teacher, tokens, k, temperature, chunk_size, tp_group, d
                                 temperature, teacher.vocab_size, chunk_size, seed)
         return start_sample_from_hidden(out.hidden.reshape(b * s, -1), out.weight, k, sample, position, tp_group,
                                         chunk_size, temperature, out.vocab_start_index, teacher.vocab_size, seed)
+    layout = (out.logits.shape[-1] if out.logits is not None else out.weight.shape[0], out.vocab_start_index)
+    shard = None if shards is None else shards.get(layout)
     if out.logits is not None:
-        return start_topk(out.logits.reshape(b * s, -1), k, tp_group, out.vocab_start_index, temperature,
-                          teacher.vocab_size, chunk_size)
-    return start_topk_from_hidden(out.hidden.reshape(b * s, -1), out.weight, k, tp_group, chunk_size, temperature,
-                                  out.vocab_start_index, teacher.vocab_size)
+        pending = start_topk(out.logits.reshape(b * s, -1), k, tp_group, out.vocab_start_index, temperature,
+                             teacher.vocab_size, chunk_size, shard=shard)
+    else:
+        pending = start_topk_from_hidden(out.hidden.reshape(b * s, -1), out.weight, k, tp_group, chunk_size,
+                                         temperature, out.vocab_start_index, teacher.vocab_size, shard=shard)
+    if shards is not None:
+        shards[layout] = pending.shard
+    return pending.copy_to_host() if to_host else pending
 
 
 def _teacher_topk(teacher, tokens, k, temperature, chunk_size, tp_group):
@@ -212,6 +222,7 @@ def _build(writer, teacher, dataset, seq, top_k, temperature, chunk_size, micro_
     bar = Progress(todo, seq, enabled=progress and is_root, scale=dp_size)
     sink = SampleSink(writer) if writes else None
     prev = None  # the micro-batch queued on the device before this one: handed to the sink while this one runs
+    layouts = {}  # the output layer's VocabShard, found on the first micro-batch
 
     shard = None  # the sink's handle of the shard being handed off
 
@@ -221,10 +232,11 @@ def _build(writer, teacher, dataset, seq, top_k, temperature, chunk_size, micro_
         if sink is not None and first:
             shard = sink.begin(j)  # queued after the previous shard's commit: its file opens after that commit
         if pending is not None:  # the last pipeline stage
-            ids, lp = pending.result()
+            # waits for this micro-batch's top-K only (not for the next one's forward, queued before this call)
+            ids, lp, ready = pending.host_result() if hasattr(pending, "host_result") else (*pending.result(), None)
             if sink is not None:
                 k = ids.shape[-1]
-                sink.put(shard, ids.reshape(*tokens.shape, k), lp.reshape(*tokens.shape, k), tokens)
+                sink.put(shard, ids.reshape(*tokens.shape, k), lp.reshape(*tokens.shape, k), tokens, ready)
         if sink is not None and last:
             sink.commit(shard)
         bar.update(tokens.shape[0])
@@ -239,8 +251,9 @@ def _build(writer, teacher, dataset, seq, top_k, temperature, chunk_size, micro_
                     raise CacheError(f"sample {a} has {tokens.shape[1]} tokens, sample 0 has {seq}: the cache needs "
                                      "a dataset of fixed sequence length")
                 draws_of = None if draw_seed is None else (idx, draw_seed)
-                cur = (_start_teacher_topk(teacher, tokens, top_k, temperature, chunk_size, tp_group, draws_of), tokens, j,
-                       a == first, idx.stop == stop)
+                cur = (_start_teacher_topk(teacher, tokens, top_k, temperature, chunk_size, tp_group, draws_of,
+                                           to_host=sink is not None, shards=layouts), tokens, j, a == first,
+                       idx.stop == stop)
                 if prev is not None:
                     hand_off(prev)
                 prev = cur

@@ -11,7 +11,7 @@ import torch
 
 from ..cache.hashing import config_hash
 from .pipeline import PipelineStage, global_layer_names
-from .protocol import TeacherOutput
+from .protocol import TeacherOutput, tokens_to
 from ..parallel.comm import all_reduce_sum, group_rank, group_size
 from ..parallel.sequence import gather_sequence
 from ..parallel.topk import topk_from_hidden
@@ -246,7 +246,7 @@ class MegatronTeacher:
 
     @torch.no_grad()
     def __call__(self, tokens) -> TeacherOutput | None:
-        tokens = tokens.to(next(self.model.parameters()).device)
+        tokens = tokens_to(tokens, next(self.model.parameters()).device)
         b, s = tokens.shape
         pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
         mask = None

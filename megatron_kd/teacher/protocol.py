@@ -16,6 +16,15 @@ import torch
 from ..cache.hashing import config_hash
 
 
+def tokens_to(tokens: torch.Tensor, device) -> torch.Tensor:
+    """tokens on device, queued: a copy from pageable memory makes the host wait for the whole stream (the previous
+    micro-batch's top-K, on a builder's steady state) before it returns; one from pinned memory does not."""
+    device = torch.device(device)
+    if device.type != "cuda" or tokens.is_cuda:
+        return tokens.to(device)
+    return tokens.pin_memory().to(device, non_blocking=True)  # the pinned block is reused only after the copy
+
+
 @dataclass
 class TeacherOutput:
     hidden: torch.Tensor | None = None   # [b, s, H] final hidden states (after the final norm)
@@ -86,7 +95,7 @@ class HFTeacher:
     @torch.no_grad()
     def __call__(self, tokens) -> TeacherOutput:
         dev = next(self.model.parameters()).device
-        out = self.model.base_model(input_ids=tokens.to(dev))
+        out = self.model.base_model(input_ids=tokens_to(tokens, dev))
         head = self.model.get_output_embeddings()
         if getattr(head, "bias", None) is not None:
             raise ValueError(f"{self.model_dir}: the output layer has a bias; wrap the model in a CallableTeacher "

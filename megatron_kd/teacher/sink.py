@@ -43,9 +43,9 @@ class SampleSink:
         self.queue.append(("begin", shard, None))
         return shard
 
-    def put(self, shard, ids: torch.Tensor, logp: torch.Tensor, tokens: torch.Tensor) -> None:
-        """ids / logp [b, S, K] (complete on the current stream), tokens [b, S] on the host."""
-        ready = None
+    def put(self, shard, ids: torch.Tensor, logp: torch.Tensor, tokens: torch.Tensor, ready=None) -> None:
+        """ids / logp [b, S, K] (complete on the current stream), tokens [b, S] on the host. ready: a CUDA event
+        after which host ids / logp (pinned copies still being filled, PendingTopK.copy_to_host) are complete."""
         if ids.is_cuda:
             ids, logp, ready = self._to_host(ids.to(torch.int32), logp)  # ids < 2**31: half the copy
         for i in range(ids.shape[0]):

@@ -34,6 +34,17 @@ def _cpu_mask_patch() -> None:
     fs._megatron_kd_cpu = True
 
 
+def set_fusions(prov, fused: bool) -> None:
+    """Bridge's provider fusions: all off (fused=False: no TE / apex / CUDA kernels), or Bridge's own settings but
+    for those that would not compute the unfused result (a clamped GLU's fused bias + activation)."""
+    from ..runtime.te_compat import bias_activation_fusion_exact
+    for k in FUSIONS:
+        if hasattr(prov, k) and not fused:
+            setattr(prov, k, False)
+    if not bias_activation_fusion_exact(prov):  # GPT-OSS: megatron-core's kernel clamps before adding the bias
+        prov.bias_activation_fusion = False
+
+
 def needs_sinks_or_window(config) -> bool:
     return getattr(config, "softmax_type", "vanilla") != "vanilla" or bool(getattr(config, "window_size", None))
 
@@ -90,10 +101,7 @@ class HFModel:
         check_layout(self.path, self.key, tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp)
         prov = self.bridge.to_megatron_provider(load_weights=False)
         prov.transformer_layer_spec = layer_spec or local_layer_spec()
-        if not fused:
-            for k in FUSIONS:
-                if hasattr(prov, k):
-                    setattr(prov, k, False)
+        set_fusions(prov, fused)
         cuda = torch.cuda.is_available()
         if not cuda:
             prov.moe_token_dispatcher_type = "allgather"  # alltoall makes a torch.cuda.Stream

@@ -29,6 +29,7 @@ def _activation(name: str):
 def transformer_config(m: ModelConfig, p: ParallelConfig, precision: str = "fp32", *, cpu_init: bool | None = None):
     """Megatron TransformerConfig for architecture `m` under layout `p`."""
     from megatron.core.transformer.transformer_config import TransformerConfig
+    from ..runtime.te_compat import bias_activation_fusion_exact
     act, gated = _activation(m.activation)
     cuda = torch.cuda.is_available()
     use_te = _backend(m) == "te"
@@ -55,7 +56,7 @@ def transformer_config(m: ModelConfig, p: ParallelConfig, precision: str = "fp32
         deallocate_pipeline_outputs=p.pp > 1,
         gradient_accumulation_fusion=use_te and cuda,
         apply_rope_fusion=use_te and cuda and m.position_embedding_type == "rope",
-        bias_activation_fusion=use_te and cuda and m.add_bias_linear,
+        bias_activation_fusion=use_te and cuda and m.add_bias_linear and bias_activation_fusion_exact(m),
         masked_softmax_fusion=False,
         persist_layer_norm=False,
     )

@@ -15,6 +15,10 @@ Three things go wrong there unless handled, each with no word from the libraries
   sliding-window layers, YaRN), while Llama's agreed to bf16 rounding. `te_attention_unverified` names those models:
   their TE layer spec (models/builder) keeps TE's linears, norms and experts but megatron-kd's core attention.
   FP8 for them is refused (`te_attention_refusal`) until it is measured against bf16.
+- Clamped GLU with a fused bias. megatron-core's fused bias + quick-GEGLU (`bias_activation_fusion`, on in TE
+  builds and in Bridge's GPT-OSS provider) clamps the linear layer's output before it adds the bias, where the
+  unfused path and transformers clamp the biased value: GPT-OSS experts then depart from transformers wherever the
+  clamp engages. `bias_activation_fusion_exact` keeps that fusion off for clamped activations.
 - Two cuDNNs in one process. TE may load a system cuDNN before torch's own pip cuDNN; torch's cuDNN attention then
   fails its version check and SDPA falls back to a slower kernel. `cudnn_clash` reads which cuDNN files this
   process has mapped and says which two, and `torch_cudnn_env` gives the environment that avoids it.
@@ -30,6 +34,13 @@ def te_attention_unverified(config) -> bool:
     """A model whose attention TE's spec does not reproduce: learned (or off-by-one) sinks, or a sliding window.
     `config`: anything with megatron-core's field names (a recipe's ModelConfig, a TransformerConfig, a provider)."""
     return getattr(config, "softmax_type", "vanilla") != "vanilla" or bool(getattr(config, "window_size", None))
+
+
+def bias_activation_fusion_exact(config) -> bool:
+    """Whether megatron-core's fused bias + activation computes what the unfused path does for `config`
+    (megatron-core field names): not with a clamped activation (GPT-OSS), whose fused kernel clamps before the
+    bias is added."""
+    return getattr(config, "activation_func_clamp_value", None) is None
 
 
 def te_attention_refusal(section: str, fp8) -> str:

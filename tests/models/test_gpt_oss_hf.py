@@ -23,7 +23,9 @@ pytestmark = [pytest.mark.bridge,
 
 VOCAB, SEQ, BATCH, WINDOW = 256, 32, 2, 8
 TOL = 1e-5
-ABLATIONS = ("sinks", "window", "yarn", "clamp", "router_bias")
+# each GPT-OSS feature switched off; "fused_clamp": megatron-core's fused bias + quick-GEGLU, which clamps before
+# adding the bias (megatron-kd keeps that fusion off for clamped activations: runtime/te_compat)
+ABLATIONS = ("sinks", "window", "yarn", "clamp", "router_bias", "fused_clamp")
 
 
 def _shims():
@@ -143,7 +145,8 @@ def max_diff(a, b):
 def ablate(name, path, tp):
     """Our model with one GPT-OSS feature switched off."""
     overrides = {"window": {"window_size": None}, "yarn": {"position_embedding_type": "rope"},
-                 "clamp": {"activation_func_clamp_value": None}}.get(name, {})
+                 "clamp": {"activation_func_clamp_value": None},
+                 "fused_clamp": {"bias_activation_fusion": True}}.get(name, {})
     model = build_via_provider(path, tp, overrides)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -159,6 +162,13 @@ def _worker(rank, world, path, hf_cfg, ids, ref, out_json, ablations):
     res = {"provider": max_diff(logits(build_via_provider(path, world), ids), ref)}
     if world == 1:
         res["recipe"] = max_diff(logits(build_via_recipe(path, hf_cfg, world), ids), ref)
+        from megatron.bridge import AutoBridge
+        from megatron_kd.hf.model import set_fusions
+        # the HF path keeps Bridge's fusions under TE (fused=True): all but the inexact one
+        prov = AutoBridge.from_hf_pretrained(path).to_megatron_provider(load_weights=False)
+        set_fusions(prov, fused=True)
+        res["hf_fused_provider_fusions"] = {k: getattr(prov, k) for k in ("bias_activation_fusion",
+                                                                            "moe_permute_fusion")}
     for a in ablations:
         res[f"without_{a}"] = max_diff(logits(ablate(a, path, world), ids), ref)
     if rank == 0:
@@ -180,6 +190,7 @@ def test_hf_gptoss_logits_tp1_and_each_feature_matters(tiny, tmp_path):
     res = _run(tiny, tmp_path, 1, ABLATIONS)
     assert res["provider"] <= TOL, res     # HF path: Bridge's provider + our layer spec
     assert res["recipe"] <= TOL, res       # our recipe fields build the same network
+    assert res["hf_fused_provider_fusions"] == {"bias_activation_fusion": False, "moe_permute_fusion": True}, res
     for a in ABLATIONS:                    # each feature off: the 1e-5 check fails, by far
         assert res[f"without_{a}"] > 100 * TOL, (a, res)
 

@@ -250,3 +250,25 @@ def test_hf_students_get_fp8_through_the_provider(monkeypatch):
                                      moe_grouped_gemm=True)
     builder.build_hf_chunks(_config(hf_path="/x"), ParallelConfig(), 128, "bf16")
     assert seen["overrides"] == {}
+
+
+@pytest.mark.parametrize("clamp, fused", [(7.0, False), (None, True)])
+def test_builder_keeps_the_fused_bias_activation_off_for_a_clamped_glu(monkeypatch, clamp, fused):
+    """Under TE on a GPU the builder fuses bias + activation for biased linears, but not for a clamped GLU (GPT-OSS):
+    megatron-core's fused quick-GEGLU clamps before adding the bias (tests/models/test_gpt_oss_hf.py measures the
+    departure from transformers)."""
+    from megatron_kd.models import builder
+    from megatron_kd.recipe.schema import ParallelConfig
+    monkeypatch.setattr(builder, "_backend", lambda m: "te")
+    monkeypatch.setattr(builder.torch.cuda, "is_available", lambda: True)
+    m = _config(activation="quick_geglu", activation_func_clamp_value=clamp, glu_linear_offset=1.0,
+                add_bias_linear=True)
+    kw = {}
+    monkeypatch.setattr("megatron.core.transformer.transformer_config.TransformerConfig",
+                        lambda **k: kw.update(k) or k)
+    try:
+        builder.transformer_config(m, ParallelConfig(), "bf16")
+    except Exception:  # noqa: BLE001  (only the fields handed to TransformerConfig matter here)
+        pass
+    assert kw and kw["bias_activation_fusion"] is fused, kw.get("bias_activation_fusion")
+    assert te_compat.bias_activation_fusion_exact(m) is (clamp is None)

@@ -228,7 +228,9 @@ def fp8_curves(out, png):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-    for arm, name in ((a, "bf16"), (b, "FP8 (hybrid, tensorwise)")):
+    recipe, *more = out.get("fp8_curve_recipe", "tensorwise").split(":")
+    label = f"FP8 (hybrid, {recipe}{', FP8 attention' if 'dpa' in more else ''})"
+    for arm, name in ((a, "bf16"), (b, label)):
         tl = arm.get("train_loss") or []
         w = 10
         sm = [sum(tl[max(0, i - w + 1):i + 1]) / len(tl[max(0, i - w + 1):i + 1]) for i in range(len(tl))]

@@ -10,11 +10,13 @@ Three things go wrong there unless handled, each with no word from the libraries
 - Experts in place. megatron-core's expert MLP adds the bias to linear_fc2's output in place (scaled by the router
   probability); TE's Linear returns a view from its autograd function, which autograd refuses to modify in place.
   `fix_te_moe_spec` gives sequential experts a TE row-parallel linear that returns a tensor of its own.
-- Attention sinks and sliding windows. On the GPU, TE's core attention gave a GPT-OSS model's logits far from
-  transformers' and from megatron-kd's SDPA / FlexAttention path on the same weights (learned sinks, alternate
-  sliding-window layers, YaRN), while Llama's agreed to bf16 rounding. `te_attention_unverified` names those models:
-  their TE layer spec (models/builder) keeps TE's linears, norms and experts but megatron-kd's core attention.
-  FP8 for them is refused (`te_attention_refusal`) until it is measured against bf16.
+- Attention sinks and sliding windows. On the GPU, TE's layer spec gave a GPT-OSS model's logits far from
+  transformers' (learned sinks, alternate sliding-window layers, YaRN, clamped experts), while Llama's agreed to
+  bf16 rounding. Most of that was the fused clamp below, not TE's attention, which later matched megatron-kd's on
+  the same weights; until TE's core attention is measured against transformers with the clamp fixed,
+  `te_attention_unverified` names those models and their TE layer spec (models/builder) keeps TE's linears, norms
+  and experts with megatron-kd's core attention. FP8 for them is refused (`te_attention_refusal`) until it is
+  measured against bf16.
 - Clamped GLU with a fused bias. megatron-core's fused bias + quick-GEGLU (`bias_activation_fusion`, on in TE
   builds and in Bridge's GPT-OSS provider) clamps the linear layer's output before it adds the bias, where the
   unfused path and transformers clamp the biased value: GPT-OSS experts then depart from transformers wherever the

@@ -35,6 +35,12 @@ def enable_offline_kd(cfg, kd: OfflineKDConfig | dict, *, reader=None) -> Offlin
                               vocab_size=getattr(model, "vocab_size", None))
     if getattr(model, "use_mup", False):
         raise ValueError("offline KD does not apply MuP logit scaling; set model.use_mup=False")
+    from ..runtime.te_compat import bias_activation_fusion_exact
+    if getattr(model, "bias_activation_fusion", False) and not bias_activation_fusion_exact(model):
+        # Bridge's GPT-OSS recipes turn it on; megatron-core's kernel clamps before adding the bias
+        model.bias_activation_fusion = False
+        print("megatron_kd.bridge: note: model.bias_activation_fusion set to False: megatron-core's fused bias + "
+              "clamped GLU (GPT-OSS experts) clamps before adding the bias, unlike the model's own math", flush=True)
     from .provider import wrap_dataset_config  # imports Bridge
     cfg.dataset = wrap_dataset_config(cfg.dataset, kd)
     return OfflineKDForwardStep(kd, valid_vocab_size=int(reader.vocab_size))

@@ -33,11 +33,11 @@ def _llama(backend, **kw):
                        kv_channels=32, attention_backend=backend, **kw)
 
 
-def _build(m, seq=128, vocab=512):
+def _build(m, seq=128, vocab=512, precision="bf16"):
     from megatron_kd.models.builder import build_gpt
     from megatron_kd.recipe.schema import ParallelConfig
     torch.manual_seed(0)
-    return build_gpt(m, ParallelConfig(), vocab, seq, "bf16")
+    return build_gpt(m, ParallelConfig(), vocab, seq, precision)
 
 
 def _copy_by_shape(src, dst):
@@ -112,6 +112,28 @@ def test_gpt_oss_under_te_matches_the_sdpa_spec_and_trains(mcore_te_gpu, grouped
         g = p.grad if "bias" in n else p.main_grad
         assert g is not None and torch.isfinite(g).all(), n
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in sinks)
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["sequential_experts", "grouped_experts"])
+def test_gpt_oss_under_te_with_the_clamp_engaged_matches_the_sdpa_spec_in_fp32(mcore_te_gpu, grouped):
+    """Experts' fc1 scaled so the GLU clamp (7.0) engages, fp32: the TE spec keeps megatron-core's fused bias +
+    activation off for the clamped GLU (its kernel clamps before adding the bias), so the logits equal the SDPA
+    spec's. With the small init alone the clamp never engages and that fusion's error would not show."""
+    ref = _build(_gpt_oss("sdpa", False), precision="fp32")
+    te = _build(_gpt_oss("auto", grouped), precision="fp32")
+    assert not _copy_by_shape(ref, te)
+    assert not te.config.bias_activation_fusion
+    with torch.no_grad():
+        for model in (ref, te):
+            for n, p in model.named_parameters():
+                if "experts" in n and "linear_fc1" in n and "weight" in n:
+                    p.mul_(40.0)
+    toks = torch.randint(0, 512, (2, 128), device="cuda")
+    with torch.no_grad():
+        a, b = _logits(ref, toks), _logits(te, toks)
+    err = (a - b).abs().max().item() / a.abs().max().item()
+    print(f"GPT-OSS TE spec vs SDPA spec, fp32, clamp engaged ({'grouped' if grouped else 'sequential'}): {err:.3g}")
+    assert err < 5e-3, f"TE spec vs SDPA spec logits (fp32, clamped experts): max relative difference {err:.3g}"
 
 
 @pytest.mark.xfail(strict=False, reason="TE's own core attention does not reproduce GPT-OSS attention (sinks, "

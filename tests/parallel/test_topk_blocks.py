@@ -4,15 +4,14 @@ and a float64 reference, on fresh random logits: ties (coarse grids, constant ro
 fp16 / fp32, widths around the threshold and with a partial last block, a padded vocabulary, T != 1, hidden states,
 and tensor-parallel shards (gloo, 2 and 4 ranks). broken_variants checks that these checks catch a prefilter
 that keeps K blocks instead of K + slack, or reads blocks one column short."""
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
 from dist_utils import run_ranks
+from topk_refs import exact, plain, reference
 from megatron_kd.parallel import topk as topk_ops
 from megatron_kd.parallel.topk import BLOCK, candidates, start_topk, topk_from_hidden, vocab_parallel_topk
-from megatron_kd.parallel.vocab import VocabShard
 
 
 def threshold(k):
@@ -23,31 +22,7 @@ def threshold(k):
     return w
 
 
-def plain(fn, *args, **kw):
-    """fn with the prefilter off: the path every row took before it."""
-    saved = topk_ops._blocks_pay
-    topk_ops._blocks_pay = lambda width, kk: False
-    try:
-        return fn(*args, **kw)
-    finally:
-        topk_ops._blocks_pay = saved
 
-
-def exact(x, k, temperature=1.0, valid=None):
-    shard = VocabShard.build(x.shape[1], None, None, valid)
-    ids, lp, _ = topk_ops._chunk(x, k, shard, None, temperature, exact=True)
-    return ids, lp
-
-
-def reference(x, k, temperature=1.0, valid=None):
-    """float64: ids by (value desc, id asc) of float32(x) / T, log-probs against the fp64 log-sum-exp."""
-    u = (x.float() / temperature if temperature != 1.0 else x.float()).double().numpy()
-    if valid is not None:
-        u = u[:, :valid]
-    ids = np.stack([np.lexsort((np.arange(r.size), -r))[:k] for r in u])
-    m = u.max(axis=1, keepdims=True)
-    lse = m[:, 0] + np.log(np.exp(u - m).sum(axis=1))
-    return torch.from_numpy(ids), torch.from_numpy(np.take_along_axis(u, ids, 1) - lse[:, None])
 
 
 def logits(g, n, w, dtype, kind):

@@ -3,31 +3,14 @@ settled by redoing the chunk with whole-row keys) against the whole-row key rule
 fresh random logits with many ties (bf16, coarse grids, constant rows), fp32 at T != 1, and shards narrower than K."""
 import math
 
-import numpy as np
 import pytest
 import torch
 
 from megatron_kd.parallel import topk as topk_ops
 from megatron_kd.parallel.topk import candidates, start_topk, topk_from_hidden, vocab_parallel_topk
-from megatron_kd.parallel.vocab import VocabShard
+from topk_refs import exact, reference
 
 
-def exact(x, k, temperature=1.0, valid=None):
-    """The whole-row key rule for every row (the reference path of topk.py, one chunk)."""
-    shard = VocabShard.build(x.shape[1], None, None, valid)
-    ids, lp, _ = topk_ops._chunk(x, k, shard, None, temperature, exact=True)
-    return ids, lp
-
-
-def reference(x, k, temperature=1.0, valid=None):
-    """float64: ids by (value desc, id asc) of float32(x) / T, log-probs against the fp64 log-sum-exp."""
-    u = (x.float() / temperature if temperature != 1.0 else x.float()).double().numpy()
-    if valid is not None:
-        u = u[:, :valid]
-    ids = np.stack([np.lexsort((np.arange(r.size), -r))[:k] for r in u])
-    m = u.max(axis=1, keepdims=True)
-    lse = m[:, 0] + np.log(np.exp(u - m).sum(axis=1))
-    return torch.from_numpy(ids), torch.from_numpy(np.take_along_axis(u, ids, 1) - lse[:, None])
 
 
 def tied_logits(g, n, v, dtype, levels):

@@ -18,18 +18,11 @@ import torch
 
 from megatron_kd.parallel import topk as topk_ops
 from megatron_kd.parallel.topk import start_topk, start_topk_from_hidden, topk_from_hidden
+from topk_refs import plain
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-
-def plain(fn, *args, **kw):
-    saved = topk_ops._blocks_pay
-    topk_ops._blocks_pay = lambda width, kk: False
-    try:
-        return fn(*args, **kw)
-    finally:
-        topk_ops._blocks_pay = saved
 
 
 def test_block_prefilter_matches_the_plain_path_on_a_201k_vocab():

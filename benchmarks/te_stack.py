@@ -16,7 +16,8 @@ Parts (--parts picks; each writes into one JSON, rewritten after every arm so a 
   gptoss  GPT-OSS-20B's architecture cut to 4 layers at 32K under TE (TE's layers, megatron-kd's sink / window
           attention) with the recipe's expert setting (moe_grouped_gemm=true: TE's grouped GEMM) and with sequential
           experts, beside the SDPA path without TE; offline KD from a 2-layer teacher.
-  fp8     a 1.07 B student (22 layers, hidden 2048) trained 200 steps on real text (pydoc, --data PREFIX) with CE, bf16 vs FP8 (TE both),
+  fp8     a 1.07 B student (22 layers, hidden 2048) trained 200 steps on real text (pydoc, --data PREFIX) with CE, bf16 vs FP8 (TE both;
+          --fp8-curve RECIPE[:dpa]; --bf16-second-seed N adds bf16 at another seed, the spread bf16 has by itself),
           held-out loss every 25 steps; a PNG of both curves (--plot-only draws it from the JSON afterwards), and
           the check: held-out CE of FP8 within 2% of bf16's at every evaluation and 0.5% at the last.
 
@@ -201,6 +202,8 @@ def part_fp8(a, out, E, deadline):
     recipe, *more = a.fp8_curve.split(":")
     dpa = ["model.fp8_attention=true"] if "dpa" in more else []
     out["fp8_curve_recipe"] = a.fp8_curve
+    if a.bf16_second_seed is not None:  # bf16 against bf16: how far two seeds' curves lie apart anyway
+        run_arm("fp8_curve_bf16_seed2", [*base, f"train.seed={a.bf16_second_seed}"], E["te"], a, out, deadline)
     run_arm("fp8_curve_fp8", [*base, "model.fp8=hybrid", f"model.fp8_recipe={recipe}", *dpa], E["te"], a, out,
             deadline)
 
@@ -223,6 +226,11 @@ def fp8_curves(out, png):
              "tflops_bf16": a.get("tflops"), "tflops_fp8": b.get("tflops"),
              "peak_gib_bf16": a.get("peak_gib"), "peak_gib_fp8": b.get("peak_gib")}
     check["met"] = check["max_abs_rel_diff"] <= FP8_TOL_EVERY and abs(check["final_rel_diff"]) <= FP8_TOL_END
+    ec = {e["iteration"]: e["ce"] for e in out["arms"].get("fp8_curve_bf16_seed2", {}).get("evals", [])}
+    if set(steps) <= set(ec):  # the spread of bf16 itself over a second seed, the yardstick for FP8's difference
+        spread = [(ec[i] - ea[i]) / ea[i] for i in steps]
+        check.update(bf16_seed_rel_diff=spread, bf16_seed_max_abs_rel_diff=max(abs(v) for v in spread),
+                     bf16_seed_final_rel_diff=spread[-1])
     out["fp8_check"] = check
     import matplotlib
     matplotlib.use("Agg")
@@ -230,7 +238,8 @@ def fp8_curves(out, png):
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
     recipe, *more = out.get("fp8_curve_recipe", "tensorwise").split(":")
     label = f"FP8 (hybrid, {recipe}{', FP8 attention' if 'dpa' in more else ''})"
-    for arm, name in ((a, "bf16"), (b, label)):
+    seed2 = out["arms"].get("fp8_curve_bf16_seed2")
+    for arm, name in ((a, "bf16"), (b, label), *([(seed2, "bf16, second seed")] if seed2 else [])):
         tl = arm.get("train_loss") or []
         w = 10
         sm = [sum(tl[max(0, i - w + 1):i + 1]) / len(tl[max(0, i - w + 1):i + 1]) for i in range(len(tl))]
@@ -262,6 +271,8 @@ def main():
                     help="FP8 arms of the user part as RECIPE:R[:exp][:dpa] (model.fp8_recipe, recomputed layers; exp: "
                          "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; dpa: TE's FP8 attention too)")
     ap.add_argument("--fp8-curve", default="tensorwise", help="the fp8 part's FP8 arm as RECIPE[:dpa]")
+    ap.add_argument("--bf16-second-seed", type=int, default=None,
+                    help="the fp8 part also trains bf16 with this train.seed: the spread of bf16 itself")
     ap.add_argument("--te-cache", action=argparse.BooleanOptionalAction, default=True,
                     help="the first TE arm also builds a cache with a TE teacher")
     ap.add_argument("--sdpa-te-arm", action=argparse.BooleanOptionalAction, default=True,

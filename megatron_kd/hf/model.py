@@ -34,15 +34,18 @@ def _cpu_mask_patch() -> None:
     fs._megatron_kd_cpu = True
 
 
-def set_fusions(prov, fused: bool) -> None:
+def set_fusions(prov, fused: bool, overrides: dict | None = None) -> None:
     """Bridge's provider fusions: all off (fused=False: no TE / apex / CUDA kernels), or Bridge's own settings but
-    for those that would not compute the unfused result (a clamped GLU's fused bias + activation)."""
+    for those that would not compute the unfused result (a clamped GLU's fused bias + activation); then
+    `overrides` (the `megatron:` pass-through, which may set a clamp), whose own bias_activation_fusion wins."""
     from ..runtime.te_compat import bias_activation_fusion_exact
     for k in FUSIONS:
         if hasattr(prov, k) and not fused:
             setattr(prov, k, False)
-    if not bias_activation_fusion_exact(prov):  # GPT-OSS: megatron-core's kernel clamps before adding the bias
-        prov.bias_activation_fusion = False
+    for k, v in (overrides or {}).items():
+        setattr(prov, k, v)
+    if "bias_activation_fusion" not in (overrides or {}) and not bias_activation_fusion_exact(prov):
+        prov.bias_activation_fusion = False  # GPT-OSS: megatron-core's kernel clamps before adding the bias
 
 
 def needs_sinks_or_window(config) -> bool:
@@ -101,7 +104,6 @@ class HFModel:
         check_layout(self.path, self.key, tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp)
         prov = self.bridge.to_megatron_provider(load_weights=False)
         prov.transformer_layer_spec = layer_spec or local_layer_spec()
-        set_fusions(prov, fused)
         cuda = torch.cuda.is_available()
         if not cuda:
             prov.moe_token_dispatcher_type = "allgather"  # alltoall makes a torch.cuda.Stream
@@ -130,11 +132,11 @@ class HFModel:
         prov.deallocate_pipeline_outputs = p.pp > 1
         for k, v in (recompute or {}).items():
             setattr(prov, k, v)
-        for k, v in (overrides or {}).items():
+        for k in overrides or {}:
             if not hasattr(prov, k):
                 raise HFCheckpointError(f"{self.key}: {k!r} is not a field of Bridge's provider (a megatron-core "
                                         "TransformerConfig); check the `megatron:` pass-through keys")
-            setattr(prov, k, v)
+        set_fusions(prov, fused, overrides)  # last: on the final fields (the checkpoint's exact settings, overrides)
         prov.finalize()
         from megatron.core.process_groups_config import ProcessGroupCollection
         prov._pg_collection = ProcessGroupCollection.use_mpu_process_groups()

@@ -56,7 +56,7 @@ def transformer_config(m: ModelConfig, p: ParallelConfig, precision: str = "fp32
         deallocate_pipeline_outputs=p.pp > 1,
         gradient_accumulation_fusion=use_te and cuda,
         apply_rope_fusion=use_te and cuda and m.position_embedding_type == "rope",
-        bias_activation_fusion=use_te and cuda and m.add_bias_linear and bias_activation_fusion_exact(m),
+        bias_activation_fusion=use_te and cuda and m.add_bias_linear,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
     )
@@ -64,6 +64,10 @@ def transformer_config(m: ModelConfig, p: ParallelConfig, precision: str = "fp32
     from . import gpt_oss  # gpt-oss: sinks, window, clamped GLU, YaRN
     kw.update(gpt_oss.config_kwargs(m))
     kw.update(m.megatron or {})
+    if "bias_activation_fusion" not in (m.megatron or {}):  # decided on the final fields (megatron: may set a clamp)
+        from types import SimpleNamespace
+        exact = bias_activation_fusion_exact(SimpleNamespace(**kw))
+        kw["bias_activation_fusion"] = kw["bias_activation_fusion"] and exact
     config = TransformerConfig(**kw)
     gpt_oss.apply_yarn(config, m)
     return config

@@ -1,6 +1,6 @@
 """Transformer Engine beside megatron-core's own layers, as NeMo / Megatron-Bridge containers run them.
 
-Three things go wrong there unless handled, each with no word from the libraries:
+What goes wrong there unless handled, each with no word from the libraries:
 
 - Weight-gradient accumulation fusion. megatron-core's config flag `gradient_accumulation_fusion` turns it on for
   TE's linears (TE fuses it itself) and for megatron-core's own ColumnParallelLinear / RowParallelLinear, which need
@@ -20,7 +20,8 @@ Three things go wrong there unless handled, each with no word from the libraries
 - Clamped GLU with a fused bias. megatron-core's fused bias + quick-GEGLU (`bias_activation_fusion`, on in TE
   builds and in Bridge's GPT-OSS provider) clamps the linear layer's output before it adds the bias, where the
   unfused path and transformers clamp the biased value: GPT-OSS experts then depart from transformers wherever the
-  clamp engages. `bias_activation_fusion_exact` keeps that fusion off for clamped activations.
+  clamp engages. `bias_activation_fusion_exact` keeps that fusion off for clamped activations (and where
+  megatron-core has no fused kernel), decided on the final fields.
 - Two cuDNNs in one process. TE may load a system cuDNN before torch's own pip cuDNN; torch's cuDNN attention then
   fails its version check and SDPA falls back to a slower kernel. `cudnn_clash` reads which cuDNN files this
   process has mapped and says which two, and `torch_cudnn_env` gives the environment that avoids it.
@@ -39,10 +40,17 @@ def te_attention_unverified(config) -> bool:
 
 
 def bias_activation_fusion_exact(config) -> bool:
-    """Whether megatron-core's fused bias + activation computes what the unfused path does for `config`
-    (megatron-core field names): not with a clamped activation (GPT-OSS), whose fused kernel clamps before the
-    bias is added."""
-    return getattr(config, "activation_func_clamp_value", None) is None
+    """Whether megatron-core has a fused bias + activation for `config` (a recipe's ModelConfig, or anything with
+    megatron-core's field names) that computes what the unfused path does: GELU or SwiGLU, and no clamp (GPT-OSS's
+    fused kernel clamps before the bias is added; other activations have no fused kernel, and megatron-core's MLP
+    raises for them)."""
+    if getattr(config, "activation_func_clamp_value", None) is not None:
+        return False
+    act = getattr(config, "activation", None)
+    if isinstance(act, str):  # a recipe's ModelConfig
+        return act in ("swiglu", "gelu")
+    name = getattr(getattr(config, "activation_func", None), "__name__", "")
+    return name == "gelu" or (name == "silu" and bool(getattr(config, "gated_linear_unit", False)))
 
 
 def te_attention_refusal(section: str, fp8) -> str:

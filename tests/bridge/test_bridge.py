@@ -233,8 +233,9 @@ def test_enable_offline_kd_keeps_the_fused_bias_activation_off_for_a_clamped_glu
                                                                                   clamp, kept):
     """Bridge's GPT-OSS provider fuses bias + clamped GLU, which megatron-core computes with the clamp before the
     bias: offline KD turns that fusion off (with a note) for clamped activations only."""
-    model = SimpleNamespace(seq_length=S, vocab_size=64, bias_activation_fusion=True,
-                            activation_func_clamp_value=clamp)
+    import torch.nn.functional as F
+    model = SimpleNamespace(seq_length=S, vocab_size=64, bias_activation_fusion=True, activation_func=F.silu,
+                            gated_linear_unit=True, activation_func_clamp_value=clamp)
     enable_offline_kd(SimpleNamespace(model=model, dataset=UserDatasetConfig()), {"cache_path": cache_path})
     assert model.bias_activation_fusion is kept
     assert ("bias_activation_fusion set to False" in capsys.readouterr().out) is not kept

@@ -166,7 +166,7 @@ def _worker(rank, world, path, hf_cfg, ids, ref, out_json, ablations):
         from megatron_kd.hf.model import set_fusions
         # the HF path keeps Bridge's fusions under TE (fused=True): all but the inexact one
         prov = AutoBridge.from_hf_pretrained(path).to_megatron_provider(load_weights=False)
-        set_fusions(prov, fused=True)
+        set_fusions(prov, fused=True)  # Bridge's own fusions kept, as under TE
         res["hf_fused_provider_fusions"] = {k: getattr(prov, k) for k in ("bias_activation_fusion",
                                                                             "moe_permute_fusion")}
     for a in ablations:

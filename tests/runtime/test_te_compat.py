@@ -252,17 +252,25 @@ def test_hf_students_get_fp8_through_the_provider(monkeypatch):
     assert seen["overrides"] == {}
 
 
-@pytest.mark.parametrize("clamp, fused", [(7.0, False), (None, True)])
-def test_builder_keeps_the_fused_bias_activation_off_for_a_clamped_glu(monkeypatch, clamp, fused):
-    """Under TE on a GPU the builder fuses bias + activation for biased linears, but not for a clamped GLU (GPT-OSS):
-    megatron-core's fused quick-GEGLU clamps before adding the bias (tests/models/test_gpt_oss_hf.py measures the
-    departure from transformers)."""
+@pytest.mark.parametrize("fields, fused", [
+    (dict(activation="quick_geglu", activation_func_clamp_value=7.0, glu_linear_offset=1.0), False),  # GPT-OSS
+    (dict(activation="quick_geglu", glu_linear_offset=1.0, megatron={"activation_func_clamp_value": 7.0}), False),
+    (dict(activation="quick_geglu", activation_func_clamp_value=7.0, glu_linear_offset=1.0,
+          megatron={"bias_activation_fusion": True}), True),  # asked for by name: the user's call
+    (dict(activation="swiglu"), True),
+    (dict(activation="gelu"), True),
+    (dict(activation="squared_relu"), False),  # megatron-core has no fused kernel for it (its MLP raises)
+], ids=["gpt_oss", "clamp_through_megatron", "explicit", "swiglu", "gelu", "squared_relu"])
+def test_builder_fuses_bias_activation_only_where_megatron_core_computes_it_exactly(monkeypatch, fields, fused):
+    """Under TE on a GPU the builder fuses bias + activation for biased linears only where megatron-core has a
+    kernel that computes the unfused result: not for a clamped GLU (GPT-OSS: the fused quick-GEGLU clamps before
+    adding the bias; tests/models/test_gpt_oss_hf.py measures the departure), also when the clamp comes through
+    the `megatron:` pass-through, and not where no kernel exists."""
     from megatron_kd.models import builder
     from megatron_kd.recipe.schema import ParallelConfig
     monkeypatch.setattr(builder, "_backend", lambda m: "te")
     monkeypatch.setattr(builder.torch.cuda, "is_available", lambda: True)
-    m = _config(activation="quick_geglu", activation_func_clamp_value=clamp, glu_linear_offset=1.0,
-                add_bias_linear=True)
+    m = _config(add_bias_linear=True, **fields)
     kw = {}
     monkeypatch.setattr("megatron.core.transformer.transformer_config.TransformerConfig",
                         lambda **k: kw.update(k) or k)
@@ -271,4 +279,36 @@ def test_builder_keeps_the_fused_bias_activation_off_for_a_clamped_glu(monkeypat
     except Exception:  # noqa: BLE001  (only the fields handed to TransformerConfig matter here)
         pass
     assert kw and kw["bias_activation_fusion"] is fused, kw.get("bias_activation_fusion")
-    assert te_compat.bias_activation_fusion_exact(m) is (clamp is None)
+
+
+def test_the_exact_fusion_rule_reads_recipes_and_megatron_configs():
+    """The same rule on a recipe's ModelConfig (activation names) and on megatron-core field names (a provider)."""
+    import torch.nn.functional as F
+    from types import SimpleNamespace
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+    from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: F401  (megatron present)
+    exact = te_compat.bias_activation_fusion_exact
+    assert exact(_config(activation="swiglu")) and not exact(_config(activation="squared_relu"))
+    assert not exact(_config(activation="quick_geglu", activation_func_clamp_value=7.0))
+    assert exact(SimpleNamespace(activation_func=F.silu, gated_linear_unit=True))
+    assert not exact(SimpleNamespace(activation_func=F.silu, gated_linear_unit=False))
+    assert exact(SimpleNamespace(activation_func=F.gelu, gated_linear_unit=False))
+    assert not exact(SimpleNamespace(activation_func=quick_gelu, gated_linear_unit=True,
+                                     activation_func_clamp_value=7.0))
+
+
+def test_a_cache_records_fp8_and_fp8_attention_of_a_te_teacher():
+    """The backend a cache records tells TE's layers, their FP8 and TE's FP8 attention apart."""
+    from types import SimpleNamespace
+    import torch
+    from megatron_kd.teacher.megatron import layer_backend
+    te_linear = type("Linear", (torch.nn.Module,), {"__module__": "transformer_engine.pytorch.module.linear"})
+
+    def model(**config):
+        m = torch.nn.Sequential(te_linear())
+        m.config = SimpleNamespace(**config)
+        return m
+    assert layer_backend(model(fp8=None)) == "te"
+    assert layer_backend(model(fp8="hybrid", fp8_dot_product_attention=False)) == "te+fp8"
+    assert layer_backend(model(fp8="hybrid", fp8_dot_product_attention=True)) == "te+fp8+fp8_attention"
+    assert layer_backend(torch.nn.Sequential(torch.nn.Linear(2, 2))) == "local"

@@ -210,7 +210,7 @@ class PendingTopK:
             self._flags_host = torch.empty(self.flags.shape, dtype=self.flags.dtype, pin_memory=True)
             self._flags_host.copy_(self.flags, non_blocking=True)
             self._flags_ready = torch.cuda.Event()
-            self._flags_ready.record()
+            self._flags_ready.record(torch.cuda.current_stream(self.flags.device))  # the flags' device
 
     @torch.no_grad()
     def copy_to_host(self) -> "PendingTopK":

@@ -228,6 +228,10 @@ def from_recipe(r) -> RecipePlan:
                      "and no separate main params)")
     if p.vpp:
         notes.append(f"parallel.vpp={p.vpp}: interleaved pipeline stages are not modelled (1F1B counted)")
+    if m.fp8:
+        notes.append(f"model.fp8={m.fp8}: Transformer Engine's layers and their FP8 buffers are not modelled (the plan "
+                     "counts megatron-core's local spec in bf16); measured FP8 peaks: benchmarks/README.md, "
+                     "Transformer Engine")
     cache_teacher = shape_from_config(r.teacher, vocab, d.seq_length) if targets.builds_cache else None
     return RecipePlan(shape=shape, layout=layout, training=Training(**tr), teacher=teacher,
                       global_batch_size=t.global_batch_size, precision=t.precision, vpp=p.vpp, notes=notes,

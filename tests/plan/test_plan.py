@@ -312,6 +312,19 @@ def test_recipe_by_path_overrides_and_gpus():
     assert _cli("tiny_cpu", "kd.topk=3")[0] == 2                             # the schema names the typo
 
 
+def test_an_fp8_recipe_is_planned_with_a_note_that_fp8_is_not_modelled():
+    from megatron_kd.plan.recipe import from_recipe
+    from megatron_kd.recipe.compose import compose
+    from megatron_kd.recipe.schema import to_recipe
+
+    def notes(*over):
+        r = to_recipe(compose("llama31_8b_to_3b_32k_1xh200", ["kd.cache=/dev/null", *over], save="/dev/null"))
+        return from_recipe(r).notes
+    assert any(n.startswith("model.fp8=hybrid: Transformer Engine's layers and their FP8 buffers are not modelled")
+               for n in notes("model.fp8=hybrid"))
+    assert not any("fp8" in n for n in notes())
+
+
 @pytest.mark.slow
 def test_e2e_bench_smoke_runs_train_and_records_the_plan(tmp_path):
     """The end-to-end bench drives `megatron-kd train` (CPU smoke) and puts the planner's peak next to the run."""

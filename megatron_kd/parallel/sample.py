@@ -155,6 +155,11 @@ class PendingSample:
         ids, counts = distinct_counts(self.raw)
         return ids, log_frequencies(counts, self.draws)
 
+    def host_result(self):
+        """(ids, log-probs, None): result()'s device tensors (the sink copies them), as PendingTopK.host_result
+        gives them when no host copy was queued."""
+        return (*self.result(), None)
+
 
 def check_draws(draws) -> str | None:
     """None when draws suits a sampled cache, else what is wrong and the fix."""

@@ -233,7 +233,7 @@ def _build(writer, teacher, dataset, seq, top_k, temperature, chunk_size, micro_
             shard = sink.begin(j)  # queued after the previous shard's commit: its file opens after that commit
         if pending is not None:  # the last pipeline stage
             # waits for this micro-batch's top-K only (not for the next one's forward, queued before this call)
-            ids, lp, ready = pending.host_result() if hasattr(pending, "host_result") else (*pending.result(), None)
+            ids, lp, ready = pending.host_result()
             if sink is not None:
                 k = ids.shape[-1]
                 sink.put(shard, ids.reshape(*tokens.shape, k), lp.reshape(*tokens.shape, k), tokens, ready)

@@ -60,7 +60,8 @@ class SDPAttention(MegatronModule):
         if config.context_parallel_size != 1:
             raise ValueError(f"context_parallel_size={config.context_parallel_size}: the project's SDPA/"
                              "FlexAttention core attention has no context-parallel exchange; use parallel.cp=1 "
-                             "(memory: recompute or more TP/EP), or model.attention_backend=te in a TE container")
+                             "(memory: recompute or more TP/EP), or, for a model without sinks or windows, "
+                             "model.attention_backend=te in a TE container")
         if pg_collection is None:
             from megatron.core.process_groups_config import ProcessGroupCollection
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from ..kernels import fused_unavailable
 from ..rules import encoding_problem, padded_vocab_size, same_temperature, top_k_fits
 from ..runtime.features import apex_available, te_available
-from ..runtime.te_compat import te_attention_refusal, te_attention_unverified
+from ..runtime.te_compat import own_attention_cp_refusal, te_attention_refusal, te_attention_unverified
 from .resume_keys import resume_keys_all
 from .schema import (ATTENTION_BACKENDS, FP8_FORMATS, FP8_RECIPES, PRECISIONS, QUANT_CUDA_ONLY, QUANT_FORMATS,
                      ModelConfig, Recipe, RecipeError)
@@ -120,6 +120,7 @@ def check_recipe(r: Recipe, world_size: int | None = 1, cuda: bool = False) -> N
     for k in ("tp", "pp", "cp", "ep"):
         _need(getattr(p, k) >= 1, f"parallel.{k}={getattr(p, k)} must be >= 1")
     check_model(r.model, "model", p.tp)
+    _need(p.cp == 1 or not te_attention_unverified(r.model), own_attention_cp_refusal("model", p.cp))
     _check_kd(r)
     _check_data(r)
     _check_train(r)
@@ -343,6 +344,8 @@ def check_run(r: Recipe, world_size: int, cuda: bool, vocab_size: int) -> None:
     if src.needs_teacher:
         check_vocab(vocab_size, r.teacher, "teacher", r.parallel.tp)
         if src.teacher_each_step:
+            _need(r.parallel.cp == 1 or not te_attention_unverified(r.teacher),
+                  own_attention_cp_refusal("teacher", r.parallel.cp))
             if r.parallel.pp > 1:
                 raise RecipeError("kd.mode=online runs with parallel.pp=1 (the teacher beside the student is not "
                                   "pipelined); use offline mode (a cache) with pipeline parallel")

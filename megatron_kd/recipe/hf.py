@@ -8,13 +8,14 @@ counts, plans, checkpoints and resume checks see the real model).
 import json
 import os
 
-from ..runtime.te_compat import te_attention_refusal
+from ..runtime.te_compat import own_attention_cp_refusal, te_attention_refusal
 from ..cache.format import MANIFEST, is_finished
 from ..cache.hashing import tokenizer_id
 from ..hf.checks import (HFCheckpointError, check_hf_dir, check_layout, check_same_tokenizer, hf_vocab_size,
                          tokenizer_size)
 from ..hf.model import open_hf
 from .schema import Recipe, RecipeError
+from .targets import TargetSource
 from .targets import TargetSource
 
 
@@ -59,6 +60,8 @@ def resolve(r, *, teacher: bool | None = None) -> list:
         hf = open_hf(m.hf_path, key)
         if m.fp8 and hf.te_attention_unverified():
             raise HFCheckpointError(f"{key}={m.hf_path!r}: " + te_attention_refusal(name, m.fp8))
+        if p.cp > 1 and hf.te_attention_unverified() and (name == "model" or TargetSource.of(r.kd).teacher_each_step):
+            raise HFCheckpointError(f"{key}={m.hf_path!r}: " + own_attention_cp_refusal(name, p.cp))
         arch = hf.architecture()
         for k, v in arch.items():
             setattr(m, k, v)

@@ -53,6 +53,14 @@ def bias_activation_fusion_exact(config) -> bool:
     return name == "gelu" or (name == "silu" and bool(getattr(config, "gated_linear_unit", False)))
 
 
+def own_attention_cp_refusal(section: str, cp: int) -> str:
+    """The sentence that refuses parallel.cp > 1 for a model whose sinks / windows run in megatron-kd's core
+    attention (under TE's layers too), which has no context-parallel exchange."""
+    return (f"parallel.cp={cp}: {section} has attention sinks / sliding windows (GPT-OSS), which run in "
+            "megatron-kd's core attention (with or without Transformer Engine), and that has no context-parallel "
+            "exchange; set parallel.cp=1 (for memory: recompute more layers, or spread the experts with parallel.ep)")
+
+
 def te_attention_refusal(section: str, fp8) -> str:
     """The sentence that refuses `{section}.fp8` for such a model, with the fix."""
     return (f"{section}.fp8={fp8}: FP8 has not been checked against bf16 for models with attention sinks / sliding "

@@ -142,7 +142,8 @@ def test_architecture_bridge_does_not_map(tmp_path):
     ("qwen2", {}, False)], ids=["gptoss", "llama", "qwen2_window", "qwen2"])
 def test_checkpoints_with_sinks_or_windows_take_te_layers_and_refuse_fp8(tmp_path, arch, config, unverified):
     """Sinks / sliding windows read from config.json: `attention_backend=te` passes (TE's layers, megatron-kd's core
-    attention: build_hf_chunks), FP8 is refused before any work naming the key; other checkpoints pass both."""
+    attention: build_hf_chunks), FP8 and context parallel are refused before any work naming the key; other
+    checkpoints pass all three."""
     import bridge_env_check  # noqa: F401
     import tiny
     from megatron_kd.hf.model import open_hf
@@ -152,11 +153,15 @@ def test_checkpoints_with_sinks_or_windows_take_te_layers_and_refuse_fp8(tmp_pat
     d = str(tmp_path / arch)
     tiny.make_hf(d, arch, config=config)
     assert open_hf(d, "model.hf_path").te_attention_unverified() is unverified
-    for extra in (["model.attention_backend=te"], ["model.fp8=hybrid"]):
+    for extra in (["model.attention_backend=te"], ["model.fp8=hybrid"], ["parallel.cp=2"]):
         r = to_recipe(compose("tiny_cpu", [f"model.hf_path={d}", "data.vocab_size=256", *extra],
                               save=str(tmp_path / "r")))
         if unverified and "fp8" in extra[0]:
             with pytest.raises(RecipeError, match=r"model.hf_path=.*: model\.fp8=hybrid: .*set model\.fp8=null"):
+                resolve_hf(r)
+        elif unverified and "cp" in extra[0]:  # their core attention has no context-parallel exchange
+            with pytest.raises(RecipeError, match=r"model.hf_path=.*: parallel\.cp=2: model has attention sinks "
+                                                  r".*set parallel\.cp=1"):
                 resolve_hf(r)
         else:
             resolve_hf(r)

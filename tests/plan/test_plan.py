@@ -253,12 +253,12 @@ RECIPES = {  # what each file says (recipe file over its group files); world = t
     "llama31_8b_to_3b_32k_1xh200": dict(shape="llama-3.2-3b", tp=1, pp=1, cp=1, ep=1, etp=1, dp=1, sp=False,
                                         recompute="full", layers=16, seq=32768, mbs=1, micro_batches=32,
                                         mode="offline", topk=100),
-    # gpt-oss: CP=1 (the FlexAttention path for sinks/windows refuses CP), so DP=8
+    # gpt-oss: CP=1 (its sink / window core attention refuses CP, under TE's layers too), so DP=8
     "gpt_oss_20b_32k_8xh200": dict(shape="gpt-oss-20b", tp=1, pp=1, cp=1, ep=8, etp=1, dp=8, sp=False,
                                    recompute="full", layers=16, seq=32768, mbs=1, micro_batches=8,
                                    mode="offline", topk=100),
-    "gpt_oss_20b_32k_4node_online": dict(shape="gpt-oss-20b", tp=1, pp=1, cp=4, ep=8, etp=1, dp=2, sp=False,
-                                         recompute="none", layers=None, seq=32768, mbs=1, micro_batches=32,
+    "gpt_oss_20b_32k_4node_online": dict(shape="gpt-oss-20b", tp=1, pp=1, cp=1, ep=8, etp=1, dp=8, sp=False,
+                                         recompute="full", layers=16, seq=32768, mbs=1, micro_batches=8,
                                          mode="online", topk=100),
 }
 
@@ -305,9 +305,9 @@ def test_recipe_by_path_overrides_and_gpus():
     assert ep4["peak_gib"] > base["peak_gib"] + 1
     none = json.loads(_cli("gpt_oss_20b_32k_8xh200", "model.recompute_granularity=null", "--json")[1])
     assert none["training"]["recompute"] == "none" and none["peak_gib"] > base["peak_gib"] + 10
-    # --gpus sets dp first, then the micro-batches are counted: 64 / (1 x 8)
+    # --gpus sets dp first, then the micro-batches are counted: 64 / (1 x 32)
     d = json.loads(_cli("gpt_oss_20b_32k_4node_online", "--gpus", "32", "--json")[1])
-    assert d["layout"]["dp"] == 8 and d["training"]["num_microbatches"] == 8 and d["fits"] is True
+    assert d["layout"]["dp"] == 32 and d["training"]["num_microbatches"] == 2 and d["fits"] is True
     assert _cli("llama31_8b_to_3b_32k_1xh200", "--gpus", "3")[0] == 2      # 32 does not divide by 3
     assert _cli("tiny_cpu", "kd.topk=3")[0] == 2                             # the schema names the typo
 

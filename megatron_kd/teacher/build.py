@@ -70,6 +70,26 @@ def _tokens(dataset, i) -> torch.Tensor:
     return split_sample(dataset[i])["tokens"].reshape(-1)
 
 
+_TOPK_STREAMS = {}
+
+
+def _topk_stream(x, tp_group):
+    """The stream a micro-batch's top-K is queued on: a side stream on CUDA when it issues no collective
+    (one rank per TP group), else None (the current stream).
+
+    On the side stream the next micro-batch's forward, queued right behind it, does not wait for it: the host
+    syncs inside that forward (MoE routing reads its token counts on the host) wait for the current stream only,
+    and the top-K runs in the gaps the device has while the host queues a launch-bound forward. At TP > 1 the
+    top-K's collectives stay on the current stream, as two streams issuing collectives on one communicator can
+    deadlock."""
+    if not x.is_cuda or group_size(tp_group) > 1:
+        return None
+    key = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if key not in _TOPK_STREAMS:
+        _TOPK_STREAMS[key] = torch.cuda.Stream(device=key)
+    return _TOPK_STREAMS[key]
+
+
 def _start_teacher_topk(teacher, tokens, k, temperature, chunk_size, tp_group, draws_of=None, to_host=False,
                         shards=None):
     """Queue the teacher's forward and top-K of one micro-batch (PendingTopK); None on ranks of an earlier
@@ -82,6 +102,19 @@ def _start_teacher_topk(teacher, tokens, k, temperature, chunk_size, tp_group, d
     out = teacher(tokens)
     if out is None:
         return None
+    x = out.logits if out.logits is not None else out.hidden
+    # draws stay on the current stream: their result is read there (PendingSample has no event to wait on)
+    stream = _topk_stream(x, tp_group) if draws_of is None else None
+    if stream is None:
+        return _queue_topk(out, teacher, tokens, k, temperature, chunk_size, tp_group, draws_of, to_host, shards)
+    stream.wait_stream(torch.cuda.current_stream(x.device))  # after the forward that made x
+    x.record_stream(stream)  # x's memory is not handed to the next forward before the top-K has read it
+    with torch.cuda.stream(stream):
+        return _queue_topk(out, teacher, tokens, k, temperature, chunk_size, tp_group, draws_of, to_host, shards)
+
+
+def _queue_topk(out, teacher, tokens, k, temperature, chunk_size, tp_group, draws_of, to_host, shards):
+    """Queue the top-K (or the draws) of the teacher's output `out` for one micro-batch."""
     b, s = tokens.shape
     if draws_of is not None:
         first, seed = draws_of

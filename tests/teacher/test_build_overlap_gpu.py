@@ -6,6 +6,8 @@
   first), and its host copies equal result();
 - tied chunks are still redone (host_result then hands out the device tensors), non-finite logits still raise;
 - tokens_to queues the token copy (no stream sync), which a pageable .to() does not;
+- the builder queues a micro-batch's top-K on a side stream: a host sync of the current stream (what the next
+  forward's MoE routing does) returns while that top-K still runs, and its result equals the plain top-K's;
 - a build on the GPU writes the bytes of a build that encodes and writes each sample before the next.
 """
 import hashlib
@@ -144,3 +146,30 @@ def test_gpu_build_writes_the_sequential_bytes(tmp_path):
             if f.endswith(".bin"):
                 assert hashlib.sha256((seq / "shards" / f).read_bytes()).digest() == hashlib.sha256(
                     (tmp_path / enc / "shards" / f).read_bytes()).digest(), (enc, f)
+
+
+def test_the_top_k_runs_beside_the_next_forward():
+    from megatron_kd.teacher.build import _start_teacher_topk
+    from megatron_kd.teacher.protocol import CallableTeacher
+    V, H, N, K = 201_088, 512, 8192, 100
+    g = torch.Generator().manual_seed(3)
+    emb = torch.randn(1024, H, generator=g).to("cuda", torch.bfloat16)
+    w = torch.randn(V, H, generator=g).to("cuda", torch.bfloat16)
+
+    def fn(t):
+        h = emb[t.reshape(-1)]
+        # the forward's tail, still running on the current stream while the host queues the top-K behind it: the
+        # top-K starts when it ends, so the top-K is still running when the sync below returns, unless that sync
+        # also waited for the top-K (queued on the current stream)
+        torch.cuda._sleep(200_000_000)
+        return h, w
+
+    tokens = torch.randint(0, 1024, (1, N), generator=g).cuda()
+    torch.cuda.synchronize()
+    p = _start_teacher_topk(CallableTeacher(fn, V), tokens, K, 1.0, None, None)
+    torch.cuda.current_stream().synchronize()  # what the next forward's host syncs do
+    running = not p._flags_ready.query()
+    ids, lp = p.result()
+    ref_ids, ref_lp = topk_from_hidden(emb[tokens.reshape(-1)], w, K)
+    assert torch.equal(ids, ref_ids) and torch.equal(lp, ref_lp)
+    assert running, "the current stream's sync waited for the top-K: it was queued on the current stream"

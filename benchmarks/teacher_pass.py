@@ -76,7 +76,7 @@ def child(a) -> dict:
     sync()
     res["teacher_init_s"] = time.perf_counter() - t0
     g = np.random.default_rng(0)
-    data = torch.from_numpy(g.integers(0, vocab, size=(a.samples + 1, seq + 1)))
+    data = torch.from_numpy(g.integers(0, vocab, size=(max(a.samples, a.more_samples or 0) + 1, seq + 1)))
 
     tokens = data[0, :seq][None]
     out, hidden, floor = measure_floor(teacher, tokens, a.reps, a.chunk_size)
@@ -111,6 +111,17 @@ def child(a) -> dict:
                              "tokens_per_s": a.samples * seq / wall, "over_floor": wall / a.samples / res["floor_s"],
                              "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
                              "shard_sha256": sha}
+    if a.more_samples:  # a second build of more samples: its extra wall time over the extra samples is the steady
+        # per-sample cost, free of what a build pays once (setup, pipeline fill and drain, the shards' finalize)
+        enc = a.encodings.split(",")[0]
+        t = time.perf_counter()
+        build("more", a.more_samples, enc)
+        wall = time.perf_counter() - t
+        base = res["build"][enc]["wall_s"]
+        per = (wall - base) / (a.more_samples - a.samples)
+        res["steady"] = {"encoding": enc, "samples": [a.samples, a.more_samples], "wall_s": [base, wall],
+                         "s_per_sample": per, "tokens_per_s": seq / per, "over_floor": per / res["floor_s"],
+                         "once_s": base - a.samples * per}
     if a.profile:
         res["profile"] = profile(a, build, seq)
     del teacher
@@ -296,6 +307,9 @@ def main():
     p.add_argument("--encodings", default="fp16,compact")
     p.add_argument("--override", action="append", default=[],
                    help="one more recipe override, after the shape's (repeatable), e.g. teacher.moe_grouped_gemm=true")
+    p.add_argument("--more-samples", type=int, default=None,
+                   help="one more build of this many samples (> --samples): the steady per-sample cost and what a "
+                        "build pays once, from the two walls")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--profile-samples", type=int, default=2)
@@ -327,7 +341,8 @@ def main():
             json.dump(res, f, indent=1, default=str)
     brief = [{k: r.get(k) for k in ("tree", "rc", "forward_s", "output_gemm_s", "topk_s", "floor_s", "log_tail")}
              | {"build": {e: {x: v[x] for x in ("tokens_per_s", "s_per_sample", "over_floor", "peak_gib")}
-                          for e, v in r.get("build", {}).items()}, "profile": r.get("profile"), "hf": r.get("hf")}
+                          for e, v in r.get("build", {}).items()}, "steady": r.get("steady"), "profile": r.get("profile"),
+                                            "hf": r.get("hf")}
              for r in runs]
     print(json.dumps({"runs": brief, "checks": res.get("checks")}, indent=1, default=str))
 

@@ -19,6 +19,7 @@ turned off in turn (the fusions `fused=True` keeps under TE), to locate a depart
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -291,10 +292,185 @@ def run_hf(a) -> dict:
     return out
 
 
+def _first(x):
+    return x[0] if isinstance(x, (tuple, list)) else x
+
+
+def _with_bias(x):
+    """A megatron-core module's (output, bias) as the sum a layer adds: out + bias where the bias is returned apart."""
+    if isinstance(x, (tuple, list)):
+        return x[0] + x[1] if len(x) > 1 and x[1] is not None else x[0]
+    return x
+
+
+def _catch(mods, store, conv):
+    hooks = []
+    for name, mod in mods:
+        def hook(_m, _i, out, _n=name):
+            store[_n] = conv(out).detach().float().clone()
+        hooks.append(mod.register_forward_hook(hook))
+    return hooks
+
+
+def _expert_key(n):
+    """A TE grouped expert's parameter name -> the same weight's name in a sequential-experts model."""
+    m = re.match(r"(.*mlp\.experts\.)linear_fc(\d)\.(weight|bias)(\d+)$", n)
+    if m:
+        return f"{m.group(1)}local_experts.{m.group(4)}.linear_fc{m.group(2)}.{m.group(3)}"
+    return (n.replace("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight")
+             .replace("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"))
+
+
+def run_hf_layers(a) -> dict:
+    """Part `hf_layers`: where in the HF GPT-OSS path a backend departs from transformers' fp32: per decoder
+    layer, the attention output (with its bias), the MLP (experts, with biases) and the layer's output, each as
+    max |difference| / max |transformers'|; and every weight Bridge loaded into the TE spec against the same
+    weight loaded into the SDPA spec (the mapping of TE's fused norms and grouped experts)."""
+    import tempfile
+
+    import torch
+    sys.path.insert(0, os.path.join(ROOT, "tests", "hf"))
+    import tiny  # noqa: E402
+    from transformers import AutoModelForCausalLM
+
+    from megatron_kd.models.builder import build_hf_chunks
+    from megatron_kd.recipe.schema import ModelConfig, ParallelConfig
+    cuda = torch.cuda.is_available()
+    dev = "cuda" if cuda else "cpu"
+    if not cuda:  # the script's own check on a CPU (SDPA arm only)
+        from megatron_kd.runtime.cpu_patches import apply_cpu_patches
+        apply_cpu_patches()
+    _init(cuda)
+    seq = 64
+    full, sliding = "full_attention", "sliding_attention"
+    hf_dir = tempfile.mkdtemp(prefix="te_gptoss_hf_")
+    tiny.make_hf(hf_dir, "gptoss", hidden=256, heads=4, kv_heads=2, ffn=256, seed=3, layers=4,
+                 config={"layer_types": [sliding, full] * 2})
+    toks = torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(5)).to(dev)
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(dev).eval()
+    ref = {}
+    mods = []
+    for i, layer in enumerate(hf.model.layers):
+        mods += [(f"{i}.attn", layer.self_attn), (f"{i}.mlp_in", layer.post_attention_layernorm),
+                 (f"{i}.mlp", layer.mlp), (f"{i}.layer", layer)]
+    hooks = _catch(mods, ref, _first)
+    with torch.no_grad():
+        ref["logits"] = hf(toks).logits.float()
+    for h in hooks:
+        h.remove()
+    del hf
+    out, params, inner = {}, {}, {}
+    # arm -> (backend, megatron overrides): the provider's dispatcher (alltoall on CUDA), and allgather (the
+    # builder's, with which TE's grouped experts match the SDPA spec's sequential ones)
+    arms = {"sdpa": ("sdpa", {}), "sdpa_allgather": ("sdpa", {"moe_token_dispatcher_type": "allgather"})}
+    if cuda:
+        arms |= {"te": ("te", {}), "te_allgather": ("te", {"moe_token_dispatcher_type": "allgather"})}
+    for arm, (backend, over) in arms.items():
+        row = {}
+        try:
+            m = ModelConfig(hf_path=hf_dir, attention_backend=backend, megatron={"moe_grouped_gemm": True, **over})
+            chunks, _ = build_hf_chunks(m, ParallelConfig(etp=1), seq, "fp32")
+            model = chunks[0].eval()
+            got, mods = {}, []
+            inner[arm] = ins = {}
+            for i, layer in enumerate(model.decoder.layers):
+                mods += [(f"{i}.attn", layer.self_attention), (f"{i}.mlp", layer.mlp), (f"{i}.layer", layer)]
+                if not isinstance(layer.pre_mlp_layernorm, torch.nn.Identity):
+                    mods.append((f"{i}.mlp_in", layer.pre_mlp_layernorm))
+
+                def pre(_m, args, _i=i):  # the experts' inputs: permuted tokens, tokens per expert, their probs
+                    for j, t in enumerate(args[:3]):
+                        if torch.is_tensor(t):
+                            ins[f"{_i}.experts_in{j}"] = t.detach().float().clone()
+                mods_hook = layer.mlp.experts.register_forward_pre_hook(pre)
+                hooks_inner = _catch([(f"{i}.router", layer.mlp.router), (f"{i}.experts", layer.mlp.experts)],
+                                     ins, _first)
+                model._kd_inner_hooks = getattr(model, "_kd_inner_hooks", []) + [mods_hook, *hooks_inner]
+            hooks = _catch(mods, got, _with_bias) + model._kd_inner_hooks
+            pos = torch.arange(seq, device=dev).expand_as(toks)
+            with torch.no_grad():
+                got["logits"] = model(input_ids=toks, position_ids=pos, attention_mask=None).float()[
+                    ..., :ref["logits"].shape[-1]]
+            for h in hooks:
+                h.remove()
+            for k, r in ref.items():
+                if k not in got:
+                    continue
+                g = got[k] if k == "logits" else got[k].transpose(0, 1)  # megatron keeps [s, b, h]
+                g = g.reshape(r.shape)
+                row[k] = float((g - r).abs().max() / r.abs().max())
+            row["experts"] = type(model.decoder.layers[0].mlp.experts).__name__
+            params[arm] = {n: p.detach().float().cpu() for n, p in model.named_parameters()}
+            del model, chunks
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        out[arm] = row
+        print(f"hf_layers {arm}", json.dumps(row), flush=True)
+        if cuda:
+            torch.cuda.empty_cache()
+    for a, b in (("te", "sdpa"), ("te_allgather", "sdpa_allgather"), ("sdpa_allgather", "sdpa")):
+        if a in inner and b in inner:  # the MoE's pieces, arm against arm (same dispatcher: same token order)
+            row = {}
+            for k, t in inner[a].items():
+                u = inner[b].get(k)
+                row[k] = (float((t - u).abs().max() / u.abs().max().clamp_min(1e-30))
+                          if u is not None and u.shape == t.shape else f"shape {tuple(t.shape)} vs "
+                          f"{None if u is None else tuple(u.shape)}")
+            out[f"moe_{a}_vs_{b}"] = row
+            print(f"moe_{a}_vs_{b}", json.dumps(row)[:3000], flush=True)
+    if "te" in params and "sdpa" in params:
+        s, diffs, missing = params["sdpa"], {}, []
+        for n, p in params["te"].items():
+            k = n if n in s else _expert_key(n)
+            if k not in s:
+                missing.append(n)
+                continue
+            q = s[k]
+            fam = re.sub(r"\d+", "N", n)
+            if p.numel() != q.numel():
+                diffs[fam] = f"shape {tuple(p.shape)} vs {tuple(q.shape)}"
+                continue
+            p = p.reshape(q.shape)
+            d = float((p - q).abs().max())
+            if d > 0:
+                e = diffs.setdefault(fam, {"max_abs": 0.0, "shape": list(q.shape), "relations": set()})
+                e["max_abs"] = max(d, e["max_abs"])
+                rel = {"transposed": lambda x: x.t() if x.dim() == 2 and x.shape[0] == x.shape[1] else None,
+                       "rows_interleaved": lambda x: torch.cat([x[0::2], x[1::2]]),
+                       "rows_deinterleaved": lambda x: torch.stack([x[: len(x) // 2], x[len(x) // 2:]], 1)
+                       .reshape(x.shape),
+                       "halves_swapped": lambda x: torch.cat([x[len(x) // 2:], x[: len(x) // 2]])}
+                for rname, f in rel.items():
+                    y = f(q)
+                    if y is not None and torch.equal(p, y):
+                        e["relations"].add(rname)
+        for e in diffs.values():
+            if isinstance(e, dict):
+                e["relations"] = sorted(e["relations"])
+        out["weights_te_vs_sdpa"] = {"differing": diffs, "not_in_sdpa": missing[:20]}
+        print("weights_te_vs_sdpa", json.dumps(out["weights_te_vs_sdpa"])[:3000], flush=True)
+        try:  # the TE spec with every weight as the SDPA spec loaded it: is the loading the whole departure?
+            m = ModelConfig(hf_path=hf_dir, attention_backend="te", megatron={"moe_grouped_gemm": True})
+            model = build_hf_chunks(m, ParallelConfig(etp=1), seq, "fp32")[0][0].eval()
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    k = n if n in s else _expert_key(n)
+                    if k in s and s[k].numel() == p.numel():
+                        p.copy_(s[k].reshape(p.shape).to(p.device))
+                pos = torch.arange(seq, device=dev).expand_as(toks)
+                lg = model(input_ids=toks, position_ids=pos, attention_mask=None).float()[..., :ref["logits"].shape[-1]]
+            r = ref["logits"]
+            out["te_with_sdpa_weights"] = {"logits": float((lg - r).abs().max() / r.abs().max())}
+        except Exception as e:  # noqa: BLE001
+            out["te_with_sdpa_weights"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+        print("te_with_sdpa_weights", json.dumps(out["te_with_sdpa_weights"]), flush=True)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
-    ap.add_argument("--parts", nargs="+", default=["core", "model"], choices=["core", "model", "hf"])
+    ap.add_argument("--parts", nargs="+", default=["core", "model"], choices=["core", "model", "hf", "hf_layers"])
     ap.add_argument("--child-s", type=float, default=120)
     ap.add_argument("--core-child", action="store_true")
     ap.add_argument("--cpu-selfcheck", action="store_true")
@@ -316,6 +492,8 @@ def main():
         out["model"] = run_model(a)
     if "hf" in a.parts:
         out["hf"] = run_hf(a)
+    if "hf_layers" in a.parts:
+        out["hf_layers"] = run_hf_layers(a)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)

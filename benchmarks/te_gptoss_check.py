@@ -17,6 +17,7 @@ turned off in turn (the fusions `fused=True` keeps under TE), to locate a depart
   python3 benchmarks/te_gptoss_check.py --cpu-selfcheck   # the reference against SDPAttention, on a CPU
 """
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -262,7 +263,8 @@ def run_hf(a) -> dict:
         try:
             m = ModelConfig(hf_path=hf_dir, attention_backend=backend,
                             megatron={"moe_grouped_gemm": grouped, **(megatron or {})})
-            chunks, _ = build_hf_chunks(m, ParallelConfig(etp=1), seq, precision)
+            with _te_layers_anyway():
+                chunks, _ = build_hf_chunks(m, ParallelConfig(etp=1), seq, precision)
         finally:
             te_compat.te_attention_unverified = real
         model = chunks[0].eval()
@@ -290,6 +292,18 @@ def run_hf(a) -> dict:
         if cuda:
             torch.cuda.empty_cache()
     return out
+
+
+@contextlib.contextmanager
+def _te_layers_anyway():
+    """Build an HF GPT-OSS checkpoint on TE's layers, which megatron-kd itself refuses (runtime/te_compat)."""
+    from megatron_kd.runtime import te_compat
+    rule = te_compat.te_hf_moe_unverified
+    te_compat.te_hf_moe_unverified = lambda config: False
+    try:
+        yield
+    finally:
+        te_compat.te_hf_moe_unverified = rule
 
 
 def _first(x):
@@ -369,7 +383,8 @@ def run_hf_layers(a) -> dict:
         row = {}
         try:
             m = ModelConfig(hf_path=hf_dir, attention_backend=backend, megatron={"moe_grouped_gemm": True, **over})
-            chunks, _ = build_hf_chunks(m, ParallelConfig(etp=1), seq, "fp32")
+            with _te_layers_anyway():
+                chunks, _ = build_hf_chunks(m, ParallelConfig(etp=1), seq, "fp32")
             model = chunks[0].eval()
             got, mods = {}, []
             inner[arm] = ins = {}
@@ -451,7 +466,8 @@ def run_hf_layers(a) -> dict:
         print("weights_te_vs_sdpa", json.dumps(out["weights_te_vs_sdpa"])[:3000], flush=True)
         try:  # the TE spec with every weight as the SDPA spec loaded it: is the loading the whole departure?
             m = ModelConfig(hf_path=hf_dir, attention_backend="te", megatron={"moe_grouped_gemm": True})
-            model = build_hf_chunks(m, ParallelConfig(etp=1), seq, "fp32")[0][0].eval()
+            with _te_layers_anyway():
+                model = build_hf_chunks(m, ParallelConfig(etp=1), seq, "fp32")[0][0].eval()
             with torch.no_grad():
                 for n, p in model.named_parameters():
                     k = n if n in s else _expert_key(n)

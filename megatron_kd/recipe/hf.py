@@ -8,7 +8,8 @@ counts, plans, checkpoints and resume checks see the real model).
 import json
 import os
 
-from ..runtime.te_compat import own_attention_cp_refusal, te_attention_refusal
+from ..runtime.te_compat import (own_attention_cp_refusal, te_attention_refusal, te_hf_moe_refusal,
+                                  te_hf_moe_unverified)
 from ..cache.format import MANIFEST, is_finished
 from ..cache.hashing import tokenizer_id
 from ..hf.checks import (HFCheckpointError, check_hf_dir, check_layout, check_same_tokenizer, hf_vocab_size,
@@ -63,6 +64,8 @@ def resolve(r, *, teacher: bool | None = None) -> list:
         if p.cp > 1 and hf.te_attention_unverified() and (name == "model" or TargetSource.of(r.kd).teacher_each_step):
             raise HFCheckpointError(f"{key}={m.hf_path!r}: " + own_attention_cp_refusal(name, p.cp))
         arch = hf.architecture()
+        if m.attention_backend == "te" and te_hf_moe_unverified(arch):
+            raise HFCheckpointError(f"{key}={m.hf_path!r}: " + te_hf_moe_refusal(name))
         for k, v in arch.items():
             setattr(m, k, v)
         if p.etp is None and arch["num_moe_experts"] and arch["add_bias_linear"]:

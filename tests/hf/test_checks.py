@@ -143,7 +143,7 @@ def test_architecture_bridge_does_not_map(tmp_path):
 def test_checkpoints_with_sinks_or_windows_take_te_layers_and_refuse_fp8(tmp_path, arch, config, unverified):
     """Sinks / sliding windows read from config.json: `attention_backend=te` passes (TE's layers, megatron-kd's core
     attention: build_hf_chunks), FP8 and context parallel are refused before any work naming the key; other
-    checkpoints pass all three."""
+    checkpoints pass all three. GPT-OSS (biased experts) is refused `attention_backend=te` itself, naming the fix."""
     import bridge_env_check  # noqa: F401
     import tiny
     from megatron_kd.hf.model import open_hf
@@ -153,10 +153,15 @@ def test_checkpoints_with_sinks_or_windows_take_te_layers_and_refuse_fp8(tmp_pat
     d = str(tmp_path / arch)
     tiny.make_hf(d, arch, config=config)
     assert open_hf(d, "model.hf_path").te_attention_unverified() is unverified
+    biased_moe = arch == "gptoss"  # its MoE layers on TE's layers are not transformers' (te_compat)
     for extra in (["model.attention_backend=te"], ["model.fp8=hybrid"], ["parallel.cp=2"]):
         r = to_recipe(compose("tiny_cpu", [f"model.hf_path={d}", "data.vocab_size=256", *extra],
                               save=str(tmp_path / "r")))
-        if unverified and "fp8" in extra[0]:
+        if biased_moe and "attention_backend" in extra[0]:
+            with pytest.raises(RecipeError, match=r"model.hf_path=.*: model\.attention_backend=te: .*biased experts "
+                                                  r".*set model\.attention_backend=auto or sdpa"):
+                resolve_hf(r)
+        elif unverified and "fp8" in extra[0]:
             with pytest.raises(RecipeError, match=r"model.hf_path=.*: model\.fp8=hybrid: .*set model\.fp8=null"):
                 resolve_hf(r)
         elif unverified and "cp" in extra[0]:  # their core attention has no context-parallel exchange
@@ -165,3 +170,36 @@ def test_checkpoints_with_sinks_or_windows_take_te_layers_and_refuse_fp8(tmp_pat
                 resolve_hf(r)
         else:
             resolve_hf(r)
+
+
+@pytest.mark.bridge
+def test_auto_builds_a_biased_moe_checkpoint_on_the_sdpa_spec_where_te_imports(tmp_path, monkeypatch):
+    """With TE importable, `attention_backend=auto` builds a GPT-OSS checkpoint on the SDPA spec (sequential
+    experts, megatron-kd's core attention: the layers that give transformers' logits), not on TE's layers, whose
+    MoE layers depart; a Llama checkpoint still goes to TE's spec. `te_available` is faked: TE's spec itself cannot
+    build here, so reaching it raises."""
+    import bridge_env_check  # noqa: F401
+    import tiny
+    from megatron_kd.models import builder
+    from megatron_kd.models.attention import SDPAttention
+    from megatron_kd.recipe.schema import ModelConfig, ParallelConfig
+    from megatron_kd.runtime.dist import distributed
+    from megatron_kd.runtime.te_compat import te_hf_moe_unverified
+    monkeypatch.setattr(builder, "te_available", lambda: True)
+    for arch in ("gptoss", "llama"):
+        d = str(tmp_path / arch)
+        tiny.make_hf(d, arch, layers=2, hidden=64, heads=4, kv_heads=2)
+        p = ParallelConfig(etp=1 if arch == "gptoss" else None)
+        with distributed(p, 0, "cpu"):
+            if arch == "llama":
+                with pytest.raises(Exception):  # it went for TE's layer spec, which does not build without TE
+                    builder.build_hf_chunks(ModelConfig(hf_path=d), p, 64, "fp32", load_weights=False)
+                continue
+            chunks, cfg = builder.build_hf_chunks(ModelConfig(hf_path=d), p, 64, "fp32", load_weights=False)
+            with pytest.raises(RuntimeError, match=r"model\.attention_backend=te: .*set model\.attention_backend=auto"):
+                builder.build_hf_chunks(ModelConfig(hf_path=d, attention_backend="te"), p, 64, "fp32",
+                                        load_weights=False)
+        layer = chunks[0].decoder.layers[0]
+        assert type(layer.self_attention.core_attention) is SDPAttention
+        assert type(layer.mlp.experts).__name__ == "SequentialMLP"
+        assert te_hf_moe_unverified(cfg) and not cfg.bias_activation_fusion

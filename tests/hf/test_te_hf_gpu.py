@@ -9,6 +9,9 @@ experts, sequential and grouped): in fp32 both specs give transformers' logits (
 largest logit: TE's fp32 GEMMs may round through TF32); in bf16 a random top-2 router flips experts for some
 tokens, so the largest error says little and the yardstick is transformers' own bf16 run of the same checkpoint:
 the TE spec's mean error is at most twice transformers' own plus 5e-3, and at most twice the SDPA spec's plus 5e-3.
+GPT-OSS on TE's layers departs (its MoE layers: runtime/te_compat), so `attention_backend=auto` builds it on the
+SDPA spec where TE imports: that is what users get, and it is held to the bounds above; TE's layers themselves are
+measured in an xfail test (an XPASS says they now agree).
 
 Run on the device (Bridge and TE installed):
   PYTHONPATH=/tmp/te_site:/tmp/site:$PWD python3 -m pytest -q -m gpu tests/hf/test_te_hf_gpu.py"""
@@ -28,13 +31,22 @@ CASES = {  # name: (arch, make_hf keyword arguments)
 }
 
 
-def _error(hf_dir, backend, grouped, tokens, ref, precision="bf16", mean=False):
+def _error(hf_dir, backend, grouped, tokens, ref, precision="bf16", mean=False, te_layers_anyway=False, spec=None):
     from megatron_kd.models.builder import build_hf_chunks
     from megatron_kd.recipe.schema import ModelConfig, ParallelConfig
+    from megatron_kd.runtime import te_compat
     m = ModelConfig(hf_path=hf_dir, attention_backend=backend,
                     megatron={"moe_grouped_gemm": grouped} if "gptoss" in hf_dir else {})
-    chunks, _ = build_hf_chunks(m, ParallelConfig(etp=1), SEQ, precision)
+    rule = te_compat.te_hf_moe_unverified
+    if te_layers_anyway:  # measure TE's layers where megatron-kd would not build them
+        te_compat.te_hf_moe_unverified = lambda config: False
+    try:
+        chunks, _ = build_hf_chunks(m, ParallelConfig(etp=1), SEQ, precision)
+    finally:
+        te_compat.te_hf_moe_unverified = rule
     model = chunks[0].eval()
+    if spec is not None:
+        spec.append(type(model.decoder.layers[0].mlp.experts).__name__ if "gptoss" in hf_dir else None)
     pos = torch.arange(SEQ, device="cuda").expand_as(tokens)
     with torch.no_grad():
         logits = model(input_ids=tokens, position_ids=pos, attention_mask=None).float()[..., :ref.shape[-1]]
@@ -43,8 +55,7 @@ def _error(hf_dir, backend, grouped, tokens, ref, precision="bf16", mean=False):
     return ((logits - ref).abs().max() / ref.abs().max()).item()
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_te_spec_logits_match_transformers(mcore_te_gpu, tmp_path, case):
+def _case(tmp_path, case):
     import tiny
     from transformers import AutoModelForCausalLM
     arch, kw = CASES[case]
@@ -55,16 +66,48 @@ def test_te_spec_logits_match_transformers(mcore_te_gpu, tmp_path, case):
     with torch.no_grad():
         ref = hf(tokens).logits.float()
         own = hf.to(torch.bfloat16)(tokens).logits.float()
-    del hf
-    grouped = case.endswith("grouped")
-    if arch == "gptoss":
-        fp32 = {b: _error(hf_dir, b, grouped, tokens, ref, "fp32") for b in ("te", "sdpa")}
-        bf16 = {b: _error(hf_dir, b, grouped, tokens, ref, "bf16", mean=True) for b in ("te", "sdpa")}
-        own_mean = ((own - ref).abs().mean() / ref.abs().mean()).item()
-        print(f"{case}: fp32 max error {fp32}; bf16 mean error {bf16}, transformers' own bf16 {own_mean:.3g}")
-        assert fp32["te"] < 5e-3 and fp32["sdpa"] < 5e-3, fp32
-        assert bf16["te"] <= 2 * own_mean + 5e-3 and bf16["te"] <= 2 * bf16["sdpa"] + 5e-3, (bf16, own_mean)
-        return
+    return hf_dir, tokens, ref, ((own - ref).abs().mean() / ref.abs().mean()).item()
+
+
+def _gpt_oss_errors(tmp_path, case, candidate, **kw):
+    """fp32 largest and bf16 mean errors of `candidate` (a backend) and of the SDPA spec, transformers' own bf16
+    mean error, and the experts module `candidate` built."""
+    hf_dir, tokens, ref, own_mean = _case(tmp_path, case)
+    grouped, spec = case.endswith("grouped"), []
+    fp32 = {b: _error(hf_dir, b, grouped, tokens, ref, "fp32", spec=spec if b == candidate else None,
+                      **(kw if b == candidate else {})) for b in (candidate, "sdpa")}
+    bf16 = {b: _error(hf_dir, b, grouped, tokens, ref, "bf16", mean=True, **(kw if b == candidate else {}))
+            for b in (candidate, "sdpa")}
+    print(f"{case} ({candidate}, experts {spec[0]}): fp32 max error {fp32}; bf16 mean error {bf16}, transformers' "
+          f"own bf16 {own_mean:.3g}")
+    return fp32, bf16, own_mean, spec[0]
+
+
+def _assert_gpt_oss_bounds(fp32, bf16, own_mean, candidate):
+    assert fp32[candidate] < 5e-3 and fp32["sdpa"] < 5e-3, fp32
+    assert bf16[candidate] <= 2 * own_mean + 5e-3 and bf16[candidate] <= 2 * bf16["sdpa"] + 5e-3, (bf16, own_mean)
+
+
+@pytest.mark.parametrize("case", ["gptoss_sequential", "gptoss_grouped"])
+def test_gpt_oss_checkpoint_under_auto_with_te_gives_transformers_logits(mcore_te_gpu, tmp_path, case):
+    fp32, bf16, own_mean, experts = _gpt_oss_errors(tmp_path, case, "auto")
+    assert experts == "SequentialMLP"  # the SDPA spec's experts, not TE's grouped ones
+    _assert_gpt_oss_bounds(fp32, bf16, own_mean, "auto")
+
+
+@pytest.mark.xfail(strict=False, reason="GPT-OSS's MoE layers on TE's layer spec (Bridge's provider settings) do not "
+                                        "give transformers' logits; megatron-kd builds such checkpoints on the SDPA "
+                                        "spec; an XPASS says TE's layers now agree")
+@pytest.mark.parametrize("case", ["gptoss_grouped"])
+def test_gpt_oss_checkpoint_on_te_layers(mcore_te_gpu, tmp_path, case):
+    fp32, bf16, own_mean, _ = _gpt_oss_errors(tmp_path, case, "te", te_layers_anyway=True)
+    _assert_gpt_oss_bounds(fp32, bf16, own_mean, "te")
+
+
+@pytest.mark.parametrize("case", ["llama3_rope"])
+def test_te_spec_logits_match_transformers(mcore_te_gpu, tmp_path, case):
+    hf_dir, tokens, ref, _ = _case(tmp_path, case)
+    grouped = False
     sdpa = _error(hf_dir, "sdpa", grouped, tokens, ref)
     te = _error(hf_dir, "te", grouped, tokens, ref)
     print(f"{case}: max |logit - transformers' fp32| / max |logit|: te {te:.3g}, sdpa {sdpa:.3g}")

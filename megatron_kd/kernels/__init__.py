@@ -1,5 +1,6 @@
 """Pure ops on tensors and scalars: the fused loss's Triton kernels (rows, cols, scaled) and cuBLAS GEMM helpers (gemm),
-lean_adam's step (adam), the top-K's sum-exp (sumexp) and the teacher forward's exact fusions (swiglu, rope, rmsnorm).
+lean_adam's step (adam), the top-K's sum-exp (sumexp) and block maxima (blockmax) and the teacher forward's exact
+fusions (swiglu, rope, rmsnorm).
 No autograd, and nothing else of the package is imported here. Optional: the Triton modules need Triton (and CUDA, or
 TRITON_INTERPRET=1 on CPU tensors).
 """

@@ -94,6 +94,20 @@ def _blocks_pay(width: int, kk: int) -> bool:
     return width >= 4 * kk * BLOCK
 
 
+def _block_maxima(v: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """[n, nb]: each full block's max. On CUDA one Triton pass over v (kernels/blockmax), the max taken in the order
+    topk ranks floats by (a block holding both zeros gives +0.0, as topk would rank it; NaN rows raise later in any
+    case); elsewhere torch's amax."""
+    if v.is_cuda:
+        try:
+            from ..kernels.blockmax import block_max_rows
+        except ImportError:  # no Triton: torch's reduction
+            pass
+        else:
+            return block_max_rows(v, BLOCK)
+    return blocks.amax(dim=2)
+
+
 def _block_topk(v: torch.Tensor, kk: int):
     """The kk largest values of each row of v [n, W] (sorted, descending) and their columns, as v.topk(kk) gives
     them, through a prefilter: the row's full blocks of BLOCK columns are ranked by their max, and the top-kk runs
@@ -115,7 +129,7 @@ def _block_topk(v: torch.Tensor, kk: int):
     nb = width // BLOCK
     full = nb * BLOCK
     blocks = v[:, :full].unflatten(1, (nb, BLOCK))
-    best = blocks.amax(dim=2).topk(kk, dim=1, sorted=False).indices  # kk blocks, not K: (a) and (b) need kk
+    best = _block_maxima(v, blocks).topk(kk, dim=1, sorted=False).indices  # kk blocks, not K: (a) and (b) need kk
     cand = blocks.gather(1, best.unsqueeze(2).expand(n, kk, BLOCK)).flatten(1)  # [n, kk * BLOCK]
     if full < width:
         cand = torch.cat([cand, v[:, full:]], dim=1)

@@ -13,7 +13,7 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
-def _gpt_oss(backend, grouped, layers=2):
+def _gpt_oss(backend, grouped, layers=2, dispatcher="allgather"):
     from megatron_kd.recipe.schema import ModelConfig
     return ModelConfig(num_layers=layers, hidden_size=256, ffn_hidden_size=256, num_attention_heads=8,
                        num_query_groups=2, kv_channels=64, normalization="RMSNorm", activation="quick_geglu",
@@ -24,7 +24,7 @@ def _gpt_oss(backend, grouped, layers=2):
                                  correction_range_round_to_int=False),
                        softmax_type="learnable", window_size=[15, 0], window_attn_skip_freq=2, tie_embeddings=False,
                        num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=256, moe_grouped_gemm=grouped,
-                       attention_backend=backend, megatron={"moe_token_dispatcher_type": "allgather"})
+                       attention_backend=backend, megatron={"moe_token_dispatcher_type": dispatcher})
 
 
 def _llama(backend, **kw):
@@ -119,13 +119,15 @@ def test_gpt_oss_under_te_matches_the_sdpa_spec_and_trains(mcore_te_gpu, grouped
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in sinks)
 
 
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])  # alltoall: the GPT-OSS recipes' and Bridge's
 @pytest.mark.parametrize("grouped", [False, True], ids=["sequential_experts", "grouped_experts"])
-def test_gpt_oss_under_te_with_the_clamp_engaged_matches_the_sdpa_spec_in_fp32(mcore_te_gpu, grouped):
+def test_gpt_oss_under_te_with_the_clamp_engaged_matches_the_sdpa_spec_in_fp32(mcore_te_gpu, grouped, dispatcher):
     """Experts' fc1 scaled so the GLU clamp (7.0) engages, fp32: the TE spec keeps megatron-core's fused bias +
     activation off for the clamped GLU (its kernel clamps before adding the bias), so the logits equal the SDPA
-    spec's. With the small init alone the clamp never engages and that fusion's error would not show."""
-    ref = _build(_gpt_oss("sdpa", False), precision="fp32")
-    te = _build(_gpt_oss("auto", grouped), precision="fp32")
+    spec's. With the small init alone the clamp never engages and that fusion's error would not show. Both
+    dispatchers: a Hugging Face GPT-OSS on TE's grouped experts departs with Bridge's settings (alltoall)."""
+    ref = _build(_gpt_oss("sdpa", False, dispatcher=dispatcher), precision="fp32")
+    te = _build(_gpt_oss("auto", grouped, dispatcher=dispatcher), precision="fp32")
     assert not _copy_by_shape(ref, te)
     assert not te.config.bias_activation_fusion
     with torch.no_grad():
@@ -134,7 +136,8 @@ def test_gpt_oss_under_te_with_the_clamp_engaged_matches_the_sdpa_spec_in_fp32(m
                 if "experts" in n and "linear_fc1" in n and "weight" in n:
                     p.mul_(40.0)
     err, toks = _spec_difference(ref, te)
-    print(f"GPT-OSS TE spec vs SDPA spec, fp32, clamp engaged ({'grouped' if grouped else 'sequential'}): {err:.3g}")
+    print(f"GPT-OSS TE spec vs SDPA spec, fp32, clamp engaged ({'grouped' if grouped else 'sequential'}, "
+          f"{dispatcher}): {err:.3g}")
     assert err < 5e-3, f"TE spec vs SDPA spec logits (fp32, clamped experts): max relative difference {err:.3g}"
 
 

@@ -258,6 +258,9 @@ def test_hf_students_get_fp8_through_the_provider(monkeypatch):
     seen = {}
 
     class FakeHF:
+        def architecture(self):
+            return {"num_moe_experts": None, "add_bias_linear": False}  # dense: TE's layers stay
+
         def build(self, p, **kw):
             seen.update(kw)
             return [], None

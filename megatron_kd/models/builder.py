@@ -167,8 +167,10 @@ def set_rope_scaling(model, m: ModelConfig) -> None:
         set_llama3_rope(model, factor=m.rope_scaling_factor, **rest)
 
 
-def build_hf_chunks(m: ModelConfig, p: ParallelConfig, seq_length: int, precision: str, load_weights: bool = True):
-    """m.hf_path's architecture and weights through Megatron-Bridge (megatron_kd/hf), our layer spec."""
+def build_hf_chunks(m: ModelConfig, p: ParallelConfig, seq_length: int, precision: str, load_weights: bool = True,
+                    section: str = "model"):
+    """m.hf_path's architecture and weights through Megatron-Bridge (megatron_kd/hf), our layer spec. section: the
+    recipe section `m` is (model, teacher), for the messages."""
     from ..hf.model import local_layer_spec
     from ..hf.model import open_hf
     from ..runtime.te_compat import te_attention_unverified, te_hf_moe_refusal, te_hf_moe_unverified
@@ -176,7 +178,7 @@ def build_hf_chunks(m: ModelConfig, p: ParallelConfig, seq_length: int, precisio
     backend = _backend(m)
     if backend == "te" and te_hf_moe_unverified(hf.architecture()):
         if m.attention_backend == "te":
-            raise RuntimeError(te_hf_moe_refusal("model"))
+            raise RuntimeError(te_hf_moe_refusal(section))
         backend = "sdpa"  # auto: the spec whose MoE layers give transformers' logits
     if backend == "te":
         def spec(config, vp_stage=None):

@@ -220,6 +220,7 @@ class PendingTopK:
         self.flags = all_reduce_max(flags, group)  # every rank takes the same decisions
         self._flags_host = self._flags_ready = self._host = None
         self._redone = False
+        self._stream = torch.cuda.current_stream(self.flags.device) if self.flags.is_cuda else None
         if self.flags.is_cuda:
             self._flags_host = torch.empty(self.flags.shape, dtype=self.flags.dtype, pin_memory=True)
             self._flags_host.copy_(self.flags, non_blocking=True)
@@ -229,12 +230,13 @@ class PendingTopK:
     @torch.no_grad()
     def copy_to_host(self) -> "PendingTopK":
         """Queue the copy of ids (as int32: ids < 2**31) and log-probs into pinned host memory on a side stream,
-        after this top-K and before anything queued later; no-op off CUDA."""
+        after this top-K (on the stream it was queued on) and before anything queued later; no-op off CUDA."""
         if not self.ids.is_cuda or self._host is not None:
             return self
-        ids = self.ids.to(torch.int32)
+        with torch.cuda.stream(self._stream):  # the stream the top-K was queued on, wherever this is called from
+            ids = self.ids.to(torch.int32)
         stream = _copy_stream(self.ids.device)
-        stream.wait_stream(torch.cuda.current_stream(self.ids.device))
+        stream.wait_stream(self._stream)
         host = []
         with torch.cuda.stream(stream):
             for t in (ids, self.logp):

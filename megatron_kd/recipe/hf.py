@@ -8,6 +8,7 @@ counts, plans, checkpoints and resume checks see the real model).
 import json
 import os
 
+from ..runtime.features import apex_available
 from ..runtime.te_compat import (own_attention_cp_refusal, te_attention_refusal, te_hf_moe_refusal,
                                   te_hf_moe_unverified)
 from ..cache.format import MANIFEST, is_finished
@@ -66,6 +67,10 @@ def resolve(r, *, teacher: bool | None = None) -> list:
         arch = hf.architecture()
         if m.attention_backend == "te" and te_hf_moe_unverified(arch):
             raise HFCheckpointError(f"{key}={m.hf_path!r}: " + te_hf_moe_refusal(name))
+        if te_hf_moe_unverified(arch) and p.sequence_parallel and p.tp > 1 and not apex_available():
+            raise HFCheckpointError(f"{key}={m.hf_path!r}: parallel.sequence_parallel=true: this checkpoint (MoE with "
+                                    "biased experts, GPT-OSS) builds on megatron-kd's SDPA spec, whose torch norms "
+                                    "refuse sequence parallel without apex; set parallel.sequence_parallel=false")
         for k, v in arch.items():
             setattr(m, k, v)
         if p.etp is None and arch["num_moe_experts"] and arch["add_bias_linear"]:

@@ -108,7 +108,9 @@ def _start_teacher_topk(teacher, tokens, k, temperature, chunk_size, tp_group, d
     if stream is None:
         return _queue_topk(out, teacher, tokens, k, temperature, chunk_size, tp_group, draws_of, to_host, shards)
     stream.wait_stream(torch.cuda.current_stream(x.device))  # after the forward that made x
-    x.record_stream(stream)  # x's memory is not handed to the next forward before the top-K has read it
+    for t in (x, out.weight):  # their memory is not handed to the next forward before the top-K has read them
+        if t is not None and t.is_cuda:
+            t.record_stream(stream)
     with torch.cuda.stream(stream):
         return _queue_topk(out, teacher, tokens, k, temperature, chunk_size, tp_group, draws_of, to_host, shards)
 

@@ -176,8 +176,8 @@ def test_checkpoints_with_sinks_or_windows_take_te_layers_and_refuse_fp8(tmp_pat
 def test_auto_builds_a_biased_moe_checkpoint_on_the_sdpa_spec_where_te_imports(tmp_path, monkeypatch):
     """With TE importable, `attention_backend=auto` builds a GPT-OSS checkpoint on the SDPA spec (sequential
     experts, megatron-kd's core attention: the layers that give transformers' logits), not on TE's layers, whose
-    MoE layers depart; a Llama checkpoint still goes to TE's spec. `te_available` is faked: TE's spec itself cannot
-    build here, so reaching it raises."""
+    MoE layers depart; a Llama checkpoint still goes to TE's spec. `te_available` is faked and TE's spec (which
+    cannot build here) replaced by one that raises when asked for."""
     import bridge_env_check  # noqa: F401
     import tiny
     from megatron_kd.models import builder
@@ -186,13 +186,17 @@ def test_auto_builds_a_biased_moe_checkpoint_on_the_sdpa_spec_where_te_imports(t
     from megatron_kd.runtime.dist import distributed
     from megatron_kd.runtime.te_compat import te_hf_moe_unverified
     monkeypatch.setattr(builder, "te_available", lambda: True)
+
+    def te_spec(*a, **k):
+        raise LookupError("TE's layer spec asked for")
+    monkeypatch.setattr(builder, "te_spec", te_spec)
     for arch in ("gptoss", "llama"):
         d = str(tmp_path / arch)
         tiny.make_hf(d, arch, layers=2, hidden=64, heads=4, kv_heads=2)
         p = ParallelConfig(etp=1 if arch == "gptoss" else None)
         with distributed(p, 0, "cpu"):
             if arch == "llama":
-                with pytest.raises(Exception):  # it went for TE's layer spec, which does not build without TE
+                with pytest.raises(LookupError, match="TE's layer spec asked for"):
                     builder.build_hf_chunks(ModelConfig(hf_path=d), p, 64, "fp32", load_weights=False)
                 continue
             chunks, cfg = builder.build_hf_chunks(ModelConfig(hf_path=d), p, 64, "fp32", load_weights=False)
@@ -203,3 +207,31 @@ def test_auto_builds_a_biased_moe_checkpoint_on_the_sdpa_spec_where_te_imports(t
         assert type(layer.self_attention.core_attention) is SDPAttention
         assert type(layer.mlp.experts).__name__ == "SequentialMLP"
         assert te_hf_moe_unverified(cfg) and not cfg.bias_activation_fusion
+
+
+@pytest.mark.bridge
+def test_biased_moe_refusals_name_the_section_and_sequence_parallel(tmp_path):
+    """`teacher.attention_backend=te` for a GPT-OSS teacher is refused naming `teacher.` (not `model.`), and a GPT-OSS
+    student with sequence parallel (the SDPA spec's torch norms refuse it without apex) is refused naming
+    `parallel.sequence_parallel`, both before any model is built."""
+    import bridge_env_check  # noqa: F401
+    import tiny
+    from megatron_kd.recipe.compose import compose
+    from megatron_kd.recipe.hf import resolve
+    from megatron_kd.errors import HFCheckpointError
+    from megatron_kd.recipe.schema import to_recipe
+    from megatron_kd.runtime.features import apex_available
+    d = str(tmp_path / "gptoss")
+    tiny.make_hf(d, "gptoss")
+    r = to_recipe(compose("tiny_cpu", [f"teacher.hf_path={d}", "teacher.attention_backend=te", "data.vocab_size=256"],
+                          save=str(tmp_path / "r1")))
+    with pytest.raises(HFCheckpointError, match=r"^teacher\.hf_path=.*: teacher\.attention_backend=te: .*set "
+                                          r"teacher\.attention_backend=auto or sdpa"):
+        resolve(r, teacher=True)
+    r = to_recipe(compose("tiny_cpu", [f"model.hf_path={d}", "data.vocab_size=256", "parallel.tp=2",
+                                       "parallel.sequence_parallel=true"], save=str(tmp_path / "r2")))
+    if apex_available():
+        pytest.skip("apex norms take sequence parallel")
+    with pytest.raises(HFCheckpointError, match=r"model\.hf_path=.*: parallel\.sequence_parallel=true: .*set "
+                                          r"parallel\.sequence_parallel=false"):
+        resolve(r, teacher=False)

@@ -45,8 +45,9 @@ def _error(hf_dir, backend, grouped, tokens, ref, precision="bf16", mean=False, 
     finally:
         te_compat.te_hf_moe_unverified = rule
     model = chunks[0].eval()
-    if spec is not None:
-        spec.append(type(model.decoder.layers[0].mlp.experts).__name__ if "gptoss" in hf_dir else None)
+    if spec is not None:  # the layers megatron-kd built: te, sdpa or local (what a cache records)
+        from megatron_kd.teacher.megatron import layer_backend
+        spec.append(layer_backend(model))
     pos = torch.arange(SEQ, device="cuda").expand_as(tokens)
     with torch.no_grad():
         logits = model(input_ids=tokens, position_ids=pos, attention_mask=None).float()[..., :ref.shape[-1]]
@@ -71,14 +72,14 @@ def _case(tmp_path, case):
 
 def _gpt_oss_errors(tmp_path, case, candidate, **kw):
     """fp32 largest and bf16 mean errors of `candidate` (a backend) and of the SDPA spec, transformers' own bf16
-    mean error, and the experts module `candidate` built."""
+    mean error, and the layers `candidate` built (teacher.megatron.layer_backend)."""
     hf_dir, tokens, ref, own_mean = _case(tmp_path, case)
     grouped, spec = case.endswith("grouped"), []
     fp32 = {b: _error(hf_dir, b, grouped, tokens, ref, "fp32", spec=spec if b == candidate else None,
                       **(kw if b == candidate else {})) for b in (candidate, "sdpa")}
     bf16 = {b: _error(hf_dir, b, grouped, tokens, ref, "bf16", mean=True, **(kw if b == candidate else {}))
             for b in (candidate, "sdpa")}
-    print(f"{case} ({candidate}, experts {spec[0]}): fp32 max error {fp32}; bf16 mean error {bf16}, transformers' "
+    print(f"{case} ({candidate}, layers {spec[0]}): fp32 max error {fp32}; bf16 mean error {bf16}, transformers' "
           f"own bf16 {own_mean:.3g}")
     return fp32, bf16, own_mean, spec[0]
 
@@ -91,7 +92,7 @@ def _assert_gpt_oss_bounds(fp32, bf16, own_mean, candidate):
 @pytest.mark.parametrize("case", ["gptoss_sequential", "gptoss_grouped"])
 def test_gpt_oss_checkpoint_under_auto_with_te_gives_transformers_logits(mcore_te_gpu, tmp_path, case):
     fp32, bf16, own_mean, experts = _gpt_oss_errors(tmp_path, case, "auto")
-    assert experts == "SequentialMLP"  # the SDPA spec's experts, not TE's grouped ones
+    assert experts == "sdpa"  # megatron-kd's SDPA spec, no TE module anywhere
     _assert_gpt_oss_bounds(fp32, bf16, own_mean, "auto")
 
 

@@ -157,12 +157,11 @@ def test_the_top_k_runs_beside_the_next_forward():
     w = torch.randn(V, H, generator=g).to("cuda", torch.bfloat16)
 
     def fn(t):
-        h = emb[t.reshape(-1)]
-        # the forward's tail, still running on the current stream while the host queues the top-K behind it: the
-        # top-K starts when it ends, so the top-K is still running when the sync below returns, unless that sync
-        # also waited for the top-K (queued on the current stream)
+        # a forward still running on the current stream while the host queues the top-K: the top-K must wait for
+        # it (its hidden states are made last), and is then still running when the sync below returns, unless that
+        # sync also waited for the top-K (queued on the current stream)
         torch.cuda._sleep(200_000_000)
-        return h, w
+        return emb[t.reshape(-1)] * 1.0, w
 
     tokens = torch.randint(0, 1024, (1, N), generator=g).cuda()
     torch.cuda.synchronize()

@@ -17,7 +17,8 @@ Parts (--parts picks; each writes into one JSON, rewritten after every arm so a 
           attention) with the recipe's expert setting (moe_grouped_gemm=true: TE's grouped GEMM) and with sequential
           experts, beside the SDPA path without TE; offline KD from a 2-layer teacher.
   fp8     a 1.07 B student (22 layers, hidden 2048) trained 200 steps on real text (pydoc, --data PREFIX) with CE, bf16 vs FP8 (TE both;
-          --fp8-curve RECIPE[:dpa]; --bf16-second-seed N adds bf16 at another seed, the spread bf16 has by itself),
+          --fp8-curve RECIPE[:dpa]; --bf16-second-seed N adds bf16 at another seed, the spread bf16 has by itself,
+          and --fp8-second-seed FP8 at that seed too, a second pair; --eval-iters: held-out micro-batches),
           held-out loss every 25 steps; a PNG of both curves (--plot-only draws it from the JSON afterwards), and
           the check: held-out CE of FP8 within 2% of bf16's at every evaluation and 0.5% at the last.
 
@@ -195,7 +196,8 @@ def part_fp8(a, out, E, deadline):
     tok = os.path.join(os.path.dirname(a.data), "tokenizer.json")
     base = ["--config-name", RECIPE, "kd=ce", "data=pydoc", f"data.path={a.data}", f"data.tokenizer={tok}",
             "data.seq_length=2048", "train.iters=200", "train.global_batch_size=8", "train.micro_batch_size=4", "train.lr=3e-4", "train.min_lr=3e-5",
-            "train.lr_warmup_iters=20", "train.optimizer=adam", "train.eval_interval=25", "train.eval_iters=4",
+            "train.lr_warmup_iters=20", "train.optimizer=adam", "train.eval_interval=25",
+            f"train.eval_iters={a.eval_iters}",
             "train.save_interval=null", "train.save_at_end=false", "train.log_interval=1", "train.progress=false",
             "train.tensorboard=false", *shape]
     run_arm("fp8_curve_bf16", base, E["te"], a, out, deadline)
@@ -206,6 +208,9 @@ def part_fp8(a, out, E, deadline):
         run_arm("fp8_curve_bf16_seed2", [*base, f"train.seed={a.bf16_second_seed}"], E["te"], a, out, deadline)
     run_arm("fp8_curve_fp8", [*base, "model.fp8=hybrid", f"model.fp8_recipe={recipe}", *dpa], E["te"], a, out,
             deadline)
+    if a.bf16_second_seed is not None and a.fp8_second_seed:  # FP8 at the second seed too: a second pair
+        run_arm("fp8_curve_fp8_seed2", [*base, f"train.seed={a.bf16_second_seed}", "model.fp8=hybrid",
+                                        f"model.fp8_recipe={recipe}", *dpa], E["te"], a, out, deadline)
 
 
 FP8_TOL_EVERY, FP8_TOL_END = 0.02, 0.005  # |FP8 - bf16| / bf16 held-out CE: at every evaluation, at the last
@@ -231,6 +236,11 @@ def fp8_curves(out, png):
         spread = [(ec[i] - ea[i]) / ea[i] for i in steps]
         check.update(bf16_seed_rel_diff=spread, bf16_seed_max_abs_rel_diff=max(abs(v) for v in spread),
                      bf16_seed_final_rel_diff=spread[-1])
+        ef = {e["iteration"]: e["ce"] for e in out["arms"].get("fp8_curve_fp8_seed2", {}).get("evals", [])}
+        if set(steps) <= set(ef):  # the second pair (both at the second seed): is FP8's difference the same?
+            pair2 = [(ef[i] - ec[i]) / ec[i] for i in steps]
+            check.update(seed2_rel_diff=pair2, seed2_final_rel_diff=pair2[-1],
+                         mean_final_rel_diff=(check["final_rel_diff"] + pair2[-1]) / 2)
     out["fp8_check"] = check
     import matplotlib
     matplotlib.use("Agg")
@@ -239,7 +249,9 @@ def fp8_curves(out, png):
     recipe, *more = out.get("fp8_curve_recipe", "tensorwise").split(":")
     label = f"FP8 (hybrid, {recipe}{', FP8 attention' if 'dpa' in more else ''})"
     seed2 = out["arms"].get("fp8_curve_bf16_seed2")
-    for arm, name in ((a, "bf16"), (b, label), *([(seed2, "bf16, second seed")] if seed2 else [])):
+    f8s2 = out["arms"].get("fp8_curve_fp8_seed2")
+    for arm, name in ((a, "bf16"), (b, label), *([(seed2, "bf16, second seed")] if seed2 else []),
+                      *([(f8s2, f"{label}, second seed")] if f8s2 else [])):
         tl = arm.get("train_loss") or []
         w = 10
         sm = [sum(tl[max(0, i - w + 1):i + 1]) / len(tl[max(0, i - w + 1):i + 1]) for i in range(len(tl))]
@@ -271,6 +283,9 @@ def main():
                     help="FP8 arms of the user part as RECIPE:R[:exp][:dpa] (model.fp8_recipe, recomputed layers; exp: "
                          "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; dpa: TE's FP8 attention too)")
     ap.add_argument("--fp8-curve", default="tensorwise", help="the fp8 part's FP8 arm as RECIPE[:dpa]")
+    ap.add_argument("--fp8-second-seed", action="store_true",
+                    help="with --bf16-second-seed: FP8 at that seed too (a second bf16/FP8 pair)")
+    ap.add_argument("--eval-iters", type=int, default=4, help="held-out micro-batches per evaluation (fp8 part)")
     ap.add_argument("--bf16-second-seed", type=int, default=None,
                     help="the fp8 part also trains bf16 with this train.seed: the spread of bf16 itself")
     ap.add_argument("--te-cache", action=argparse.BooleanOptionalAction, default=True,

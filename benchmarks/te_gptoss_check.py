@@ -227,13 +227,25 @@ def run_model(a) -> dict:
     return out
 
 
-def run_hf(a) -> dict:
+def _tiny_gpt_oss_hf(dev):
+    """A random tiny GPT-OSS checkpoint (4 layers, sliding / full, sinks, YaRN, biased experts) in a temporary
+    directory: (its path, tokens [2, 64] on dev, transformers' fp32 model of it on dev)."""
     import tempfile
 
     import torch
     sys.path.insert(0, os.path.join(ROOT, "tests", "hf"))
     import tiny  # noqa: E402  (tests/hf/tiny.py: random tiny HF checkpoints)
     from transformers import AutoModelForCausalLM
+    full, sliding = "full_attention", "sliding_attention"
+    hf_dir = tempfile.mkdtemp(prefix="te_gptoss_hf_")
+    tiny.make_hf(hf_dir, "gptoss", hidden=256, heads=4, kv_heads=2, ffn=256, seed=3, layers=4,
+                 config={"layer_types": [sliding, full] * 2})
+    toks = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(5)).to(dev)
+    return hf_dir, toks, AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(dev).eval()
+
+
+def run_hf(a) -> dict:
+    import torch
 
     from megatron_kd.hf.model import FUSIONS
     from megatron_kd.models.builder import build_hf_chunks
@@ -242,13 +254,8 @@ def run_hf(a) -> dict:
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
     _init(cuda)
-    seq = 64
-    full, sliding = "full_attention", "sliding_attention"
-    hf_dir = tempfile.mkdtemp(prefix="te_gptoss_hf_")
-    tiny.make_hf(hf_dir, "gptoss", hidden=256, heads=4, kv_heads=2, ffn=256, seed=3, layers=4,
-                 config={"layer_types": [sliding, full] * 2})
-    toks = torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(5)).to(dev)
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(dev).eval()
+    hf_dir, toks, hf = _tiny_gpt_oss_hf(dev)
+    seq = toks.shape[1]
     with torch.no_grad():
         ref = hf(toks).logits.float()
         hf16 = hf.to(torch.bfloat16)(toks).logits.float()  # transformers' own bf16 rounding: the yardstick
@@ -340,12 +347,7 @@ def run_hf_layers(a) -> dict:
     layer, the attention output (with its bias), the MLP (experts, with biases) and the layer's output, each as
     max |difference| / max |transformers'|; and every weight Bridge loaded into the TE spec against the same
     weight loaded into the SDPA spec (the mapping of TE's fused norms and grouped experts)."""
-    import tempfile
-
     import torch
-    sys.path.insert(0, os.path.join(ROOT, "tests", "hf"))
-    import tiny  # noqa: E402
-    from transformers import AutoModelForCausalLM
 
     from megatron_kd.models.builder import build_hf_chunks
     from megatron_kd.recipe.schema import ModelConfig, ParallelConfig
@@ -355,13 +357,8 @@ def run_hf_layers(a) -> dict:
         from megatron_kd.runtime.cpu_patches import apply_cpu_patches
         apply_cpu_patches()
     _init(cuda)
-    seq = 64
-    full, sliding = "full_attention", "sliding_attention"
-    hf_dir = tempfile.mkdtemp(prefix="te_gptoss_hf_")
-    tiny.make_hf(hf_dir, "gptoss", hidden=256, heads=4, kv_heads=2, ffn=256, seed=3, layers=4,
-                 config={"layer_types": [sliding, full] * 2})
-    toks = torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(5)).to(dev)
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(dev).eval()
+    hf_dir, toks, hf = _tiny_gpt_oss_hf(dev)
+    seq = toks.shape[1]
     ref = {}
     mods = []
     for i, layer in enumerate(hf.model.layers):

@@ -18,7 +18,6 @@ from ..hf.checks import (HFCheckpointError, check_hf_dir, check_layout, check_sa
 from ..hf.model import open_hf
 from .schema import Recipe, RecipeError
 from .targets import TargetSource
-from .targets import TargetSource
 
 
 def resolve_hf(r: Recipe, teacher: bool | None = None) -> None:

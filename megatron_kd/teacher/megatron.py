@@ -109,8 +109,9 @@ def _plain(v):
 
 def layer_backend(model) -> str:
     """Which kernels computed the teacher's forward, recorded with its cache: te (Transformer Engine's layers, +fp8
-    when its FP8 ran, +fp8_attention when its attention did too), sdpa (torch SDPA / FlexAttention core attention) or local (megatron-core's own). Two backends
-    agree only to bf16 rounding, so a cache says which one it came from."""
+    when its FP8 ran, +fp8_attention when its attention did too), sdpa (torch SDPA / FlexAttention core attention)
+    or local (megatron-core's own). Two backends agree only to bf16 rounding, so a cache says which one it came
+    from."""
     names = {type(mod).__module__ for mod in model.modules()}
     if any("transformer_engine" in n for n in names):
         fp8 = getattr(model.config, "fp8", None)

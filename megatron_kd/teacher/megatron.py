@@ -112,7 +112,9 @@ def layer_backend(model) -> str:
     when its FP8 ran, +fp8_attention when its attention did too), sdpa (torch SDPA / FlexAttention core attention)
     or local (megatron-core's own). Two backends agree only to bf16 rounding, so a cache says which one it came
     from."""
-    names = {type(mod).__module__ for mod in model.modules()}
+    # megatron-core's block gives any layer spec a TE final norm where TE imports: the layers' kernels decide
+    names = {type(mod).__module__ for name, mod in model.named_modules()
+             if "final_layernorm" not in name.split(".")}
     if any("transformer_engine" in n for n in names):
         fp8 = getattr(model.config, "fp8", None)
         return "te" + ("+fp8" if fp8 else "") + ("+fp8_attention" if fp8 and getattr(

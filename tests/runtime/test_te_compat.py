@@ -335,3 +335,20 @@ def test_a_cache_records_fp8_and_fp8_attention_of_a_te_teacher():
     assert layer_backend(model(fp8="hybrid", fp8_dot_product_attention=False)) == "te+fp8"
     assert layer_backend(model(fp8="hybrid", fp8_dot_product_attention=True)) == "te+fp8+fp8_attention"
     assert layer_backend(torch.nn.Sequential(torch.nn.Linear(2, 2))) == "local"
+
+
+def test_a_te_final_norm_alone_does_not_make_a_te_teacher():
+    """megatron-core gives every layer spec a TE final norm where TE imports; an SDPA spec's model stays sdpa."""
+    from types import SimpleNamespace
+    import torch
+    from megatron_kd.teacher.megatron import layer_backend
+    te_norm = type("RMSNorm", (torch.nn.Module,), {"__module__": "transformer_engine.pytorch.module.rmsnorm"})
+    sdpa = type("SDPAttention", (torch.nn.Module,), {"__module__": "megatron_kd.models.attention"})
+    decoder = torch.nn.Module()
+    decoder.layers = torch.nn.ModuleList([sdpa()])
+    decoder.final_layernorm = te_norm()
+    model = torch.nn.Module()
+    model.decoder, model.config = decoder, SimpleNamespace(fp8=None)
+    assert layer_backend(model) == "sdpa"
+    decoder.layers.append(te_norm())  # a TE module inside the layers is TE's spec
+    assert layer_backend(model) == "te"

@@ -11,13 +11,15 @@ Part `hf`: a tiny GPT-OSS Hugging Face checkpoint (4 layers, sliding / full, sin
 Megatron-Bridge as `megatron-kd` builds it (`build_hf_chunks`), against transformers' fp32 logits: SDPA spec, TE
 spec (with and without TE's core attention), fp32 and bf16, and the TE spec with each of the provider's fusions
 turned off in turn (the fusions `fused=True` keeps under TE), to locate a departure in the HF path.
+Part `hf_layers`: the same checkpoint layer by layer (attention, MoE input, router, experts) against transformers.
+TE's fp32 GEMMs round through TF32 unless NVIDIA_TF32_OVERRIDE=0 is set, and a rounded router input flips the
+top-2 experts of near-tied tokens: run the fp32 parts with NVIDIA_TF32_OVERRIDE=0 to compare the math.
 
   source .whlte/device_install.sh && PYTHONPATH=$PYTHONPATH:$PWD python3 benchmarks/te_gptoss_check.py \\
       --out $OUT/te_gptoss_check_h200.json
   python3 benchmarks/te_gptoss_check.py --cpu-selfcheck   # the reference against SDPAttention, on a CPU
 """
 import argparse
-import contextlib
 import json
 import os
 import re
@@ -270,8 +272,7 @@ def run_hf(a) -> dict:
         try:
             m = ModelConfig(hf_path=hf_dir, attention_backend=backend,
                             megatron={"moe_grouped_gemm": grouped, **(megatron or {})})
-            with _te_layers_anyway():
-                chunks, _ = build_hf_chunks(m, ParallelConfig(etp=1), seq, precision)
+            chunks, _ = build_hf_chunks(m, ParallelConfig(etp=1), seq, precision)
         finally:
             te_compat.te_attention_unverified = real
         model = chunks[0].eval()
@@ -299,18 +300,6 @@ def run_hf(a) -> dict:
         if cuda:
             torch.cuda.empty_cache()
     return out
-
-
-@contextlib.contextmanager
-def _te_layers_anyway():
-    """Build an HF GPT-OSS checkpoint on TE's layers, which megatron-kd itself refuses (runtime/te_compat)."""
-    from megatron_kd.runtime import te_compat
-    rule = te_compat.te_hf_moe_unverified
-    te_compat.te_hf_moe_unverified = lambda config: False
-    try:
-        yield
-    finally:
-        te_compat.te_hf_moe_unverified = rule
 
 
 def _first(x):
@@ -380,8 +369,7 @@ def run_hf_layers(a) -> dict:
         row = {}
         try:
             m = ModelConfig(hf_path=hf_dir, attention_backend=backend, megatron={"moe_grouped_gemm": True, **over})
-            with _te_layers_anyway():
-                chunks, _ = build_hf_chunks(m, ParallelConfig(etp=1), seq, "fp32")
+            chunks, _ = build_hf_chunks(m, ParallelConfig(etp=1), seq, "fp32")
             model = chunks[0].eval()
             got, mods = {}, []
             inner[arm] = ins = {}
@@ -463,8 +451,7 @@ def run_hf_layers(a) -> dict:
         print("weights_te_vs_sdpa", json.dumps(out["weights_te_vs_sdpa"])[:3000], flush=True)
         try:  # the TE spec with every weight as the SDPA spec loaded it: is the loading the whole departure?
             m = ModelConfig(hf_path=hf_dir, attention_backend="te", megatron={"moe_grouped_gemm": True})
-            with _te_layers_anyway():
-                model = build_hf_chunks(m, ParallelConfig(etp=1), seq, "fp32")[0][0].eval()
+            model = build_hf_chunks(m, ParallelConfig(etp=1), seq, "fp32")[0][0].eval()
             with torch.no_grad():
                 for n, p in model.named_parameters():
                     k = n if n in s else _expert_key(n)
@@ -498,7 +485,9 @@ def main():
             sys.exit(1 if bad else 0)
         return
     from long_context import env_info  # noqa: E402  (benchmarks/)
-    out = {"benchmark": "TE spec vs GPT-OSS attention", "env": env_info()}
+    # TE rounds fp32 GEMMs through TF32 unless NVIDIA_TF32_OVERRIDE=0; its fp32 arms are exact only with it
+    out = {"benchmark": "TE spec vs GPT-OSS attention", "env": env_info(),
+           "NVIDIA_TF32_OVERRIDE": os.environ.get("NVIDIA_TF32_OVERRIDE")}
     if "core" in a.parts:
         out["core"] = run_core(a)
     if "model" in a.parts:

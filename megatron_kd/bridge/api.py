@@ -41,13 +41,6 @@ def enable_offline_kd(cfg, kd: OfflineKDConfig | dict, *, reader=None) -> Offlin
         model.bias_activation_fusion = False
         print("megatron_kd.bridge: note: model.bias_activation_fusion set to False: megatron-core's fused bias + "
               "clamped GLU (GPT-OSS experts) clamps before adding the bias, unlike the model's own math", flush=True)
-    from .recipes import have_te, sdpa_layer_spec
-    from ..runtime.te_compat import te_hf_moe_unverified
-    if te_hf_moe_unverified(model) and have_te() and getattr(model, "transformer_layer_spec", None) is not \
-            sdpa_layer_spec:
-        print("megatron_kd.bridge: note: a MoE with biased experts (GPT-OSS) on Transformer Engine's layer spec did "
-              "not give transformers' logits on the GPU (its MoE layers depart; benchmarks/README.md, Transformer "
-              "Engine); megatron-kd's own runs build such checkpoints on its SDPA spec", flush=True)
     from .provider import wrap_dataset_config  # imports Bridge
     cfg.dataset = wrap_dataset_config(cfg.dataset, kd)
     return OfflineKDForwardStep(kd, valid_vocab_size=int(reader.vocab_size))

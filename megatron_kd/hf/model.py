@@ -48,6 +48,14 @@ def set_fusions(prov, fused: bool, overrides: dict | None = None) -> None:
         prov.bias_activation_fusion = False  # GPT-OSS: megatron-core's kernel clamps before adding the bias
 
 
+def register_module_types() -> None:
+    """Tell Megatron-Bridge's weight mappings how megatron-kd's own layer classes are split: it reads a module's
+    parallelism from its class name, and knows megatron-core's and TE's classes only."""
+    from megatron.bridge.models.conversion.param_mapping import AutoMapping
+    from ..runtime.te_compat import EXPERT_TE_FC2_NAME
+    AutoMapping.register_module_type(EXPERT_TE_FC2_NAME, "row")  # a TERowParallelLinear (sequential TE experts)
+
+
 def needs_sinks_or_window(config) -> bool:
     return getattr(config, "softmax_type", "vanilla") != "vanilla" or bool(getattr(config, "window_size", None))
 
@@ -84,6 +92,7 @@ class HFModel:
         self.path, self.key = os.fspath(path), key
         check_hf_dir(self.path, key)
         AutoBridge = require_bridge(key)
+        register_module_types()
         check_architecture(self.path, key)
         self.bridge = AutoBridge.from_hf_pretrained(self.path)  # lazy: tensors are read when loaded
         self.hf_config = self.bridge.hf_pretrained.config

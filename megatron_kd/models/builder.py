@@ -167,19 +167,13 @@ def set_rope_scaling(model, m: ModelConfig) -> None:
         set_llama3_rope(model, factor=m.rope_scaling_factor, **rest)
 
 
-def build_hf_chunks(m: ModelConfig, p: ParallelConfig, seq_length: int, precision: str, load_weights: bool = True,
-                    section: str = "model"):
-    """m.hf_path's architecture and weights through Megatron-Bridge (megatron_kd/hf), our layer spec. section: the
-    recipe section `m` is (model, teacher), for the messages."""
+def build_hf_chunks(m: ModelConfig, p: ParallelConfig, seq_length: int, precision: str, load_weights: bool = True):
+    """m.hf_path's architecture and weights through Megatron-Bridge (megatron_kd/hf), our layer spec."""
     from ..hf.model import local_layer_spec
     from ..hf.model import open_hf
-    from ..runtime.te_compat import te_attention_unverified, te_hf_moe_refusal, te_hf_moe_unverified
+    from ..runtime.te_compat import te_attention_unverified
     hf = open_hf(m.hf_path, "hf_path")
     backend = _backend(m)
-    if backend == "te" and te_hf_moe_unverified(hf.architecture()):
-        if m.attention_backend == "te":
-            raise RuntimeError(te_hf_moe_refusal(section))
-        backend = "sdpa"  # auto: the spec whose MoE layers give transformers' logits
     if backend == "te":
         def spec(config, vp_stage=None):
             return te_spec(config.num_moe_experts, config.moe_grouped_gemm, config.qk_layernorm,

@@ -8,9 +8,7 @@ counts, plans, checkpoints and resume checks see the real model).
 import json
 import os
 
-from ..runtime.features import apex_available
-from ..runtime.te_compat import (own_attention_cp_refusal, te_attention_refusal, te_hf_moe_refusal,
-                                  te_hf_moe_unverified)
+from ..runtime.te_compat import own_attention_cp_refusal, te_attention_refusal
 from ..cache.format import MANIFEST, is_finished
 from ..cache.hashing import tokenizer_id
 from ..hf.checks import (HFCheckpointError, check_hf_dir, check_layout, check_same_tokenizer, hf_vocab_size,
@@ -64,12 +62,6 @@ def resolve(r, *, teacher: bool | None = None) -> list:
         if p.cp > 1 and hf.te_attention_unverified() and (name == "model" or TargetSource.of(r.kd).teacher_each_step):
             raise HFCheckpointError(f"{key}={m.hf_path!r}: " + own_attention_cp_refusal(name, p.cp))
         arch = hf.architecture()
-        if m.attention_backend == "te" and te_hf_moe_unverified(arch):
-            raise HFCheckpointError(f"{key}={m.hf_path!r}: " + te_hf_moe_refusal(name))
-        if te_hf_moe_unverified(arch) and p.sequence_parallel and p.tp > 1 and not apex_available():
-            raise HFCheckpointError(f"{key}={m.hf_path!r}: parallel.sequence_parallel=true: this checkpoint (MoE with "
-                                    "biased experts, GPT-OSS) builds on megatron-kd's SDPA spec, whose torch norms "
-                                    "refuse sequence parallel without apex; set parallel.sequence_parallel=false")
         for k, v in arch.items():
             setattr(m, k, v)
         if p.etp is None and arch["num_moe_experts"] and arch["add_bias_linear"]:

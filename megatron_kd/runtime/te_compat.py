@@ -14,13 +14,6 @@ What goes wrong there unless handled, each with no word from the libraries:
   models with learned sinks or alternate sliding-window layers (GPT-OSS): `te_attention_unverified` names those
   models and their TE layer spec (models/builder) keeps TE's linears, norms and experts with megatron-kd's core
   attention. FP8 for them is refused (`te_attention_refusal`) until it is measured against bf16.
-- Hugging Face MoE checkpoints with biased experts (GPT-OSS). Built through Megatron-Bridge's provider on TE's
-  layer spec, such a checkpoint's logits are far from transformers' on the GPU (fp32, a tiny random GPT-OSS:
-  0.5 of the largest logit, the SDPA spec 0.003): attention and the MoE's input agree, the MoE layer's output does
-  not, and Bridge loads the same weights into both specs. The departure lies in TE's grouped experts under the
-  provider's settings (the builder's TE spec, same experts, matches the SDPA spec). `te_hf_moe_unverified` names
-  those checkpoints: `attention_backend=auto` builds them on the SDPA spec, `te` is refused
-  (`te_hf_moe_refusal`).
 - Clamped GLU with a fused bias. megatron-core's fused bias + quick-GEGLU (`bias_activation_fusion`, on in TE
   builds and in Bridge's GPT-OSS provider) clamps the linear layer's output before it adds the bias, where the
   unfused path and transformers clamp the biased value: GPT-OSS experts then depart from transformers wherever the
@@ -41,22 +34,6 @@ def te_attention_unverified(config) -> bool:
     """A model whose attention TE's spec does not reproduce: learned (or off-by-one) sinks, or a sliding window.
     `config`: anything with megatron-core's field names (a recipe's ModelConfig, a TransformerConfig, a provider)."""
     return getattr(config, "softmax_type", "vanilla") != "vanilla" or bool(getattr(config, "window_size", None))
-
-
-def te_hf_moe_unverified(config) -> bool:
-    """A Hugging Face checkpoint whose MoE layers TE's layer spec does not compute as transformers does: experts with
-    biases (GPT-OSS). `config`: anything with megatron-core's field names (a resolved ModelConfig, a provider, an
-    HF model's architecture())."""
-    if isinstance(config, dict):
-        return bool(config.get("num_moe_experts")) and bool(config.get("add_bias_linear"))
-    return bool(getattr(config, "num_moe_experts", None)) and bool(getattr(config, "add_bias_linear", False))
-
-
-def te_hf_moe_refusal(section: str) -> str:
-    """The sentence that refuses `{section}.attention_backend=te` for such a checkpoint, with the fix."""
-    return (f"{section}.attention_backend=te: on Transformer Engine's layers a Hugging Face MoE checkpoint with "
-            "biased experts (GPT-OSS) does not give transformers' logits (its MoE layers depart; megatron-kd's SDPA "
-            f"spec matches); set {section}.attention_backend=auto or sdpa (auto builds it on the SDPA spec)")
 
 
 def bias_activation_fusion_exact(config) -> bool:
@@ -133,6 +110,9 @@ def build_with_te_wgrad_fusion(config, build):
 
 
 _EXPERT_TE_FC2 = []
+# The class's name: Megatron-Bridge finds how to split or gather a weight by its module's class name, so its
+# loaders are told this one is row-parallel (megatron_kd/hf registers it)
+EXPERT_TE_FC2_NAME = "ExpertTERowParallelLinear"
 
 
 def _expert_te_row_linear():
@@ -151,6 +131,7 @@ def _expert_te_row_linear():
                 out = out.clone()
             return out, bias
 
+    assert ExpertTERowParallelLinear.__name__ == EXPERT_TE_FC2_NAME
     _EXPERT_TE_FC2.append(ExpertTERowParallelLinear)
     return ExpertTERowParallelLinear
 

@@ -60,7 +60,7 @@ def build_teacher(r, vocab_size: int, parallel=None):
     p = parallel or r.parallel
     if r.teacher.hf_path:
         from ..models.builder import build_hf_chunks
-        m = build_hf_chunks(r.teacher, p, r.data.seq_length, r.train.precision, section="teacher")[0][0]
+        m = build_hf_chunks(r.teacher, p, r.data.seq_length, r.train.precision)[0][0]
     else:
         m = build_gpt(r.teacher, p, vocab_size, r.data.seq_length, r.train.precision)
         if r.teacher.load:

@@ -65,7 +65,6 @@ def megatron_kd_teacher(save_dir: str, vocab_size: int, seq_length: int, tp: int
     ranks split the samples (data parallel)."""
     import dataclasses
     from ..checkpoint import store as ckpt
-    from ..runtime.te_compat import te_hf_moe_unverified
     from ..recipe.schema import DataConfig, ParallelConfig, Recipe, TeacherConfig, TrainConfig
     from .megatron import start_cache_teacher
     saved = (ckpt.read_common(save_dir).get("recipe") or {}).get("model")
@@ -73,8 +72,6 @@ def megatron_kd_teacher(save_dir: str, vocab_size: int, seq_length: int, tp: int
         raise ValueError(f"--teacher mkd:{save_dir}: no recipe in its checkpoint (not a `megatron-kd train` save dir)")
     known = {f.name for f in dataclasses.fields(TeacherConfig)}
     teacher = TeacherConfig(**{k: v for k, v in saved.items() if k in known})
-    if saved.get("hf_path") and teacher.attention_backend == "auto" and te_hf_moe_unverified(teacher):
-        teacher.attention_backend = "sdpa"  # the spec such a run was built on (runtime/te_compat): its weights' names
     teacher.hf_path, teacher.load = None, save_dir
     r = Recipe(teacher=teacher, parallel=ParallelConfig(tp=int(tp)), data=DataConfig(seq_length=int(seq_length)),
                train=TrainConfig(precision=precision, device=device))

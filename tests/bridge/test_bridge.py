@@ -241,21 +241,6 @@ def test_enable_offline_kd_keeps_the_fused_bias_activation_off_for_a_clamped_glu
     assert ("bias_activation_fusion set to False" in capsys.readouterr().out) is not kept
 
 
-@pytest.mark.parametrize("experts, te, spec_is_sdpa, noted", [
-    (4, True, False, True), (4, False, False, False), (4, True, True, False), (None, True, False, False)],
-    ids=["gpt_oss_on_te", "no_te", "sdpa_spec", "dense"])
-def test_enable_offline_kd_notes_a_biased_moe_on_te_layers(fake_bridge, cache_path, capsys, monkeypatch, experts, te,
-                                                           spec_is_sdpa, noted):
-    """A provider with biased MoE experts (GPT-OSS) on TE's layer spec gets a note: its MoE layers did not give
-    transformers' logits there; not on megatron-kd's SDPA spec, without TE, or for a dense model."""
-    from megatron_kd.bridge import recipes
-    monkeypatch.setattr(recipes, "have_te", lambda: te)
-    model = SimpleNamespace(seq_length=S, vocab_size=64, num_moe_experts=experts, add_bias_linear=True,
-                            transformer_layer_spec=recipes.sdpa_layer_spec if spec_is_sdpa else object())
-    enable_offline_kd(SimpleNamespace(model=model, dataset=UserDatasetConfig()), {"cache_path": cache_path})
-    assert ("MoE with biased experts (GPT-OSS) on Transformer Engine's layer spec" in capsys.readouterr().out) is noted
-
-
 # --- forward step glue ---------------------------------------------------------------------------------------
 
 class FakeGPT(torch.nn.Module):

@@ -143,7 +143,7 @@ def test_architecture_bridge_does_not_map(tmp_path):
 def test_checkpoints_with_sinks_or_windows_take_te_layers_and_refuse_fp8(tmp_path, arch, config, unverified):
     """Sinks / sliding windows read from config.json: `attention_backend=te` passes (TE's layers, megatron-kd's core
     attention: build_hf_chunks), FP8 and context parallel are refused before any work naming the key; other
-    checkpoints pass all three. GPT-OSS (biased experts) is refused `attention_backend=te` itself, naming the fix."""
+    checkpoints pass all three."""
     import bridge_env_check  # noqa: F401
     import tiny
     from megatron_kd.hf.model import open_hf
@@ -153,15 +153,10 @@ def test_checkpoints_with_sinks_or_windows_take_te_layers_and_refuse_fp8(tmp_pat
     d = str(tmp_path / arch)
     tiny.make_hf(d, arch, config=config)
     assert open_hf(d, "model.hf_path").te_attention_unverified() is unverified
-    biased_moe = arch == "gptoss"  # its MoE layers on TE's layers are not transformers' (te_compat)
     for extra in (["model.attention_backend=te"], ["model.fp8=hybrid"], ["parallel.cp=2"]):
         r = to_recipe(compose("tiny_cpu", [f"model.hf_path={d}", "data.vocab_size=256", *extra],
                               save=str(tmp_path / "r")))
-        if biased_moe and "attention_backend" in extra[0]:
-            with pytest.raises(RecipeError, match=r"model.hf_path=.*: model\.attention_backend=te: .*biased experts "
-                                                  r".*set model\.attention_backend=auto or sdpa"):
-                resolve_hf(r)
-        elif unverified and "fp8" in extra[0]:
+        if unverified and "fp8" in extra[0]:
             with pytest.raises(RecipeError, match=r"model.hf_path=.*: model\.fp8=hybrid: .*set model\.fp8=null"):
                 resolve_hf(r)
         elif unverified and "cp" in extra[0]:  # their core attention has no context-parallel exchange
@@ -173,18 +168,16 @@ def test_checkpoints_with_sinks_or_windows_take_te_layers_and_refuse_fp8(tmp_pat
 
 
 @pytest.mark.bridge
-def test_auto_builds_a_biased_moe_checkpoint_on_the_sdpa_spec_where_te_imports(tmp_path, monkeypatch):
-    """With TE importable, `attention_backend=auto` builds a GPT-OSS checkpoint on the SDPA spec (sequential
-    experts, megatron-kd's core attention: the layers that give transformers' logits), not on TE's layers, whose
-    MoE layers depart; a Llama checkpoint still goes to TE's spec. `te_available` is faked and TE's spec (which
-    cannot build here) replaced by one that raises when asked for."""
+def test_auto_builds_hf_checkpoints_on_te_layers_where_te_imports(tmp_path, monkeypatch):
+    """With TE importable, `attention_backend=auto` asks for TE's layer spec for a GPT-OSS checkpoint (biased experts,
+    sinks, windows) as for a Llama one; `sdpa` builds megatron-kd's SDPA spec. `te_available` is faked and TE's spec
+    (which cannot build here) replaced by one that raises when asked for."""
     import bridge_env_check  # noqa: F401
     import tiny
     from megatron_kd.models import builder
     from megatron_kd.models.attention import SDPAttention
     from megatron_kd.recipe.schema import ModelConfig, ParallelConfig
     from megatron_kd.runtime.dist import distributed
-    from megatron_kd.runtime.te_compat import te_hf_moe_unverified
     monkeypatch.setattr(builder, "te_available", lambda: True)
 
     def te_spec(*a, **k):
@@ -195,43 +188,40 @@ def test_auto_builds_a_biased_moe_checkpoint_on_the_sdpa_spec_where_te_imports(t
         tiny.make_hf(d, arch, layers=2, hidden=64, heads=4, kv_heads=2)
         p = ParallelConfig(etp=1 if arch == "gptoss" else None)
         with distributed(p, 0, "cpu"):
-            if arch == "llama":
+            for backend in ("auto", "te"):
                 with pytest.raises(LookupError, match="TE's layer spec asked for"):
-                    builder.build_hf_chunks(ModelConfig(hf_path=d), p, 64, "fp32", load_weights=False)
-                continue
-            chunks, cfg = builder.build_hf_chunks(ModelConfig(hf_path=d), p, 64, "fp32", load_weights=False)
-            with pytest.raises(RuntimeError, match=r"model\.attention_backend=te: .*set model\.attention_backend=auto"):
-                builder.build_hf_chunks(ModelConfig(hf_path=d, attention_backend="te"), p, 64, "fp32",
-                                        load_weights=False)
-        layer = chunks[0].decoder.layers[0]
-        assert type(layer.self_attention.core_attention) is SDPAttention
-        assert type(layer.mlp.experts).__name__ == "SequentialMLP"
-        assert te_hf_moe_unverified(cfg) and not cfg.bias_activation_fusion
+                    builder.build_hf_chunks(ModelConfig(hf_path=d, attention_backend=backend), p, 64, "fp32",
+                                            load_weights=False)
+            chunks, _ = builder.build_hf_chunks(ModelConfig(hf_path=d, attention_backend="sdpa"), p, 64, "fp32",
+                                                load_weights=False)
+        assert type(chunks[0].decoder.layers[0].self_attention.core_attention) is SDPAttention
 
 
 @pytest.mark.bridge
-def test_biased_moe_refusals_name_the_section_and_sequence_parallel(tmp_path):
-    """`teacher.attention_backend=te` for a GPT-OSS teacher is refused naming `teacher.` (not `model.`), and a GPT-OSS
-    student with sequence parallel (the SDPA spec's torch norms refuse it without apex) is refused naming
-    `parallel.sequence_parallel`, both before any model is built."""
+def test_bridge_maps_the_weights_of_te_sequential_experts(tmp_path, monkeypatch):
+    """Sequential experts on TE's spec get megatron-kd's own fc2 class (runtime/te_compat); Megatron-Bridge reads
+    a module's parallelism from its class name, so opening a checkpoint registers it as row-parallel (without, its
+    loaders raise for the expert fc2 bias). TE cannot load here: a stand-in TERowParallelLinear takes its place."""
+    import sys
+    import types
     import bridge_env_check  # noqa: F401
     import tiny
-    from megatron_kd.recipe.compose import compose
-    from megatron_kd.recipe.hf import resolve
-    from megatron_kd.errors import HFCheckpointError
-    from megatron_kd.recipe.schema import to_recipe
-    from megatron_kd.runtime.features import apex_available
+    import torch
+    from megatron.bridge.models.conversion.param_mapping import AutoMapping
+    from megatron_kd.hf.model import HFModel
+    from megatron_kd.runtime import te_compat
+    fake = types.ModuleType("megatron.core.extensions.transformer_engine")
+    fake.TERowParallelLinear = type("TERowParallelLinear", (torch.nn.Module,), {})
+    monkeypatch.setattr(te_compat, "_EXPERT_TE_FC2", [])
+    with monkeypatch.context() as m:  # the stand-in only while the class is made
+        m.setitem(sys.modules, "megatron.core.extensions.transformer_engine", fake)
+        fc2 = te_compat._expert_te_row_linear()()
+    registry = {k: set(v) for k, v in AutoMapping._MODULE_TYPE_REGISTRY.items()}
+    monkeypatch.setattr(AutoMapping, "_MODULE_TYPE_REGISTRY", registry)
+    mapping = AutoMapping("decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.bias", "model.layers.0.x")
+    with pytest.raises(ValueError, match="Cannot determine parallelism type"):
+        mapping._detect_parallelism_type(fc2)
     d = str(tmp_path / "gptoss")
     tiny.make_hf(d, "gptoss")
-    r = to_recipe(compose("tiny_cpu", [f"teacher.hf_path={d}", "teacher.attention_backend=te", "data.vocab_size=256"],
-                          save=str(tmp_path / "r1")))
-    with pytest.raises(HFCheckpointError, match=r"^teacher\.hf_path=.*: teacher\.attention_backend=te: .*set "
-                                          r"teacher\.attention_backend=auto or sdpa"):
-        resolve(r, teacher=True)
-    r = to_recipe(compose("tiny_cpu", [f"model.hf_path={d}", "data.vocab_size=256", "parallel.tp=2",
-                                       "parallel.sequence_parallel=true"], save=str(tmp_path / "r2")))
-    if apex_available():
-        pytest.skip("apex norms take sequence parallel")
-    with pytest.raises(HFCheckpointError, match=r"model\.hf_path=.*: parallel\.sequence_parallel=true: .*set "
-                                          r"parallel\.sequence_parallel=false"):
-        resolve(r, teacher=False)
+    HFModel(d, "model.hf_path")
+    assert mapping._detect_parallelism_type(fc2) == "row"

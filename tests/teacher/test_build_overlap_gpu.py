@@ -159,13 +159,15 @@ def test_the_top_k_runs_beside_the_next_forward():
     def fn(t):
         # a forward still running on the current stream while the host queues the top-K: the top-K must wait for
         # it (its hidden states are made last), and is then still running when the sync below returns, unless that
-        # sync also waited for the top-K (queued on the current stream)
-        torch.cuda._sleep(200_000_000)
+        # sync also waited for the top-K (queued on the current stream). The sleep outlasts the host's queueing
+        # of the top-K's chunks (checked below), else the top-K could end before the sync on either stream
+        torch.cuda._sleep(2_000_000_000)
         return emb[t.reshape(-1)] * 1.0, w
 
     tokens = torch.randint(0, 1024, (1, N), generator=g).cuda()
     torch.cuda.synchronize()
     p = _start_teacher_topk(CallableTeacher(fn, V), tokens, K, 1.0, None, None)
+    assert not torch.cuda.current_stream().query(), "the forward ended before the top-K was queued: sleep longer"
     torch.cuda.current_stream().synchronize()  # what the next forward's host syncs do
     running = not p._flags_ready.query()
     ids, lp = p.result()

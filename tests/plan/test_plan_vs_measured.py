@@ -18,7 +18,7 @@ each a different tolerance for a different reason:
   tests/plan/test_plan.py instead.
 - Between specs at one R (TE - SDPA, FP8 - bf16, delayed - tensorwise, FP8 attention - none), within 0.3 GiB:
   the common part of both plans cancels, what is left is the spec's own terms times the unrecomputed layers plus
-  FP8's weight copies. TE's arms peak 0.18-0.19 GiB above what the layer terms predict over SDPA's, the same at
+  FP8's weight copies. TE's arms peak 0.17-0.19 GiB above what the layer terms predict over SDPA's, the same at
   R=8 and R=12 (so not per layer: a TE workspace or working set the plan does not count); 0.3 GiB covers it.
 - The peak itself, plan / measured in [0.97, 1.0]: the plan of the local spec is 1.9-2.2% under its own SDPA
   measurements here by about 2.3 GiB whatever R (transients of the step the plan does not count, not a layer

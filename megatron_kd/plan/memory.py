@@ -5,9 +5,11 @@ see RESERVE_GIB):
 
   static     weights (bf16) + Megatron DDP grad buffer (fp32 main grads, or bf16) + optimizer state (fp32 main
              params + Adam m, v; the distributed optimizer shards dense params over DP x CP and expert params
-             over expert-DP) + teacher weights (online) + the top-K cache batches resident on the GPU.
+             over expert-DP) + teacher weights (online) + the top-K cache batches resident on the GPU; under
+             FP8, Transformer Engine's cached FP8 copies of the linear weights.
   activations what the forward keeps for backward: per layer either the checkpointed input (full recompute)
-             or everything autograd saves (see layer_activations), times the micro-batches in flight on the
+             or everything autograd saves (layer_activations: megatron-core's local spec with SDPA;
+             te_layer_activations: Transformer Engine's spec, bf16 or FP8), times the micro-batches in flight on the
              stage (1F1B: pp - stage); plus the working set of the one layer being recomputed / differentiated.
   loss       our chunked/fused KL: one logit chunk plus O(tokens x (H + K)) buffers and, unless the fused
              loss writes the weight gradient straight into Megatron's main_grad, an fp32 [V/tp, H] gradient;
@@ -17,7 +19,8 @@ see RESERVE_GIB):
 
 The peak is the largest of four phases: end of forward (loss), backward (recomputed layer), end of backward
 (embedding gradient) and optimizer step. Every term is a closed formula of the shape and layout; the
-activation terms name the tensors they count (tests/plan/test_plan.py checks them against autograd on CPU).
+activation terms name the tensors they count (tests/plan/test_plan.py checks the local spec's against autograd
+on CPU; TE runs on GPUs only, and tests/plan/test_plan_vs_measured.py checks its terms against H200 peaks).
 """
 from dataclasses import dataclass, field, replace
 
@@ -32,6 +35,7 @@ RESERVE_GIB = 3.0          # CUDA context, NCCL buffers, allocator rounding: not
 H200_GIB = 139.8           # usable HBM of one H200 (torch.cuda.mem_get_info total)
 
 RECOMPUTE = ("full", "selective", "none")
+SPECS = ("sdpa", "te")     # megatron-core's local layers with torch SDPA | Transformer Engine's layers
 
 
 def loss_impls() -> tuple:
@@ -63,6 +67,10 @@ class Training:
     swiglu_fusion: bool = False        # Megatron's bias_activation_fusion (torch.compile'd SwiGLU)
     fused_norm: bool = True            # CUDA's fused RMSNorm (False: torch's composite CPU path, for CPU checks)
     quant: str = "none"                # quant.format: ModelOpt's quantizers on every linear but the output layer
+    spec: str = "sdpa"                 # the layers: sdpa (local spec, torch SDPA) | te (Transformer Engine's spec)
+    fp8: str | None = None             # te: FP8 scaling recipe of TE's linears (model.fp8_recipe); None: bf16
+    fp8_attention: bool = False        # te + fp8: TE's FP8 core attention too (model.fp8_attention)
+    te_attention: bool = True          # te: TE's core attention; False: megatron-kd's sink / window attention
 
     @property
     def targets(self) -> TargetSource:
@@ -82,6 +90,25 @@ class Training:
             raise ValueError(f"adam_impl={self.adam_impl!r}; use fused, foreach or for_loop")
         if self.seq_len < 1 or self.micro_batch < 1 or self.num_microbatches < 1:
             raise ValueError("seq_len, micro_batch and num_microbatches must be >= 1")
+        if self.spec not in SPECS:
+            raise ValueError(f"spec={self.spec!r}; use one of {SPECS}")
+        if self.fp8 is not None:
+            from ..recipe.schema import FP8_RECIPES  # here: the schema imports torch, `plan --help` does not
+            if self.spec != "te":
+                raise ValueError(f"fp8={self.fp8!r}: FP8 runs in Transformer Engine's layers only (spec='te')")
+            if self.fp8 not in FP8_RECIPES:
+                raise ValueError(f"fp8={self.fp8!r}; use one of {FP8_RECIPES} (None: bf16)")
+        if self.fp8_attention and self.fp8 is None:
+            raise ValueError("fp8_attention needs FP8 layers (fp8=RECIPE)")
+
+    @property
+    def layers_name(self) -> str:
+        """The layers this step runs on, in words (the plan's notes say which spec it assumed)."""
+        if self.spec != "te":
+            return "local spec, SDPA"
+        name = "TE spec" + ("" if self.te_attention else " with megatron-kd's core attention")
+        return name + (f", FP8 {self.fp8}" + (" + FP8 attention" if self.fp8_attention else "") if self.fp8
+                       else ", bf16")
 
 
 @dataclass
@@ -154,14 +181,20 @@ def layer_activations(shape: ModelShape, lay: Layout, T: int, moe: bool, b: int 
     (linear + glu_linear_offset), and the product (fc2's input); MoE experts also keep the product before
     the routing-prob scale.
     """
-    t, h, d = lay.tp, shape.hidden_size, shape.kv_channels
+    t, h = lay.tp, shape.hidden_size
     ts = T // t if lay.sp else T
-    s = T // max(1, micro_batch)
-    nq, nkv = shape.num_attention_heads // t, shape.num_query_groups // t
     norm = (b * ts * h + 4 * ts) if fused_norm else 2 * 4 * ts * h + 4 * ts
+    a = {"norm1 input (residual)": norm, "qkv input (norm1 out)": b * ts * h}
+    a |= sdpa_attention_activations(shape, lay, T, b, micro_batch)
+    return a | mlp_activations(shape, lay, T, moe, norm, b=b, swiglu_fusion=swiglu_fusion)
+
+
+def sdpa_attention_activations(shape: ModelShape, lay: Layout, T: int, b: int = 2, micro_batch: int = 1) -> dict:
+    """The attention half of layer_activations from the qkv output on: megatron-core's unfused RoPE and torch
+    SDPA (or megatron-kd's sink / window attention, attention_bytes.py), and linear_proj's input."""
+    d, s = shape.kv_channels, T // max(1, micro_batch)
+    nq, nkv = shape.num_attention_heads // lay.tp, shape.num_query_groups // lay.tp
     a = {
-        "norm1 input (residual)": norm,
-        "qkv input (norm1 out)": b * ts * h,
         "qkv output (v is a view of it)": b * T * (nq + 2 * nkv) * d,
         "q, k after RoPE": b * T * (nq + nkv) * d,
         "RoPE cos/sin": 4 * b * s * d,
@@ -169,15 +202,26 @@ def layer_activations(shape: ModelShape, lay: Layout, T: int, moe: bool, b: int 
     }
     if micro_batch > 1:
         a["proj input"] = b * T * nq * d
-    a["norm2 input (residual)"] = norm
-    a["mlp input (norm2 out)"] = b * ts * h
+    return a
+
+
+def mlp_activations(shape: ModelShape, lay: Layout, T: int, moe: bool, norm: float, b: int = 2,
+                    swiglu_fusion: bool = False, x: float | None = None) -> dict:
+    """What one layer's MLP half keeps for backward: the pre-MLP norm (`norm`: its saved input and statistics),
+    the norm's output, which fc1 keeps (`x` bytes per element: the bf16 output, or the FP8 copy a TE linear keeps),
+    and the dense MLP or MoE tensors of layer_activations. fc2 of a dense MLP keeps its input in `x` bytes too
+    (the bf16 product, or TE's FP8 copy, when nobody else keeps the product)."""
+    t, h = lay.tp, shape.hidden_size
+    ts = T // t if lay.sp else T
+    x = b if x is None else x
+    a = {"norm2 input (residual)": norm, "mlp input (norm2 out)": x * ts * h}
     gated = shape.gated_mlp
     if not moe:
         f = shape.ffn_hidden_size // t
         a["fc1 output"] = b * T * (2 if gated else 1) * f
         if gated and not swiglu_fusion:
             a["silu(gate), linear + offset"] = 2 * b * T * f
-        a["fc2 input"] = b * T * f
+        a["fc2 input"] = x * T * f
         return a
     fe = shape.moe_ffn_hidden_size // lay.expert_tp
     R = routed_tokens(shape, lay, T)
@@ -194,6 +238,77 @@ def layer_activations(shape: ModelShape, lay: Layout, T: int, moe: bool, b: int 
         fs = shape.moe_shared_expert_intermediate_size // t
         a["shared expert"] = b * T * fs * ((2 + 2 + 1) if gated else 2)
     return a
+
+
+def fp8_element_bytes(recipe: str, weight: bool = False) -> float:
+    """Bytes per element of one FP8 copy Transformer Engine makes under `recipe`, its scales included. Per-tensor
+    recipes (tensorwise = current scaling, delayed) keep one fp32 scale per tensor (not counted); blockwise keeps
+    an fp32 scale per 1 x 128 block of an activation and per 128 x 128 block of a weight; mxfp8 an 8-bit scale per
+    32 elements."""
+    if recipe == "blockwise":
+        return 1 + 4 / (128 * 128 if weight else 128)
+    if recipe == "mxfp8":
+        return 1 + 1 / 32
+    return 1.0
+
+
+def te_layer_activations(shape: ModelShape, lay: Layout, T: int, moe: bool, b: int = 2, micro_batch: int = 1,
+                         swiglu_fusion: bool = False, fp8: str | None = None, fp8_attention: bool = False,
+                         te_attention: bool = True, selective: bool = False) -> dict:
+    """Bytes autograd keeps for backward in one layer of megatron-core's Transformer Engine spec
+    (get_gpt_layer_with_transformer_engine_spec; megatron-core 0.19, TE 2.20), no recompute; fp8: the FP8
+    recipe of TE's linears (None: bf16). What each keeps, from their source:
+
+    - The norms are fused into the linear after them (TELayerNormColumnParallelLinear: linear_qkv, and linear_fc1
+      of a dense MLP). It keeps its bf16 input (the residual), an fp32 rstd (LayerNorm: and the mean) and the norm's
+      output: bf16, or under FP8 the column-wise (transposed) FP8 copy its GEMM's weight gradient reads (under
+      sequence parallelism the row-wise shard it gathers again), which the norm kernel writes directly (the bf16
+      output is never made).
+    - TE's linears keep their input: bf16, the tensor they were given (no copy); FP8, a column-wise FP8 copy. So
+      fc2 keeps the SwiGLU product in FP8 and the bf16 product is freed (the multiply keeps only its operands).
+      linear_proj's input is the attention output, which the attention keeps anyway; megatron-core sets
+      save_original_input on linear_proj for every FP8 recipe but delayed, so only delayed keeps an FP8 copy too.
+    - RoPE is TE's fused kernel (apply_rope_fusion): its backward needs only the frequencies all layers share, so
+      no per-layer cos/sin.
+    - TE's core attention (cuDNN fused attention) keeps q, k, v, its output and fp32 softmax stats [heads, T]. q
+      and k are new tensors (fused RoPE), v a strided view of the qkv output; that is no packed layout TE knows,
+      so its get_qkv_layout makes all three contiguous and keeps a copy of v: the qkv output itself is freed
+      (the local spec's SDPA keeps the view, hence the whole qkv output). FP8 attention keeps q, k, v in FP8 and,
+      under delayed scaling, its output in FP8 too (the output linear_proj gets is a bf16 copy it does not keep).
+    - The MLP's activation is megatron-core's own, as in the local spec; MoE layers (a separate TE norm before the
+      router) keep the local spec's router and expert tensors, counted in bf16 also under FP8.
+    te_attention=False: megatron-kd's sink / window core attention under TE's linears (its terms are the local
+    spec's, RoPE included: such models use YaRN, which TE does not fuse). selective: the core attention is
+    recomputed; its checkpoint keeps q, k after RoPE and the v view (so the qkv output), linear_proj its input.
+    """
+    t, h, d = lay.tp, shape.hidden_size, shape.kv_channels
+    ts = T // t if lay.sp else T
+    nq, nkv = shape.num_attention_heads // t, shape.num_query_groups // t
+    x = b if fp8 is None else fp8_element_bytes(fp8)
+    norm = b * ts * h + 4 * ts * (2 if shape.normalization == "LayerNorm" else 1)
+    a = {"norm1 input (residual)": norm, "qkv input (norm1 out)": x * ts * h}
+    if not te_attention:
+        own = sdpa_attention_activations(shape, lay, T, b, micro_batch)
+        if selective:   # the core attention is recomputed, as on the local spec
+            core = attention_activation_bytes(T, 1, 1, 1, sink=shape.attention_sinks, window=None)
+            own = {k: v for k, v in own.items() if k not in core}
+        a |= own
+    elif selective:
+        a["qkv output (v is a view of it)"] = b * T * (nq + 2 * nkv) * d
+        a["q, k after fused RoPE"] = b * T * (nq + nkv) * d
+    elif fp8_attention:
+        e = fp8_element_bytes(fp8)
+        a["q, k, v in FP8"] = e * T * (nq + 2 * nkv) * d
+        a["attention out + softmax stats"] = (e if fp8 == "delayed" else b) * T * nq * d + 4 * T * nq
+    else:
+        a["q, k after fused RoPE"] = b * T * (nq + nkv) * d
+        a["v (contiguous copy)"] = b * T * nkv * d
+        a["attention out + softmax stats"] = b * T * nq * d + 4 * T * nq
+    if fp8 == "delayed":
+        a["proj input (FP8 copy)"] = x * T * nq * d
+    elif selective and te_attention:
+        a["proj input"] = b * T * nq * d    # the recomputed attention's output: linear_proj alone keeps it
+    return a | mlp_activations(shape, lay, T, moe, norm, b=b, swiglu_fusion=swiglu_fusion, x=b if moe else x)
 
 
 def routed_tokens(shape: ModelShape, lay: Layout, T: int) -> int:
@@ -355,11 +470,20 @@ def _add_static(p: Plan, pc, osh: _OptimizerSharding) -> float:
     else:
         _add(p, "static", "optimizer", 12 * pc.dense / osh.dsh + 12 * pc.expert / osh.esh,
              f"fp32 main params + Adam m, v; dense / {osh.dsh}" + (f", experts / {osh.esh}" if pc.expert else ""))
-    if tr.quant != "none":
+    if tr.quant != "none" or tr.fp8:
         lins = [x for i in range(p.stage * pc.layers, (p.stage + 1) * pc.layers)
                 for x in _linears(p.shape, p.layout, p.shape.is_moe and i % p.shape.moe_layer_freq == 0)]
+    if tr.quant != "none":
         _add(p, "static", "quantizer state", quantizer_bytes(tr.quant, lins),
              f"ModelOpt {tr.quant}: amax / AWQ scales of {len(lins)} linear layers (fp32)")
+    if tr.fp8:
+        # TE quantizes each weight once per step into a workspace cached on its module (megatron-core passes
+        # is_first_microbatch): the row-wise copy for the forward GEMM and the column-wise (transposed) one for the
+        # input gradient's GEMM, both kept from one step to the next.
+        n = sum(i * o * c for i, o, c in lins)
+        _add(p, "static", "FP8 weight copies", 2 * fp8_element_bytes(tr.fp8, weight=True) * n,
+             f"TE {tr.fp8}: row-wise + transposed FP8 of {n / 1e9:.3f} B linear weights (embedding, output layer "
+             "and router stay bf16)")
     if tr.targets.teacher_each_step:
         tpc = param_counts(tr.teacher, p.layout, p.stage)
         _add(p, "static", "teacher weights", 2 * tpc.total, f"bf16 {tr.teacher.name}, no grads")
@@ -370,7 +494,8 @@ def _add_static(p: Plan, pc, osh: _OptimizerSharding) -> float:
 
 
 def _linears(shape: ModelShape, lay: Layout, moe: bool) -> list:
-    """(in, out, count) of one layer's linear layers on one rank (the ones ModelOpt quantizes)."""
+    """(in, out, count) of one layer's linear layers on one rank: the ones ModelOpt quantizes, and Transformer
+    Engine's linears in its spec (those FP8 runs in)."""
     t, h, kv = lay.tp, shape.hidden_size, shape.kv_channels
     g = 2 if shape.gated_mlp else 1
     out = [(h, (shape.num_attention_heads + 2 * shape.num_query_groups) * kv // t, 1),
@@ -411,9 +536,15 @@ def _stage_layers(p: Plan, pc) -> tuple[list, list]:
     per_layer, extra = [], []
     for i in range(p.stage * pc.layers, (p.stage + 1) * pc.layers):
         moe = shape.is_moe and i % shape.moe_layer_freq == 0
-        a = layer_activations(shape, lay, T, moe, micro_batch=tr.micro_batch, swiglu_fusion=tr.swiglu_fusion,
-                              fused_norm=tr.fused_norm)
-        if tr.recompute == "selective":
+        if tr.spec == "te":
+            a = te_layer_activations(shape, lay, T, moe, micro_batch=tr.micro_batch, swiglu_fusion=tr.swiglu_fusion,
+                                     fp8=tr.fp8, fp8_attention=tr.fp8_attention,
+                                     te_attention=tr.te_attention and not shape.attention_sinks,
+                                     selective=tr.recompute == "selective")
+        else:
+            a = layer_activations(shape, lay, T, moe, micro_batch=tr.micro_batch, swiglu_fusion=tr.swiglu_fusion,
+                                  fused_norm=tr.fused_norm)
+        if tr.recompute == "selective" and tr.spec != "te":
             core = attention_activation_bytes(T, 1, 1, 1, sink=shape.attention_sinks, window=None)
             a = {k: v for k, v in a.items() if k not in core}  # the core attention is recomputed
         per_layer.append(sum(a.values()))
@@ -436,7 +567,7 @@ def _add_activations(p: Plan, pc) -> tuple[float, float]:
              f"{inflight} x {n_rc} layers x [T/sp, H] bf16")
         if n_rc < pc.layers:
             _add(p, "activations", "unrecomputed layers", inflight * sum(per_layer[n_rc:]),
-                 f"{inflight} x {pc.layers - n_rc} layers' saved tensors")
+                 f"{inflight} x {pc.layers - n_rc} layers' saved tensors ({tr.layers_name})")
         working = max(per_layer) + max(extra) if n_rc else max(extra)
         if 0 < n_rc < pc.layers:
             # Backward reaches the recomputed (first) layers after the unrecomputed ones, whose saved tensors
@@ -446,7 +577,7 @@ def _add_activations(p: Plan, pc) -> tuple[float, float]:
     else:
         kept = sum(per_layer)
         _add(p, "activations", "saved activations", inflight * kept,
-             f"{inflight} x {pc.layers} layers ({tr.recompute} recompute)")
+             f"{inflight} x {pc.layers} layers ({tr.recompute} recompute, {tr.layers_name})")
         working = max(extra)
     if first:
         _add(p, "activations", "embedding output", 0, "counted as layer 0's input")

@@ -19,6 +19,9 @@ Every key is then read as megatron_kd/models/builder.py and optim/setup.py read 
   train              micro_batch_size; global_batch_size / (micro_batch_size x dp) micro-batches per step
                      (counted once dp is known, see RecipePlan.training_for); precision bf16/fp16 -> fp32 grads
   data.seq_length    tokens per sample
+  model.attention_backend, fp8, fp8_recipe, fp8_attention (model.megatron's fp8 keys win, as in the builder)
+                     the layers: te (auto too: see layer_spec), in bf16 or FP8, or sdpa (megatron-core's local
+                     spec with SDPA; local is planned as sdpa)
   kd                 mode, top_k, impl (auto = what auto picks on a GPU: fused)
 """
 import json
@@ -174,6 +177,43 @@ def recompute_of(m) -> tuple:
     raise ValueError(f"model.recompute_granularity={g!r}: use null, full or selective")
 
 
+def layer_spec(m, shape: ModelShape) -> tuple[dict, list]:
+    """The Training fields of the layers a model section builds on (spec, fp8, fp8_attention, te_attention), read
+    as models/builder.py reads them (model.megatron's fp8 keys win over the model's), and notes that say what the
+    plan assumed.
+
+    attention_backend=auto builds Transformer Engine's spec where TE imports and the local spec with SDPA where
+    it does not; the plan cannot know the training machine, so it plans TE's, which our GPU container (NeMo's
+    image, docker/Dockerfile) and NeMo / Megatron-Bridge environments have, and says how to plan the other.
+    The exceptions are runtime/te_compat's: Hugging Face MoE checkpoints with biased experts build on the SDPA
+    spec under auto; models with sinks / windows keep megatron-kd's core attention under TE's linears."""
+    from megatron_kd.runtime.te_compat import te_attention_unverified, te_hf_moe_unverified
+    mg = dict(m.megatron or {})
+    fp8 = mg.get("fp8", m.fp8)
+    fp8_recipe = mg.get("fp8_recipe", m.fp8_recipe)
+    fp8_attention = bool(fp8) and bool(mg.get("fp8_dot_product_attention", m.fp8_attention))
+    notes = []
+    backend = m.attention_backend
+    if backend == "auto" and m.hf_path and te_hf_moe_unverified(m):
+        backend = "sdpa"
+    elif backend == "auto":
+        backend = "te"
+        notes.append("model.attention_backend=auto: planned on Transformer Engine's layers, which auto builds where "
+                     "TE imports (the NeMo container); where it does not, auto builds the local spec with SDPA: "
+                     "plan that with model.attention_backend=sdpa")
+    fields = dict(spec="te" if backend == "te" else "sdpa", fp8=fp8_recipe if fp8 else None,
+                  fp8_attention=fp8_attention, te_attention=not te_attention_unverified(m))
+    if backend != "te":
+        return fields, notes   # FP8 here is refused by Training.check (FP8 runs in TE's layers only)
+    if fp8 and shape.is_moe:
+        notes.append(f"model.fp8={fp8}: the experts' saved activations are counted in bf16 (TE's FP8 copies of "
+                     "their inputs are not modelled); their FP8 weight copies are")
+    if fp8 and fp8_recipe in ("blockwise", "mxfp8"):
+        notes.append(f"model.fp8_recipe={fp8_recipe}: its FP8 copies and block scales are modelled from Transformer "
+                     "Engine's source, not yet measured (tensorwise and delayed are)")
+    return fields, notes
+
+
 @dataclass
 class RecipePlan:
     """What the plan reads from a recipe; dp (the world size) and the micro-batch count come later."""
@@ -228,10 +268,9 @@ def from_recipe(r) -> RecipePlan:
                      "and no separate main params)")
     if p.vpp:
         notes.append(f"parallel.vpp={p.vpp}: interleaved pipeline stages are not modelled (1F1B counted)")
-    if m.fp8:
-        notes.append(f"model.fp8={m.fp8}: Transformer Engine's layers and their FP8 buffers are not modelled (the plan "
-                     "counts megatron-core's local spec in bf16); measured FP8 peaks: benchmarks/README.md, "
-                     "Transformer Engine")
+    spec, spec_notes = layer_spec(m, shape)
+    tr.update(spec)
+    notes += spec_notes
     cache_teacher = shape_from_config(r.teacher, vocab, d.seq_length) if targets.builds_cache else None
     return RecipePlan(shape=shape, layout=layout, training=Training(**tr), teacher=teacher,
                       global_batch_size=t.global_batch_size, precision=t.precision, vpp=p.vpp, notes=notes,

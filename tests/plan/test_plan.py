@@ -312,17 +312,95 @@ def test_recipe_by_path_overrides_and_gpus():
     assert _cli("tiny_cpu", "kd.topk=3")[0] == 2                             # the schema names the typo
 
 
-def test_an_fp8_recipe_is_planned_with_a_note_that_fp8_is_not_modelled():
+def _read(*over):
+    """Training and notes of the 32K recipe with overrides, composed as `megatron-kd train` composes it."""
     from megatron_kd.plan.recipe import from_recipe
     from megatron_kd.recipe.compose import compose
     from megatron_kd.recipe.schema import to_recipe
+    rp = from_recipe(to_recipe(compose("llama31_8b_to_3b_32k_1xh200", ["kd.cache=/dev/null", *over],
+                                       save="/dev/null")))
+    return rp.training, rp.notes
 
-    def notes(*over):
-        r = to_recipe(compose("llama31_8b_to_3b_32k_1xh200", ["kd.cache=/dev/null", *over], save="/dev/null"))
-        return from_recipe(r).notes
-    assert any(n.startswith("model.fp8=hybrid: Transformer Engine's layers and their FP8 buffers are not modelled")
-               for n in notes("model.fp8=hybrid"))
-    assert not any("fp8" in n for n in notes())
+
+def test_recipes_plan_the_layers_the_builder_builds():
+    """attention_backend=auto is planned on TE's layers (what auto builds where TE imports: our container) and the
+    plan says so and how to plan the other; model.fp8* and model.megatron's fp8 keys pick the FP8 terms."""
+    tr, notes = _read()
+    assert (tr.spec, tr.fp8, tr.fp8_attention, tr.te_attention) == ("te", None, False, True)
+    assert any("model.attention_backend=auto" in n and "model.attention_backend=sdpa" in n for n in notes)
+    tr, notes = _read("model.attention_backend=sdpa")
+    assert tr.spec == "sdpa" and not any("attention_backend" in n for n in notes)
+    assert _read("model.attention_backend=te")[0].spec == "te"
+    tr, notes = _read("model.fp8=hybrid")
+    assert (tr.spec, tr.fp8, tr.fp8_attention) == ("te", "tensorwise", False)
+    assert not any("not modelled" in n or "fp8" in n for n in notes)   # FP8 of a dense model: all modelled
+    tr, _ = _read("model.fp8=hybrid", "model.fp8_recipe=delayed", "model.fp8_attention=true")
+    assert (tr.fp8, tr.fp8_attention) == ("delayed", True)
+    tr, _ = _read("model.fp8=hybrid", "model.fp8_recipe=delayed", "model.megatron.fp8_dot_product_attention=true")
+    assert tr.fp8_attention is True                           # the builder lets model.megatron win
+    assert _read("model.fp8_attention=true")[0].fp8_attention is False   # no FP8 layers, no FP8 attention
+    assert any("not yet measured" in n for n in _read("model.fp8=hybrid", "model.fp8_recipe=blockwise")[1])
+    rc, _ = _cli("llama31_8b_to_3b_32k_1xh200", "model.attention_backend=sdpa", "model.fp8=hybrid")
+    assert rc == 2                                            # FP8 exists in TE's layers only
+    from megatron_kd.plan.recipe import from_recipe, load_recipe
+    g = from_recipe(load_recipe("gpt_oss_20b_32k_8xh200")).training   # sinks: megatron-kd's attention under TE
+    assert g.spec == "te" and g.te_attention is False
+
+
+def test_te_layer_terms_are_the_tensors_te_keeps():
+    """Each term of te_layer_activations is the tensor TE / megatron-core keep (sizes written out from the shape,
+    plan/memory.py says why each is kept), and no other: a term left out, added or mis-sized fails."""
+    from megatron_kd.plan.memory import te_layer_activations
+    s = preset("llama-3.2-3b")
+    T, h, f, nq, nkv, d = 32768, 3072, 8192, 24, 8, 128
+    te = te_layer_activations(s, Layout(), T, False)
+    assert te == {
+        "norm1 input (residual)": 2 * T * h + 4 * T,          # LayerNormLinear: its input and the fp32 rstd
+        "qkv input (norm1 out)": 2 * T * h,                    # its bf16 norm output (the GEMM's input)
+        "q, k after fused RoPE": 2 * T * (nq + nkv) * d,
+        "v (contiguous copy)": 2 * T * nkv * d,                # not the qkv output: that is freed
+        "attention out + softmax stats": 2 * T * nq * d + 4 * T * nq,
+        "norm2 input (residual)": 2 * T * h + 4 * T,
+        "mlp input (norm2 out)": 2 * T * h,
+        "fc1 output": 2 * T * 2 * f,
+        "silu(gate), linear + offset": 2 * 2 * T * f,
+        "fc2 input": 2 * T * f}
+    local = layer_activations(s, Layout(), T, False)
+    assert sum(local.values()) - sum(te.values()) == 2 * T * (nq + nkv) * d + 4 * 2 * T * d  # qkv out - v, cos/sin
+    fp8 = {"qkv input (norm1 out)": T * h, "mlp input (norm2 out)": T * h, "fc2 input": T * f}  # 1 byte, column-wise
+    assert te_layer_activations(s, Layout(), T, False, fp8="tensorwise") == te | fp8    # proj: the original input
+    delayed = te | fp8 | {"proj input (FP8 copy)": T * nq * d}
+    assert te_layer_activations(s, Layout(), T, False, fp8="delayed") == delayed
+    attn = {k: v for k, v in delayed.items() if k not in ("q, k after fused RoPE", "v (contiguous copy)")}
+    attn |= {"q, k, v in FP8": T * (nq + 2 * nkv) * d, "attention out + softmax stats": T * nq * d + 4 * T * nq}
+    assert te_layer_activations(s, Layout(), T, False, fp8="delayed", fp8_attention=True) == attn
+    # blockwise / mxfp8: an activation's FP8 copy carries 1/32 byte of scales per element
+    assert te_layer_activations(s, Layout(), T, False, fp8="mxfp8")["fc2 input"] == T * f * (1 + 1 / 32)
+    # TP shards the heads and widths, SP the residual stream (the norms' tensors)
+    tp = te_layer_activations(s, Layout(tp=2), T, False, fp8="tensorwise")
+    assert tp["v (contiguous copy)"] * 2 == te["v (contiguous copy)"] and tp["qkv input (norm1 out)"] == T // 2 * h
+    # static: TE caches a row-wise and a transposed FP8 copy of every linear weight (not embedding, output layer)
+    per_layer = h * (nq + 2 * nkv) * d + nq * d * h + h * 2 * f + f * h
+    p = plan_memory(s, Layout(), Training(seq_len=T, spec="te", fp8="tensorwise"))
+    assert p.get("FP8 weight copies") == 2 * 28 * per_layer
+    assert plan_memory(s, Layout(), Training(seq_len=T, spec="te")).get("FP8 weight copies") == 0
+    with pytest.raises(ValueError):
+        plan_memory(s, Layout(), Training(seq_len=T, fp8="tensorwise"))          # FP8 needs TE's layers
+    with pytest.raises(ValueError):
+        plan_memory(s, Layout(), Training(seq_len=T, spec="te", fp8_attention=True))
+
+
+def test_te_spec_keeps_megatron_kd_attention_for_sinks():
+    """Under TE a sink model keeps megatron-kd's attention (runtime/te_compat): its attention terms stay the local
+    spec's, only the norm + linear pairs are TE's (same bytes in bf16)."""
+    from megatron_kd.plan.memory import te_layer_activations
+    g = preset("gpt-oss-20b")
+    T = 4096
+    assert te_layer_activations(g, Layout(), T, True, te_attention=False) == layer_activations(g, Layout(), T, True)
+    # the plan takes megatron-kd's attention for a sink model even where Training says TE's (te_attention=True)
+    a = plan_memory(g, Layout(ep=8, dp=8), Training(seq_len=T, spec="te", recompute="none"))
+    b = plan_memory(g, Layout(ep=8, dp=8), Training(seq_len=T, recompute="none"))
+    assert a.get("saved activations") == b.get("saved activations")
 
 
 @pytest.mark.slow

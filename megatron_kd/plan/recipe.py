@@ -185,18 +185,16 @@ def layer_spec(m, shape: ModelShape) -> tuple[dict, list]:
     attention_backend=auto builds Transformer Engine's spec where TE imports and the local spec with SDPA where
     it does not; the plan cannot know the training machine, so it plans TE's, which our GPU container (NeMo's
     image, docker/Dockerfile) and NeMo / Megatron-Bridge environments have, and says how to plan the other.
-    The exceptions are runtime/te_compat's: Hugging Face MoE checkpoints with biased experts build on the SDPA
-    spec under auto; models with sinks / windows keep megatron-kd's core attention under TE's linears."""
-    from megatron_kd.runtime.te_compat import te_attention_unverified, te_hf_moe_unverified
+    The exception is runtime/te_compat's: models with sinks / windows keep megatron-kd's core attention under
+    TE's linears."""
+    from ..runtime.te_compat import te_attention_unverified
     mg = dict(m.megatron or {})
     fp8 = mg.get("fp8", m.fp8)
     fp8_recipe = mg.get("fp8_recipe", m.fp8_recipe)
     fp8_attention = bool(fp8) and bool(mg.get("fp8_dot_product_attention", m.fp8_attention))
     notes = []
     backend = m.attention_backend
-    if backend == "auto" and m.hf_path and te_hf_moe_unverified(m):
-        backend = "sdpa"
-    elif backend == "auto":
+    if backend == "auto":
         backend = "te"
         notes.append("model.attention_backend=auto: planned on Transformer Engine's layers, which auto builds where "
                      "TE imports (the NeMo container); where it does not, auto builds the local spec with SDPA: "

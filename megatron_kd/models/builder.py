@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ..rules import padded_vocab_size
+from ..recipe.fp8 import fp8_kwargs
 from ..recipe.schema import ModelConfig, ParallelConfig
 from ..runtime.features import te_available
 
@@ -71,14 +72,6 @@ def transformer_config(m: ModelConfig, p: ParallelConfig, precision: str = "fp32
     config = TransformerConfig(**kw)
     gpt_oss.apply_yarn(config, m)
     return config
-
-
-def fp8_kwargs(m: ModelConfig) -> dict:
-    """TE's FP8 for the transformer layers (and TE's attention if asked); the output layer and the fused loss stay
-    in bf16. Both the recipe builder and Bridge's provider (HF checkpoints) take these fields."""
-    if not m.fp8:
-        return {}
-    return dict(fp8=m.fp8, fp8_recipe=m.fp8_recipe, fp8_dot_product_attention=bool(m.fp8_attention))
 
 
 def _backend(m: ModelConfig) -> str:

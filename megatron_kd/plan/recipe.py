@@ -179,7 +179,7 @@ def recompute_of(m) -> tuple:
 
 def layer_spec(m, shape: ModelShape) -> tuple[dict, list]:
     """The Training fields of the layers a model section builds on (spec, fp8, fp8_attention, te_attention), read
-    as models/builder.py reads them (model.megatron's fp8 keys win over the model's), and notes that say what the
+    as models/builder.py reads them (recipe/fp8.fp8_fields), and notes that say what the
     plan assumed.
 
     attention_backend=auto builds Transformer Engine's spec where TE imports and the local spec with SDPA where
@@ -187,11 +187,11 @@ def layer_spec(m, shape: ModelShape) -> tuple[dict, list]:
     image, docker/Dockerfile) and NeMo / Megatron-Bridge environments have, and says how to plan the other.
     The exception is runtime/te_compat's: models with sinks / windows keep megatron-kd's core attention under
     TE's linears."""
+    from ..recipe.fp8 import fp8_fields
     from ..runtime.te_compat import te_attention_unverified
-    mg = dict(m.megatron or {})
-    fp8 = mg.get("fp8", m.fp8)
-    fp8_recipe = mg.get("fp8_recipe", m.fp8_recipe)
-    fp8_attention = bool(fp8) and bool(mg.get("fp8_dot_product_attention", m.fp8_attention))
+    f8 = fp8_fields(m)
+    fp8, fp8_recipe = f8.get("fp8"), f8.get("fp8_recipe")
+    fp8_attention = bool(f8.get("fp8_dot_product_attention"))
     notes = []
     backend = m.attention_backend
     if backend == "auto":

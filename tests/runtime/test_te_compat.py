@@ -242,11 +242,29 @@ def test_fp8_attention_is_checked_by_name(monkeypatch):
 def test_fp8_fields_reach_both_builders():
     """The recipe builder's TransformerConfig and Bridge's provider (HF checkpoints, through the overrides) get
     the same FP8 fields; without model.fp8 none (bf16)."""
-    from megatron_kd.models.builder import fp8_kwargs
+    from megatron_kd.recipe.fp8 import fp8_kwargs
     m = _config()
     assert fp8_kwargs(m) == {}
     m.fp8, m.fp8_recipe, m.fp8_attention = "hybrid", "delayed", True
     assert fp8_kwargs(m) == dict(fp8="hybrid", fp8_recipe="delayed", fp8_dot_product_attention=True)
+
+
+def test_fp8_fields_are_what_the_builder_gives_megatron_core():
+    """fp8_fields (what the planner counts) equals the FP8 fields of the TransformerConfig the builder makes, with
+    FP8 set by the section's keys, by `megatron:` alone (megatron-core's default recipe then) and by both."""
+    from dataclasses import replace
+    from megatron_kd.models.builder import transformer_config
+    from megatron_kd.recipe.fp8 import MEGATRON_FP8_KEYS, fp8_fields
+    from megatron_kd.recipe.schema import ParallelConfig
+    base = _config()
+    cases = [replace(base, fp8="hybrid", fp8_recipe="tensorwise"),
+             replace(base, megatron={"fp8": "hybrid"}),
+             replace(base, fp8="hybrid", fp8_recipe="tensorwise", megatron={"fp8_recipe": "delayed",
+                                                                            "fp8_dot_product_attention": True})]
+    assert fp8_fields(base) == {}
+    for m in cases:
+        config = transformer_config(m, ParallelConfig(), "bf16")
+        assert fp8_fields(m) == {k: getattr(config, k) for k in MEGATRON_FP8_KEYS}, m.megatron
 
 
 def test_hf_students_get_fp8_through_the_provider(monkeypatch):

@@ -3,6 +3,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# GPU tests compare fp32 math against references: TE rounds fp32 GEMM inputs through TF32 unless this is 0 (torch
+# does not by default), which can flip a random router's top-k and moves logits by their own size. cuBLAS reads
+# it when it starts, after collection; a whole-suite setting, so no test sees another's choice.
+os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
+
 # Without CUDA the Triton kernels run under Triton's CPU interpreter. The switch must precede the first import of
 # any module that defines a @triton.jit function (a test module collected earlier may import megatron_kd.loss,
 # and with it megatron_kd.kernels), so it is set here, before any test module is imported.

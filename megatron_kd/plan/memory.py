@@ -539,7 +539,7 @@ def _stage_layers(p: Plan, pc) -> tuple[list, list]:
         if tr.spec == "te":
             a = te_layer_activations(shape, lay, T, moe, micro_batch=tr.micro_batch, swiglu_fusion=tr.swiglu_fusion,
                                      fp8=tr.fp8, fp8_attention=tr.fp8_attention,
-                                     te_attention=tr.te_attention and not shape.attention_sinks,
+                                     te_attention=tr.te_attention,
                                      selective=tr.recompute == "selective")
         else:
             a = layer_activations(shape, lay, T, moe, micro_batch=tr.micro_batch, swiglu_fusion=tr.swiglu_fusion,

@@ -187,8 +187,10 @@ def layer_spec(m, shape: ModelShape) -> tuple[dict, list]:
     image, docker/Dockerfile) and NeMo / Megatron-Bridge environments have, and says how to plan the other.
     The exception is runtime/te_compat's: models with sinks / windows keep megatron-kd's core attention under
     TE's linears."""
+    from ..recipe.checks import check_fp8_settings
     from ..recipe.fp8 import fp8_fields
     from ..runtime.te_compat import te_attention_unverified
+    check_fp8_settings(m, "model")  # what training refuses is not planned
     f8 = fp8_fields(m)
     fp8, fp8_recipe = f8.get("fp8"), f8.get("fp8_recipe")
     fp8_attention = bool(f8.get("fp8_dot_product_attention"))
@@ -201,6 +203,9 @@ def layer_spec(m, shape: ModelShape) -> tuple[dict, list]:
                      "plan that with model.attention_backend=sdpa")
     fields = dict(spec="te" if backend == "te" else "sdpa", fp8=fp8_recipe if fp8 else None,
                   fp8_attention=fp8_attention, te_attention=not te_attention_unverified(m))
+    if backend == "local":
+        notes.append("model.attention_backend=local: planned as the SDPA spec; megatron-core's own attention also "
+                     "keeps its [heads, s, s] probabilities for backward, which the plan does not count")
     if backend != "te":
         return fields, notes   # FP8 here is refused by Training.check (FP8 runs in TE's layers only)
     if fp8 and shape.is_moe:

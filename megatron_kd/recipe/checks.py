@@ -49,8 +49,6 @@ def check_model(m: ModelConfig, section: str, tp: int) -> None:
     check_rope_scaling(m, section)
     _need(m.attention_backend in ATTENTION_BACKENDS,
           f"{section}.attention_backend={m.attention_backend!r}: use one of {ATTENTION_BACKENDS}")
-    if te_attention_unverified(m):
-        _need(not m.fp8, te_attention_refusal(section, m.fp8))
     _need(m.make_vocab_size_divisible_by >= 1, f"{section}.make_vocab_size_divisible_by must be >= 1")
     check_fp8(m, section)
     if m.hf_path:  # the directory here; Bridge, architecture and layout in recipe.hf.resolve
@@ -64,23 +62,33 @@ def check_model(m: ModelConfig, section: str, tp: int) -> None:
               f"{section}.megatron passes fields to Megatron's TransformerConfig, which has no such field")
 
 
-def check_fp8(m: ModelConfig, section: str) -> None:
-    """FP8 runs in Transformer Engine's layers only, and each scaling recipe on the GPUs that have it."""
+def check_fp8_settings(m: ModelConfig, section: str) -> None:
+    """The FP8 keys among themselves and with the model, wherever the recipe is read (also by `megatron-kd plan`,
+    on a machine that need not have TE): FP8 runs in Transformer Engine's layers only, FP8 attention with delayed
+    scaling only, and not for models whose attention TE's spec does not reproduce."""
     if m.fp8 is None:
         _need(not m.fp8_attention, f"{section}.fp8_attention=true needs FP8 layers: set {section}.fp8=hybrid "
               f"(and {section}.fp8_recipe=delayed), or {section}.fp8_attention=false")
         return
+    _need(not te_attention_unverified(m), te_attention_refusal(section, m.fp8))
     _need(m.fp8 in FP8_FORMATS, f"{section}.fp8={m.fp8!r}: use one of {FP8_FORMATS} (or null for bf16)")
     _need(m.fp8_recipe in FP8_RECIPES, f"{section}.fp8_recipe={m.fp8_recipe!r}: use one of {FP8_RECIPES}")
     _need(m.attention_backend in ("te", "auto"), f"{section}.fp8={m.fp8} runs in Transformer Engine's layers but "
           f"{section}.attention_backend={m.attention_backend}; set {section}.attention_backend=te (or auto), or "
           f"{section}.fp8=null")
-    _need(te_available(), f"{section}.fp8={m.fp8} needs Transformer Engine on a GPU, which does not import here; "
-          f"set {section}.fp8=null (bf16), or run in a container with TE (NeMo / Megatron-Bridge)")
     _need(not m.fp8_attention or m.fp8_recipe == "delayed",
           f"{section}.fp8_attention=true with {section}.fp8_recipe={m.fp8_recipe}: Transformer Engine's FP8 "
           f"attention runs with delayed scaling only (it has no backend for {m.fp8_recipe}); set "
           f"{section}.fp8_recipe=delayed, or {section}.fp8_attention=false")
+
+
+def check_fp8(m: ModelConfig, section: str) -> None:
+    """FP8 runs in Transformer Engine's layers only, and each scaling recipe on the GPUs that have it."""
+    check_fp8_settings(m, section)
+    if m.fp8 is None:
+        return
+    _need(te_available(), f"{section}.fp8={m.fp8} needs Transformer Engine on a GPU, which does not import here; "
+          f"set {section}.fp8=null (bf16), or run in a container with TE (NeMo / Megatron-Bridge)")
     if m.fp8_recipe == "mxfp8":
         major = torch.cuda.get_device_capability()[0]
         _need(major >= 10, f"{section}.fp8_recipe=mxfp8 needs a Blackwell GPU (compute capability 10+; this one "

@@ -13,16 +13,13 @@ transformers' own bf16 run of the same checkpoint: the TE spec's mean error is a
 
 fp32 means fp32 GEMMs: TE rounds fp32 GEMM inputs through TF32 unless NVIDIA_TF32_OVERRIDE=0 (torch does not by
 default), and a TF32 rounding of a random router's input flips the top-2 experts of near-tied tokens, which moves
-those tokens' logits by their own size; so this module sets NVIDIA_TF32_OVERRIDE=0 before CUDA starts.
+those tokens' logits by their own size; so tests/conftest.py sets NVIDIA_TF32_OVERRIDE=0 before CUDA starts,
+and the fp32 test first checks that an fp32 GEMM with TF32 allowed is still fp32-exact.
 
 Run on the device (Bridge and TE installed):
   PYTHONPATH=/tmp/te_site:/tmp/site:$PWD python3 -m pytest -q -m gpu tests/hf/test_te_hf_gpu.py"""
-import os
-
 import pytest
 import torch
-
-os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")  # read when cuBLAS starts: tests run after collection
 
 pytestmark = [pytest.mark.gpu, pytest.mark.bridge]
 
@@ -82,6 +79,19 @@ def _gpt_oss_errors(tmp_path, case, candidate):
     return fp32, bf16, own_mean, spec[0]
 
 
+def _assert_fp32_gemms():
+    """cuBLAS computes fp32 GEMMs in fp32 even where TF32 is allowed (NVIDIA_TF32_OVERRIDE=0 took effect)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a, b = (torch.randn(512, 512, device="cuda", generator=g) for _ in range(2))
+    allowed = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        err = ((a @ b).double() - a.double() @ b.double()).abs().max().item()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allowed
+    assert err < 1e-3, f"fp32 GEMMs round through TF32 ({err:.2g}): run with NVIDIA_TF32_OVERRIDE=0 (module docstring)"
+
+
 def _assert_gpt_oss_bounds(fp32, bf16, own_mean, candidate):
     assert fp32[candidate] < 5e-3 and fp32["sdpa"] < 5e-3, fp32
     assert bf16[candidate] <= 2 * own_mean + 5e-3 and bf16[candidate] <= 2 * bf16["sdpa"] + 5e-3, (bf16, own_mean)
@@ -89,7 +99,7 @@ def _assert_gpt_oss_bounds(fp32, bf16, own_mean, candidate):
 
 @pytest.mark.parametrize("case", ["gptoss_sequential", "gptoss_grouped"])
 def test_gpt_oss_checkpoint_under_auto_with_te_gives_transformers_logits(mcore_te_gpu, tmp_path, case):
-    assert os.environ.get("NVIDIA_TF32_OVERRIDE") == "0", "fp32 bounds need fp32 GEMMs (module docstring)"
+    _assert_fp32_gemms()
     fp32, bf16, own_mean, layers = _gpt_oss_errors(tmp_path, case, "auto")
     assert layers == "te"  # TE's layers (linears, norms, experts; megatron-kd's core attention for sinks)
     _assert_gpt_oss_bounds(fp32, bf16, own_mean, "auto")

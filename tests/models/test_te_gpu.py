@@ -125,7 +125,7 @@ def test_gpt_oss_under_te_with_the_clamp_engaged_matches_the_sdpa_spec_in_fp32(m
     """Experts' fc1 scaled so the GLU clamp (7.0) engages, fp32: the TE spec keeps megatron-core's fused bias +
     activation off for the clamped GLU (its kernel clamps before adding the bias), so the logits equal the SDPA
     spec's. With the small init alone the clamp never engages and that fusion's error would not show. Both
-    dispatchers: a Hugging Face GPT-OSS on TE's grouped experts departs with Bridge's settings (alltoall)."""
+    dispatchers: the recipes' and Bridge's alltoall and the allgather one."""
     ref = _build(_gpt_oss("sdpa", False, dispatcher=dispatcher), precision="fp32")
     te = _build(_gpt_oss("auto", grouped, dispatcher=dispatcher), precision="fp32")
     assert not _copy_by_shape(ref, te)

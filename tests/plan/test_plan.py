@@ -322,7 +322,7 @@ def _read(*over):
     return rp.training, rp.notes
 
 
-def test_recipes_plan_the_layers_the_builder_builds():
+def test_recipes_plan_the_layers_the_builder_builds(capsys):
     """attention_backend=auto is planned on TE's layers (what auto builds where TE imports: our container) and the
     plan says so and how to plan the other; model.fp8* and model.megatron's fp8 keys pick the FP8 terms."""
     tr, notes = _read()
@@ -338,7 +338,14 @@ def test_recipes_plan_the_layers_the_builder_builds():
     assert (tr.fp8, tr.fp8_attention) == ("delayed", True)
     tr, _ = _read("model.fp8=hybrid", "model.fp8_recipe=delayed", "model.megatron.fp8_dot_product_attention=true")
     assert tr.fp8_attention is True                           # the builder lets model.megatron win
-    assert _read("model.fp8_attention=true")[0].fp8_attention is False   # no FP8 layers, no FP8 attention
+    from megatron_kd.errors import RecipeError
+    for refused in (["model.fp8_attention=true"],                 # no FP8 layers: training refuses it
+                    ["model.fp8=hybrid", "model.fp8_attention=true"]):   # FP8 attention runs delayed only
+        with pytest.raises(RecipeError, match="model.fp8_attention=true"):
+            _read(*refused)
+    capsys.readouterr()
+    rc, _ = _cli("gpt_oss_20b_32k_8xh200", "model.fp8=hybrid")    # FP8 is refused for sink / window models
+    assert rc == 2 and "model.fp8=null" in capsys.readouterr().err
     assert any("not yet measured" in n for n in _read("model.fp8=hybrid", "model.fp8_recipe=blockwise")[1])
     rc, _ = _cli("llama31_8b_to_3b_32k_1xh200", "model.attention_backend=sdpa", "model.fp8=hybrid")
     assert rc == 2                                            # FP8 exists in TE's layers only
@@ -397,8 +404,8 @@ def test_te_spec_keeps_megatron_kd_attention_for_sinks():
     g = preset("gpt-oss-20b")
     T = 4096
     assert te_layer_activations(g, Layout(), T, True, te_attention=False) == layer_activations(g, Layout(), T, True)
-    # the plan takes megatron-kd's attention for a sink model even where Training says TE's (te_attention=True)
-    a = plan_memory(g, Layout(ep=8, dp=8), Training(seq_len=T, spec="te", recompute="none"))
+    # a recipe's plan says so through Training.te_attention (runtime/te_compat's rule, read in plan/recipe.py)
+    a = plan_memory(g, Layout(ep=8, dp=8), Training(seq_len=T, spec="te", recompute="none", te_attention=False))
     b = plan_memory(g, Layout(ep=8, dp=8), Training(seq_len=T, recompute="none"))
     assert a.get("saved activations") == b.get("saved activations")
 

@@ -17,7 +17,7 @@ from ..parallel.sequence import gather_sequence
 from ..parallel.topk import topk_from_hidden
 from ..checkpoint import store as ckpt
 from ..models.hook import forward_with_head, output_layer_replaced, output_layout
-from ..models.builder import build_gpt, unwrap
+from ..models.builder import build_gpt, layer_backend, unwrap  # noqa: F401  (layer_backend re-exported)
 from ..models.fusions import exact_fusions
 
 
@@ -105,23 +105,6 @@ def _plain(v):
     if isinstance(v, (list, tuple)):
         return [_plain(x) for x in v]
     return getattr(v, "__name__", None) or str(v)
-
-
-def layer_backend(model) -> str:
-    """Which kernels computed the teacher's forward, recorded with its cache: te (Transformer Engine's layers, +fp8
-    when its FP8 ran, +fp8_attention when its attention did too), sdpa (torch SDPA / FlexAttention core attention)
-    or local (megatron-core's own). Two backends agree only to bf16 rounding, so a cache says which one it came
-    from."""
-    # megatron-core's block gives any layer spec a TE final norm where TE imports: the layers' kernels decide
-    names = {type(mod).__module__ for name, mod in model.named_modules()
-             if "final_layernorm" not in name.split(".")}
-    if any("transformer_engine" in n for n in names):
-        fp8 = getattr(model.config, "fp8", None)
-        return "te" + ("+fp8" if fp8 else "") + ("+fp8_attention" if fp8 and getattr(
-            model.config, "fp8_dot_product_attention", False) else "")
-    if any(n.endswith("models.attention") for n in names):
-        return "sdpa"
-    return "local"
 
 
 def megatron_weights_hash(model, tp_group, pp_group=None) -> str:

@@ -14,7 +14,7 @@ from ..errors import RecipeError, RunError
 from ..recipe.resume_keys import (ARCH_KEYS, CACHE_TEACHER, DEFAULTED_ARCH_KEYS, RESUME_KEYS, SCHEDULE_KEYS,
                                   TEACHER_KEYS)
 from ..recipe.targets import TargetSource
-from .safety import is_interrupt
+from ..runtime.interrupt import is_interrupt
 
 
 def check_save_and_load(save: str, load: str) -> None:
@@ -193,7 +193,7 @@ def check_checkpoint_model(path: str, m, key: str, section: str) -> None:
     except FileNotFoundError as e:
         raise RecipeError(f"{key}={path}: {e}") from None
     except BaseException as e:  # torch's CheckpointException derives from BaseException
-        if isinstance(e, (KeyboardInterrupt, SystemExit)) or type(e).__name__ == "Interrupted":
+        if is_interrupt(e):
             raise
         raise RecipeError(f"{key}={path}: its checkpoint cannot be read ({type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else ''}); point {key} at a complete "

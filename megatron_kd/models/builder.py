@@ -97,9 +97,11 @@ def layer_backend(model) -> str:
     when its FP8 runs, +fp8_attention when its attention does too), sdpa (torch SDPA / FlexAttention core attention)
     or local (megatron-core's own). A teacher's cache records it (two backends agree only to bf16 rounding), and so
     does every checkpoint (checkpoint/spec.py: TE's spec names some weights differently)."""
-    # megatron-core's block gives any layer spec a TE final norm where TE imports: the layers' kernels decide
-    names = {type(mod).__module__ for name, mod in model.named_modules()
-             if "final_layernorm" not in name.split(".")}
+    # megatron-core's block gives any layer spec a TE final norm where TE imports: the layers' kernels decide. The
+    # classes a module derives from count too: ModelOpt's quantized modules are classes of its own made at runtime
+    # on top of the layer's class (a quantized TE linear's own class is modelopt.torch.opt.dynamic's).
+    names = {c.__module__ for name, mod in model.named_modules() if "final_layernorm" not in name.split(".")
+             for c in type(mod).__mro__}
     if any("transformer_engine" in n for n in names):
         fp8 = getattr(model.config, "fp8", None)
         return "te" + ("+fp8" if fp8 else "") + ("+fp8_attention" if fp8 and getattr(

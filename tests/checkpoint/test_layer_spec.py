@@ -104,6 +104,18 @@ def test_every_checkpoint_records_the_spec_that_built_it(finished):
         assert ckpt.read_common(ckpt.iter_dir(str(finished), it))[layer_spec.SPEC_KEY] == "sdpa"
 
 
+def test_a_quantized_te_model_is_recorded_as_te():
+    """ModelOpt replaces each quantized module's class by one made at runtime (module modelopt.torch.opt.dynamic)
+    on top of the layer's class: a quantized student on TE's layers must still record TE's spec."""
+    from types import SimpleNamespace
+    import torch
+    te_linear = type("Linear", (torch.nn.Module,), {"__module__": "transformer_engine.pytorch.module.linear"})
+    quantized = type("QuantLinear", (te_linear,), {"__module__": "modelopt.torch.opt.dynamic"})
+    model = torch.nn.Sequential(quantized())
+    model.config = SimpleNamespace(fp8=None)
+    assert builder.layer_backend(model) == "te"
+
+
 @pytest.mark.parametrize("value, loads", [("te+fp8", True), ("te+fp8+fp8_attention", True), ("te", True),
                                           ("sdpa", False), ("local", False)])
 def test_fp8_on_te_loads_into_te_and_nothing_else_does(monkeypatch, value, loads):

@@ -89,6 +89,21 @@ def refusal(common: dict, m, what: str, setting: str) -> str | None:
             f"the layers it was saved on ({_why(s, now)})")
 
 
+def build_as_saved(common: dict, m, chosen: str | None, what: str, setting: str) -> None:
+    """For a model rebuilt from its checkpoint alone (export, a mkd: teacher), whose saved recipe says
+    attention_backend=auto (which picks a spec by what imports here): `m` (its ModelConfig) is set to build `chosen`
+    (te, sdpa or local: the user's, for a checkpoint that records no spec), else the spec the checkpoint records,
+    else its own. RunError where that cannot load it or cannot be built here (TE's spec recorded, TE not
+    importable)."""
+    if chosen is not None and chosen not in NAMES:
+        raise RunError(f"{setting.format(chosen)}: use one of {', '.join(NAMES)}, or leave it out to build the spec "
+                       "the checkpoint records")
+    m.attention_backend = chosen or saved(common) or m.attention_backend
+    why = refusal(common, m, what, setting)
+    if why:
+        raise RunError(why)
+
+
 def check(path: str, m, what: str, setting: str) -> None:
     """refusal for the checkpoint at `path` (a save dir or iter_* dir), raised as RunError. An unreadable common state
     is left to the load, whose failure names it."""

@@ -1,5 +1,6 @@
 """A checkpoint records the layer spec that built its model (checkpoint/spec.py), and every load compares it with the
-spec built here before any model is built: a resume, train.pretrained and teacher.load. On CPU the runs save on the SDPA spec; Transformer Engine cannot build here, so a TE machine is
+spec built here before any model is built: a resume, train.pretrained, teacher.load, `megatron-kd export` and
+`--teacher mkd:`. On CPU the runs save on the SDPA spec; Transformer Engine cannot build here, so a TE machine is
 played by the builder's rule seeing TE import (builder.te_available), and a checkpoint saved on TE's spec by its
 common state recording te. A checkpoint of an older run (no record) whose load fails on a weight the specs name
 differently is played by a spec that saves its norms under their module names (megatron-core's keys map cleared):
@@ -280,3 +281,127 @@ def test_a_pretrained_checkpoint_that_fails_to_load_is_one_sentence(finished, tm
             resume.load_state(r, str(tmp_path / "s"), chunks, None, None, True)
     one_sentence(str(e.value))
     assert str(e.value).startswith(f"train.pretrained={d} cannot be loaded") and "damaged" in str(e.value)
+
+
+# --- megatron-kd export -----------------------------------------------------------------------------------------
+
+def hf_dir(tmp_path):
+    """What export checks of --hf-path before it builds (a config naming an architecture, a weights file)."""
+    d = tmp_path / "hf"
+    d.mkdir()
+    (d / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "model_type": "llama"}')
+    (d / "model.safetensors").write_bytes(b"")
+    return d
+
+
+def export_cli(finished, tmp_path, *extra):
+    from megatron_kd.cli.export import main
+    return main(["--checkpoint", str(finished), "--out", str(tmp_path / "out"), "--hf-path", str(hf_dir(tmp_path)),
+                 "--device", "cpu", *extra])
+
+
+def test_export_of_a_te_checkpoint_where_te_does_not_import_is_refused(finished, tmp_path, monkeypatch, capsys):
+    records(monkeypatch, "te")
+    no_model(monkeypatch)
+    assert export_cli(finished, tmp_path) == 2
+    err = capsys.readouterr().err
+    one_sentence(err)
+    assert f"--checkpoint {finished} was saved on Transformer Engine's layer spec, which cannot be built here" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_on_another_spec_than_recorded_is_refused(finished, tmp_path, monkeypatch, capsys):
+    no_model(monkeypatch)
+    assert export_cli(finished, tmp_path, "--attention-backend", "local") == 2
+    err = capsys.readouterr().err
+    one_sentence(err)
+    assert "saved on the SDPA layer spec and --attention-backend local builds megatron-core's local layer spec; " \
+           "set --attention-backend sdpa" in err
+
+
+def local_hf_chunks(monkeypatch, seen):
+    """build_hf_chunks without Megatron-Bridge: the recipe's GPT on the spec export asks for (Bridge maps the
+    same layers; only the load is under test)."""
+    def build(m, p, seq_length, precision, load_weights=True):
+        seen.append(m.attention_backend)
+        return [builder.build_gpt(m, p, VOCAB, seq_length, precision)], None
+    monkeypatch.setattr(builder, "build_hf_chunks", build)
+
+
+def test_export_builds_the_recorded_spec_where_auto_would_build_another(finished, tmp_path, monkeypatch):
+    """The run's recipe says auto, which would build TE's spec here; export builds the SDPA spec its checkpoint
+    records (and gets as far as writing the HF checkpoint, the Bridge step this test stops at)."""
+    from megatron_kd.export import to_hf
+    from megatron_kd.hf import model as hf_model
+    te_imports(monkeypatch)
+    seen = []
+    local_hf_chunks(monkeypatch, seen)
+
+    class Stop(Exception):
+        pass
+
+    def open_hf(*a, **k):
+        raise Stop
+    monkeypatch.setattr(hf_model, "open_hf", open_hf)
+    with pytest.raises(Stop):
+        to_hf.export(str(finished), str(tmp_path / "out"), hf_path=str(hf_dir(tmp_path)), device="cpu")
+    assert seen == ["sdpa"]
+
+
+@pytest.mark.parametrize("case", ["damaged", "older_spec"])
+def test_an_export_whose_load_fails_is_one_sentence(finished, tmp_path, monkeypatch, capsys, case):
+    d = copy_at(finished, tmp_path / "c")
+    if case == "damaged":
+        damage(d, 4)
+    else:
+        records(monkeypatch, None)
+        module_names_spec(monkeypatch)
+    local_hf_chunks(monkeypatch, [])
+    assert export_cli(d, tmp_path) == 2
+    err = capsys.readouterr().err
+    one_sentence(err)
+    if case == "damaged":  # megatron-core 0.19 keeps the common state in the data files: unreadable first
+        assert f"--checkpoint {d} cannot be loaded" in err and "damaged or incomplete" in err or \
+            f"--checkpoint {d}: its checkpoint cannot be read" in err
+    else:
+        assert "likely saved on Transformer Engine's layer spec" in err and "--attention-backend te" in err
+    assert not (tmp_path / "out").exists()
+
+
+# --- --teacher mkd: ---------------------------------------------------------------------------------------------
+
+def test_a_mkd_teacher_of_a_te_checkpoint_where_te_does_not_import_is_refused(finished, monkeypatch):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron_kd.teacher.spec import make_teacher
+    records(monkeypatch, "te")
+    no_model(monkeypatch)
+    try:
+        with pytest.raises(ValueError) as e:
+            make_teacher(f"mkd:{finished}", {"device": "cpu"}, vocab_size=VOCAB, seq_length=32)
+        assert not dist.is_initialized(), "refused after the teacher's process group was set up"
+    finally:
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    one_sentence(str(e.value))
+    assert str(e.value).startswith(f"--teacher mkd:{finished} was saved on Transformer Engine's layer spec, which "
+                                   "cannot be built here")
+    assert "--teacher-args '{\"attention_backend\": \"te\"}'" in str(e.value)
+
+
+def test_a_mkd_teacher_builds_the_recorded_spec_where_auto_would_build_another(finished, monkeypatch):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron_kd.teacher.spec import make_teacher
+    te_imports(monkeypatch)
+    try:
+        teacher = make_teacher(f"mkd:{finished}", {"device": "cpu", "precision": "fp32"}, vocab_size=VOCAB,
+                               seq_length=32)
+        assert builder.layer_backend(teacher.model) == "sdpa"
+    finally:
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()

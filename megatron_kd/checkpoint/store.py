@@ -4,8 +4,9 @@
     <save>/latest_checkpointed_iteration.txt   written last (atomically): a save is complete once it names it
 
 Sharded state: model ('model', or 'model0'.. under virtual pipeline), the Megatron optimizer's sharded state,
-and common state (iteration, consumed samples, LR scheduler, the recipe). dist_checkpointing reshards on
-load, so a run may resume (or a teacher load) under another TP/PP layout.
+and common state (iteration, consumed samples, LR scheduler, the recipe, the layer spec that built the model:
+checkpoint/spec.py). dist_checkpointing reshards on load, so a run may resume (or a teacher load) under another
+TP/PP layout.
 """
 import contextlib
 import os
@@ -17,6 +18,7 @@ import torch
 from ..runtime.dist import barrier, is_rank0
 from ..models.builder import unwrap
 
+from . import spec as layer_spec
 from .layout import TRACKER, iter_dir, latest_iteration, resolve  # noqa: F401  (re-exported: ckpt.iter_dir ...)
 
 
@@ -112,7 +114,7 @@ def save_checkpoint(root: str, iteration: int, chunks, optimizer, scheduler, com
             shutil.rmtree(path)
         os.makedirs(path)
     barrier()
-    common = {**common, **_quant_common(chunks)}
+    common = {**common, **_quant_common(chunks), **layer_spec.record(chunks)}
     sd = _model_state(chunks)
     _notify("save", iteration, optimizer)
     sd["optimizer"] = optimizer.sharded_state_dict(sd, metadata=OPTIM_METADATA)
@@ -151,7 +153,8 @@ def save_weights(root: str, iteration: int, chunks, common: dict) -> str:
     if is_rank0():
         os.makedirs(path, exist_ok=True)
     barrier()
-    return _publish(root, path, iteration, _model_state(chunks), {**common, **_quant_common(chunks)})
+    return _publish(root, path, iteration, _model_state(chunks),
+                    {**common, **_quant_common(chunks), **layer_spec.record(chunks)})
 
 
 # Test seam: callables (event, iteration, optimizer) run after each save ("save") and load ("load") of the

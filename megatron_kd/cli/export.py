@@ -39,6 +39,9 @@ def build_parser():
                         "weights on the quantization grid, without the activation quantization), auto (default): "
                         "compressed-tensors where the student has that form (fp8, int8, int4_awq, w4a16_awq; "
                         "no MoE), folded otherwise")
+    p.add_argument("--attention-backend", choices=("te", "sdpa", "local"), default=None,
+                   help="the layer spec to build the student on (default: the one its checkpoint records; a "
+                        "checkpoint of an older run records none, and the run's model.attention_backend applies)")
     return p
 
 
@@ -49,7 +52,7 @@ def main(argv=None) -> int:
     quiet_megatron_warnings()
     try:
         s = export(args.checkpoint, args.out, hf_path=args.hf_path, dtype=args.dtype, device=args.device,
-                   overwrite=args.overwrite, quantized=args.quantized)
+                   overwrite=args.overwrite, quantized=args.quantized, attention_backend=args.attention_backend)
     except (ValueError, FileNotFoundError) as e:
         print(f"megatron-kd export: error: {e}", file=sys.stderr)
         return 2

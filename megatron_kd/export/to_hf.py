@@ -21,12 +21,16 @@ QUANTIZED = ("auto", "compressed-tensors", "folded")
 
 
 def export(checkpoint: str, out: str, *, hf_path=None, dtype: str = "auto", device: str = "auto",
-           overwrite: bool = False, quantized: str = "auto") -> dict:
+           overwrite: bool = False, quantized: str = "auto", attention_backend: str | None = None) -> dict:
     """The checkpoint's student -> `out` as an HF checkpoint; returns a summary. Errors are ValueError.
     Written beside `out`, then swapped in: a failed export leaves `out` (and everything else) as it was.
     quantized (a student trained with quant.format): compressed-tensors (a quantized checkpoint, export/
     compressed.py), folded (a plain checkpoint of its weights on the quantization grid), or auto: the first where
-    the student has that form (fp8, int8, int4_awq, w4a16_awq; no MoE), else the second."""
+    the student has that form (fp8, int8, int4_awq, w4a16_awq; no MoE), else the second. The student is built on
+    the layer spec its checkpoint records (checkpoint/spec.py; the run's attention_backend=auto would pick one by
+    what imports here); attention_backend (te, sdpa, local) chooses it for a checkpoint that records none."""
+    from ..checkpoint import spec as layer_spec
+    from ..runtime.interrupt import is_interrupt
     if quantized not in QUANTIZED:
         raise ValueError(f"--quantized {quantized}: choose one of {', '.join(QUANTIZED)}")
     from ..hf import HFCheckpointError, check_hf_dir
@@ -39,6 +43,11 @@ def export(checkpoint: str, out: str, *, hf_path=None, dtype: str = "auto", devi
         common = ckpt.read_common(checkpoint)
     except (FileNotFoundError, RuntimeError) as e:
         raise ValueError(f"--checkpoint {checkpoint}: {e}") from None
+    except BaseException as e:  # torch's CheckpointException derives from BaseException
+        if is_interrupt(e):
+            raise
+        raise ValueError(f"--checkpoint {checkpoint}: its checkpoint cannot be read ({layer_spec.summary(e)}); give "
+                         "a `megatron-kd train` save dir (train.save) or one of its iter_* directories") from None
     if "recipe" not in common:
         raise ValueError(f"--checkpoint {checkpoint} holds no recipe: not a `megatron-kd train` checkpoint")
     r = to_recipe(common["recipe"])
@@ -51,6 +60,8 @@ def export(checkpoint: str, out: str, *, hf_path=None, dtype: str = "auto", devi
     check_target(out, src, "--out ", None if overwrite else "pass --overwrite to replace it, or choose another "
                  "directory", keep={"--checkpoint": checkpoint})
     r.model.hf_path = src
+    names = (f"--checkpoint {checkpoint}", "--attention-backend {}")
+    layer_spec.build_as_saved(common, r.model, attention_backend, *names)
     from ..runtime.dist import distributed
     from ..models.builder import build_hf_chunks
     from ..hf.model import DTYPES as TORCH_DTYPES
@@ -60,7 +71,7 @@ def export(checkpoint: str, out: str, *, hf_path=None, dtype: str = "auto", devi
     with written_beside(out) as tmp, distributed(single, r.train.seed, device):
         try:
             chunks, _ = build_hf_chunks(r.model, single, r.data.seq_length, r.train.precision, load_weights=False)
-            iteration = ckpt.load_weights(checkpoint, chunks)
+            iteration = layer_spec.load_weights(checkpoint, chunks, *names)
             torch_dtype = None if dtype == "auto" else TORCH_DTYPES[dtype]
             hf = open_hf(src, "model.hf_path")
             fmt = _quant_format(chunks)

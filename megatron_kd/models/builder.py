@@ -33,7 +33,7 @@ def transformer_config(m: ModelConfig, p: ParallelConfig, precision: str = "fp32
     from ..runtime.te_compat import bias_activation_fusion_exact
     act, gated = _activation(m.activation)
     cuda = torch.cuda.is_available()
-    use_te = _backend(m) == "te"
+    use_te = spec_backend(m) == "te"
     dtype = DTYPES[precision]
     kw = dict(
         num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
@@ -74,14 +74,34 @@ def transformer_config(m: ModelConfig, p: ParallelConfig, precision: str = "fp32
     return config
 
 
-def _backend(m: ModelConfig) -> str:
-    """The layer spec a model runs on: te, sdpa or local. `auto` is TE's where TE imports, else sdpa."""
+def spec_backend(m: ModelConfig) -> str:
+    """The layer spec a model runs on: te, sdpa or local. `auto` is TE's where TE imports, else sdpa. The one rule:
+    the builder builds by it, and a checkpoint's recorded spec (layer_backend) is compared with it before a load."""
     if m.attention_backend == "auto":
         return "te" if te_available() else "sdpa"
     if m.attention_backend == "te" and not te_available():
         raise RuntimeError("model.attention_backend=te but Transformer Engine does not import here; use sdpa "
                            "(or auto) or run in a container with TE")
     return m.attention_backend
+
+
+def layer_backend(model) -> str:
+    """Which layer spec built `model` and which kernels compute its forward: te (Transformer Engine's layers, +fp8
+    when its FP8 runs, +fp8_attention when its attention does too), sdpa (torch SDPA / FlexAttention core attention)
+    or local (megatron-core's own). A teacher's cache records it (two backends agree only to bf16 rounding), and so
+    does every checkpoint (checkpoint/spec.py: TE's spec names some weights differently)."""
+    # megatron-core's block gives any layer spec a TE final norm where TE imports: the layers' kernels decide. The
+    # classes a module derives from count too: ModelOpt's quantized modules are classes of its own made at runtime
+    # on top of the layer's class (a quantized TE linear's own class is modelopt.torch.opt.dynamic's).
+    names = {c.__module__ for name, mod in model.named_modules() if "final_layernorm" not in name.split(".")
+             for c in type(mod).__mro__}
+    if any("transformer_engine" in n for n in names):
+        fp8 = getattr(model.config, "fp8", None)
+        return "te" + ("+fp8" if fp8 else "") + ("+fp8_attention" if fp8 and getattr(
+            model.config, "fp8_dot_product_attention", False) else "")
+    if any(n.endswith("models.attention") for n in names):
+        return "sdpa"
+    return "local"
 
 
 def own_core_attention(spec, core_attention):
@@ -109,7 +129,7 @@ def te_spec(num_experts, moe_grouped_gemm, qk_layernorm, sinks_or_window: bool):
 def layer_spec(m: ModelConfig):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from ..runtime.te_compat import te_attention_unverified
-    backend = _backend(m)
+    backend = spec_backend(m)
     if backend == "te":
         return te_spec(m.num_moe_experts, m.moe_grouped_gemm, m.qk_layernorm, te_attention_unverified(m))
     spec = get_gpt_layer_local_spec(num_experts=m.num_moe_experts, moe_grouped_gemm=m.moe_grouped_gemm,
@@ -166,7 +186,7 @@ def build_hf_chunks(m: ModelConfig, p: ParallelConfig, seq_length: int, precisio
     from ..hf.model import open_hf
     from ..runtime.te_compat import te_attention_unverified
     hf = open_hf(m.hf_path, "hf_path")
-    backend = _backend(m)
+    backend = spec_backend(m)
     if backend == "te":
         def spec(config, vp_stage=None):
             return te_spec(config.num_moe_experts, config.moe_grouped_gemm, config.qk_layernorm,

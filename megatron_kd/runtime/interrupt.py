@@ -14,6 +14,12 @@ class Interrupted(BaseException):
         self.signum = signum
 
 
+def is_interrupt(e: BaseException) -> bool:
+    """An exception that ends the command on purpose (Ctrl-C, SIGTERM, exit): never turned into an error message,
+    also where BaseException is caught (torch's CheckpointException derives from it)."""
+    return isinstance(e, (KeyboardInterrupt, SystemExit)) or type(e).__name__ == "Interrupted"
+
+
 _received = []  # signals seen: a raise that lands in a finalizer ("Exception ignored in ...") is lost, this is not
 
 

@@ -15,9 +15,9 @@ from .protocol import TeacherOutput, tokens_to
 from ..parallel.comm import all_reduce_sum, group_rank, group_size
 from ..parallel.sequence import gather_sequence
 from ..parallel.topk import topk_from_hidden
-from ..checkpoint import store as ckpt
+from ..checkpoint import spec as layer_spec
 from ..models.hook import forward_with_head, output_layer_replaced, output_layout
-from ..models.builder import build_gpt, unwrap
+from ..models.builder import build_gpt, layer_backend, unwrap  # noqa: F401  (layer_backend re-exported)
 from ..models.fusions import exact_fusions
 
 
@@ -53,30 +53,35 @@ def freeze(model) -> None:
         p.requires_grad_(False)
 
 
-def build_teacher(r, vocab_size: int, parallel=None):
+def build_teacher(r, vocab_size: int, parallel=None, names=None):
     """The recipe's teacher GPTModel on this rank (layout `parallel`, default the recipe's), frozen: teacher.hf_path's
     architecture and weights through Megatron-Bridge, else the recipe's architecture with teacher.load's weights
-    (random when unset). Online mode, kd.build_cache and `cache build` all build it here."""
+    (random when unset). Online mode, kd.build_cache and `cache build` all build it here. names: (the checkpoint,
+    the setting that chooses its layer spec with {} for the value) as the user gave them, for the load's errors;
+    default teacher.load's."""
     p = parallel or r.parallel
     if r.teacher.hf_path:
         from ..models.builder import build_hf_chunks
         m = build_hf_chunks(r.teacher, p, r.data.seq_length, r.train.precision)[0][0]
     else:
+        what, setting = names or (f"teacher.load={r.teacher.load}", "teacher.attention_backend={}")
+        if r.teacher.load:  # before the build: a checkpoint of another layer spec cannot load into it
+            layer_spec.check(r.teacher.load, r.teacher, what, setting)
         m = build_gpt(r.teacher, p, vocab_size, r.data.seq_length, r.train.precision)
         if r.teacher.load:
-            ckpt.load_weights(r.teacher.load, [m])
+            layer_spec.load_weights(r.teacher.load, [m], what, setting)
     freeze(m)
     return m
 
 
-def cache_teacher(r, vocab_size: int, parallel=None):
+def cache_teacher(r, vocab_size: int, parallel=None, names=None):
     """The cache builder's teacher of recipe r: build_teacher's model on this rank's TP shard."""
     from megatron.core import parallel_state as ps
-    model = build_teacher(r, vocab_size, parallel)
+    model = build_teacher(r, vocab_size, parallel, names)
     return MegatronTeacher(model, vocab_size, name=r.teacher.name, tp_group=ps.get_tensor_model_parallel_group())
 
 
-def start_cache_teacher(r, vocab_size: int):
+def start_cache_teacher(r, vocab_size: int, names=None):
     """The one teacher setup of a cache build outside `megatron-kd train` (the recipe factory of `cache build`,
     a mkd: teacher): this job's process group, Megatron's groups at the recipe's TP unpipelined (the builder
     runs the teacher whole; other ranks split the samples), the seed, then cache_teacher."""
@@ -87,7 +92,7 @@ def start_cache_teacher(r, vocab_size: int):
     p = dataclasses.replace(r.parallel, pp=1, cp=1)
     init_model_parallel(p, cuda)
     set_seed(r.train.seed)
-    return cache_teacher(r, vocab_size, parallel=p)
+    return cache_teacher(r, vocab_size, parallel=p, names=names)
 
 
 # Fields of a TransformerConfig that define the function a GPT computes. Parallel layout fields are left out
@@ -105,23 +110,6 @@ def _plain(v):
     if isinstance(v, (list, tuple)):
         return [_plain(x) for x in v]
     return getattr(v, "__name__", None) or str(v)
-
-
-def layer_backend(model) -> str:
-    """Which kernels computed the teacher's forward, recorded with its cache: te (Transformer Engine's layers, +fp8
-    when its FP8 ran, +fp8_attention when its attention did too), sdpa (torch SDPA / FlexAttention core attention)
-    or local (megatron-core's own). Two backends agree only to bf16 rounding, so a cache says which one it came
-    from."""
-    # megatron-core's block gives any layer spec a TE final norm where TE imports: the layers' kernels decide
-    names = {type(mod).__module__ for name, mod in model.named_modules()
-             if "final_layernorm" not in name.split(".")}
-    if any("transformer_engine" in n for n in names):
-        fp8 = getattr(model.config, "fp8", None)
-        return "te" + ("+fp8" if fp8 else "") + ("+fp8_attention" if fp8 and getattr(
-            model.config, "fp8_dot_product_attention", False) else "")
-    if any(n.endswith("models.attention") for n in names):
-        return "sdpa"
-    return "local"
 
 
 def megatron_weights_hash(model, tp_group, pp_group=None) -> str:

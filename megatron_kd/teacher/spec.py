@@ -59,20 +59,32 @@ def make_teacher(spec: str, args: dict, vocab_size: int | None = None, seq_lengt
 
 
 def megatron_kd_teacher(save_dir: str, vocab_size: int, seq_length: int, tp: int = 1, precision: str = "bf16",
-                        device: str = "auto"):
+                        device: str = "auto", attention_backend: str | None = None):
     """A `megatron-kd train` save dir (or iter_* dir) as a Megatron teacher: the model section of the recipe it
     saved, its weights (any layout they were saved at), tensor parallel over `tp` ranks of this job; the other
-    ranks split the samples (data parallel)."""
+    ranks split the samples (data parallel). Built on the layer spec its checkpoint records (checkpoint/spec.py):
+    the saved recipe's attention_backend (auto) would build Transformer Engine's spec or not by what imports here.
+    attention_backend (te, sdpa, local) chooses the spec of a checkpoint that records none (older runs)."""
     import dataclasses
-    from ..checkpoint import store as ckpt
+    from ..checkpoint import spec as layer_spec, store as ckpt
     from ..recipe.schema import DataConfig, ParallelConfig, Recipe, TeacherConfig, TrainConfig
     from .megatron import start_cache_teacher
-    saved = (ckpt.read_common(save_dir).get("recipe") or {}).get("model")
+    from ..runtime.interrupt import is_interrupt
+    try:
+        common = ckpt.read_common(save_dir)
+    except BaseException as e:  # torch's CheckpointException derives from BaseException
+        if is_interrupt(e):
+            raise
+        raise ValueError(f"--teacher mkd:{save_dir}: its checkpoint cannot be read ({layer_spec.summary(e)}); point "
+                         "it at a `megatron-kd train` save dir or one of its iter_* directories") from None
+    saved = (common.get("recipe") or {}).get("model")
     if not saved:
         raise ValueError(f"--teacher mkd:{save_dir}: no recipe in its checkpoint (not a `megatron-kd train` save dir)")
     known = {f.name for f in dataclasses.fields(TeacherConfig)}
     teacher = TeacherConfig(**{k: v for k, v in saved.items() if k in known})
     teacher.hf_path, teacher.load = None, save_dir
+    names = (f"--teacher mkd:{save_dir}", "--teacher-args '{{\"attention_backend\": \"{}\"}}'")
+    layer_spec.build_as_saved(common, teacher, attention_backend, *names)  # before any process group or model
     r = Recipe(teacher=teacher, parallel=ParallelConfig(tp=int(tp)), data=DataConfig(seq_length=int(seq_length)),
                train=TrainConfig(precision=precision, device=device))
-    return start_cache_teacher(r, vocab_size)
+    return start_cache_teacher(r, vocab_size, names=names)

@@ -1,20 +1,21 @@
 """Resuming a run: where it starts (the newest intact checkpoint of train.load), and what must hold first: a save
 directory holding another run's checkpoints is never reused (check_save_and_load), the checkpoint's recipe against
-this one (check_resume; train.resume_changes names intended changes, the architecture never changes), checkpoints
-loaded as weights only (teacher.load, train.pretrained) of this architecture (check_checkpoint_model), and after the
-load the recipe's schedule and Adam settings where they were changed on purpose.
+this one (check_resume; train.resume_changes names intended changes, the architecture never changes, nor the layer
+spec the checkpoint records: checkpoint/spec.py), checkpoints loaded as weights only (teacher.load, train.pretrained)
+of this architecture and spec (check_checkpoint_model), and after the load the recipe's schedule and Adam settings
+where they were changed on purpose.
 
 The keys compared are recipe/resume_keys.py's (the recipe's checks name them too); checkpoint/integrity.py decides
 which checkpoint is intact.
 """
 import os
 
-from ..checkpoint import integrity as ckpt_integrity, store as ckpt
+from ..checkpoint import integrity as ckpt_integrity, spec as layer_spec, store as ckpt
 from ..errors import RecipeError, RunError
 from ..recipe.resume_keys import (ARCH_KEYS, CACHE_TEACHER, DEFAULTED_ARCH_KEYS, RESUME_KEYS, SCHEDULE_KEYS,
                                   TEACHER_KEYS)
 from ..recipe.targets import TargetSource
-from .safety import is_interrupt
+from ..runtime.interrupt import is_interrupt
 
 
 def check_save_and_load(save: str, load: str) -> None:
@@ -33,7 +34,8 @@ def load_state(r, load: str, chunks, optimizer, scheduler, rank0: bool) -> tuple
     it, fallback = ckpt_integrity.newest_intact(load)
     if it is None:
         if r.train.pretrained:
-            ckpt.load_weights(r.train.pretrained, chunks)
+            layer_spec.load_weights(r.train.pretrained, chunks, f"train.pretrained={r.train.pretrained}",
+                                    "model.attention_backend={}")
             optimizer.reload_model_params()
         return 0, 0, []
     if fallback and rank0:
@@ -47,7 +49,7 @@ def load_state(r, load: str, chunks, optimizer, scheduler, rank0: bool) -> tuple
     try:
         common = ckpt.load_checkpoint(load, chunks, optimizer, scheduler)
     except BaseException as e:  # torch's CheckpointException derives from BaseException
-        raise load_failed(e, load, it) from e
+        raise load_failed(e, load, it, chunks) from e
     apply_optimizer_settings(optimizer, r.train)
     return int(common["iteration"]), int(common["consumed_samples"]), notes
 
@@ -108,7 +110,9 @@ def resume_differences(saved: dict, r, saved_cache_teacher=None) -> list:
 
 def check_resume(r, load: str, common: dict) -> list:
     """Refuse a resume whose recipe differs from the checkpoint's in a compared key, unless train.resume_changes
-    names it; returns the notes (one per intended change) to log. The architecture cannot be changed at all."""
+    names it; returns the notes (one per intended change) to log. The architecture cannot be changed at all, nor
+    the layer spec the checkpoint records (checkpoint/spec.py: model.attention_backend=auto builds another one
+    where Transformer Engine's import differs)."""
     saved = common.get("recipe") or {}
     diff = resume_differences(saved, r, common.get("cache_teacher"))
     arch = [d for d in diff if d[0].startswith("model.")]
@@ -116,6 +120,10 @@ def check_resume(r, load: str, common: dict) -> list:
         raise RecipeError(f"train.load={load} holds a checkpoint of another model ("
                           + ", ".join(f"{k}: {a} there, {b} here" for k, a, b in arch)
                           + "); use another train.save or the checkpoint's model settings")
+    spec = layer_spec.refusal(common, r.model, f"train.load={load}: iteration {common.get('iteration', '?')}'s "
+                              "checkpoint", "model.attention_backend={}")
+    if spec:
+        raise RecipeError(spec)
     allowed = set(r.train.resume_changes)
     refused = [d for d in diff if d[0] not in allowed]
     if refused:
@@ -171,29 +179,33 @@ def apply_optimizer_settings(optimizer, t) -> None:
                 g["eps"] = t.adam_eps
 
 
-def load_failed(e: BaseException, load: str, iteration: int) -> BaseException:
-    """The error to raise for a resume whose checkpoint megatron-core could not read (one saved without a checksum
-    manifest, so not verified first): one sentence instead of EOFError / AssertionError / CheckpointException."""
+def load_failed(e: BaseException, load: str, iteration: int, chunks=None) -> BaseException:
+    """The error to raise for a resume whose checkpoint megatron-core could not load into `chunks` (the model built):
+    one sentence instead of EOFError / AssertionError / CheckpointException. A checkpoint that records no layer spec
+    (older runs) and misses a weight the specs name differently was likely saved on another spec: its fix is
+    model.attention_backend, and moving it aside would throw a good checkpoint away. Otherwise (one saved without a
+    checksum manifest, so not verified first) it is damaged."""
     if is_interrupt(e):
         return e
-    first = (str(e).strip().splitlines() or [""])[0][:200]
-    from ..checkpoint import store as ckpt
-    return RunError(f"train.load={load}: iteration {iteration}'s checkpoint cannot be loaded ({type(e).__name__}: "
-                    f"{first}); it is damaged or incomplete: move {ckpt.iter_dir(load, iteration)} aside and point "
-                    f"{ckpt.TRACKER} at an earlier iteration to resume from there, or start over with another "
-                    "train.save")
+    what = f"train.load={load}: iteration {iteration}'s checkpoint"
+    hint = layer_spec.spec_hint(e, chunks, what, "model.attention_backend={}")
+    if hint:
+        return RunError(hint)
+    return RunError(f"{what} cannot be loaded ({layer_spec.summary(e)}); it is damaged or incomplete: move "
+                    f"{ckpt.iter_dir(load, iteration)} aside and point {ckpt.TRACKER} at an earlier iteration to "
+                    "resume from there, or start over with another train.save")
 
 
 def check_checkpoint_model(path: str, m, key: str, section: str) -> None:
-    """A checkpoint loaded as weights only (teacher.load, train.pretrained) must hold the architecture of `section`;
-    refused before any model is built, naming both shapes."""
+    """A checkpoint loaded as weights only (teacher.load, train.pretrained) must hold the architecture of `section`
+    and have been saved on the layer spec `section` builds here; refused before any model is built, naming both."""
     from ..checkpoint import store as ckpt
     try:
         common = ckpt.read_common(path)
     except FileNotFoundError as e:
         raise RecipeError(f"{key}={path}: {e}") from None
     except BaseException as e:  # torch's CheckpointException derives from BaseException
-        if isinstance(e, (KeyboardInterrupt, SystemExit)) or type(e).__name__ == "Interrupted":
+        if is_interrupt(e):
             raise
         raise RecipeError(f"{key}={path}: its checkpoint cannot be read ({type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else ''}); point {key} at a complete "
@@ -207,4 +219,7 @@ def check_checkpoint_model(path: str, m, key: str, section: str) -> None:
                           + ", ".join(f"{k}: {a} there, {section}.{k}={b} here" for k, a, b in diff)
                           + f"); set {section}'s architecture to the checkpoint's, or point {key} at a matching "
                           "checkpoint")
+    spec = layer_spec.refusal(common, m, f"{key}={path}", f"{section}.attention_backend={{}}")
+    if spec:
+        raise RecipeError(spec)
 

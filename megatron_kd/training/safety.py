@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ..errors import RecipeError, RunError
 from ..rules import free_space
+from ..runtime.interrupt import is_interrupt
 
 LOCK_NAME = ".megatron-kd-train.lock"
 
@@ -166,10 +167,6 @@ def save_failed(e: BaseException, save: str, iteration: int) -> BaseException:
                         "checkpoint (the partial one is removed, the last complete one is kept); free space or "
                         "point train.save elsewhere, then rerun to resume")
     return e
-
-
-def is_interrupt(e: BaseException) -> bool:
-    return isinstance(e, (KeyboardInterrupt, SystemExit)) or type(e).__name__ == "Interrupted"
 
 
 def remove_partial(save: str, iteration: int, rank0: bool) -> None:

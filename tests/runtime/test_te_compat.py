@@ -147,16 +147,16 @@ def test_te_spec_keeps_megatron_kd_core_attention_for_sinks_and_windows(monkeypa
     for backend in ("auto", "te"):
         m = _config(**fields)
         m.attention_backend = backend
-        assert builder._backend(m) == "te"
+        assert builder.spec_backend(m) == "te"
         assert builder.layer_spec(m) == "spec"
     assert seen == [unverified, unverified]
     monkeypatch.setattr(builder, "te_available", lambda: False)
     m = _config(**fields)
     m.attention_backend = "auto"
-    assert builder._backend(m) == "sdpa"
+    assert builder.spec_backend(m) == "sdpa"
     m.attention_backend = "te"
     with pytest.raises(RuntimeError, match="model.attention_backend=te but Transformer Engine does not import"):
-        builder._backend(m)
+        builder.spec_backend(m)
 
 
 def test_own_core_attention_replaces_the_core_attention_of_a_layer_spec():
@@ -283,7 +283,7 @@ def test_hf_students_get_fp8_through_the_provider(monkeypatch):
             seen.update(kw)
             return [], None
     monkeypatch.setattr(hf_model, "open_hf", lambda path, key: FakeHF())
-    monkeypatch.setattr(builder, "_backend", lambda m: "te")
+    monkeypatch.setattr(builder, "spec_backend", lambda m: "te")
     m = _config(hf_path="/x", fp8="hybrid", fp8_recipe="delayed", fp8_attention=True,
                 megatron={"fp8_recipe": "tensorwise", "moe_grouped_gemm": True})
     builder.build_hf_chunks(m, ParallelConfig(), 128, "bf16")
@@ -309,7 +309,7 @@ def test_builder_fuses_bias_activation_only_where_megatron_core_computes_it_exac
     the `megatron:` pass-through, and not where no kernel exists."""
     from megatron_kd.models import builder
     from megatron_kd.recipe.schema import ParallelConfig
-    monkeypatch.setattr(builder, "_backend", lambda m: "te")
+    monkeypatch.setattr(builder, "spec_backend", lambda m: "te")
     monkeypatch.setattr(builder.torch.cuda, "is_available", lambda: True)
     m = _config(add_bias_linear=True, **fields)
     kw = {}

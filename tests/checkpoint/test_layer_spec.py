@@ -7,9 +7,9 @@ differently is played by a spec that saves its norms under their module names (m
 megatron-core's own load error, for a real name difference.
 """
 import os
-import shutil
 
 import pytest
+from run_copies import copy_at, one_sentence
 
 from megatron_kd.checkpoint import integrity as ckpt_integrity, spec as layer_spec, store as ckpt
 from megatron_kd.models import builder
@@ -33,9 +33,6 @@ def train(save, *overrides):
     return run(recipe(save, *overrides), str(save))
 
 
-def one_sentence(msg: str) -> None:
-    assert "Traceback" not in msg and "\n" not in msg.strip(), msg
-
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
@@ -44,12 +41,6 @@ def finished(tmp_path_factory):
     train(d, "train.iters=4", "train.save_interval=2")
     return d
 
-
-def copy_at(finished, dst, iteration=None):
-    shutil.copytree(finished, dst, ignore=shutil.ignore_patterns(".megatron-kd-train.lock"))
-    if iteration is not None:
-        (dst / ckpt.TRACKER).write_text(str(iteration))
-    return dst
 
 
 def no_model(monkeypatch):

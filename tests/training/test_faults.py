@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+from run_copies import copy_at, one_sentence
 import torch
 
 from megatron_kd import rules
@@ -47,9 +48,6 @@ def records(save) -> dict:
     return out
 
 
-def one_sentence(msg: str) -> None:
-    assert "Traceback" not in msg and "\n" not in msg.strip(), msg
-
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
@@ -58,13 +56,6 @@ def finished(tmp_path_factory):
     train(d, "train.iters=6", "train.save_interval=3")
     return d
 
-
-def copy_at(finished, dst, iteration: int | None = None):
-    """A copy of the finished run (its cache path follows train.save), its tracker set back to `iteration`."""
-    shutil.copytree(finished, dst, ignore=shutil.ignore_patterns(safety.LOCK_NAME))
-    if iteration is not None:
-        (dst / ckpt.TRACKER).write_text(str(iteration))
-    return dst
 
 
 def no_model(monkeypatch):

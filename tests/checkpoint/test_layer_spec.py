@@ -42,7 +42,6 @@ def finished(tmp_path_factory):
     return d
 
 
-
 def no_model(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("a model was built before the refusal")

@@ -2,7 +2,7 @@
 SDPA path without TE, all in one call; each arm a `megatron-kd train` process of the real CLI.
 
 Parts (--parts picks; each writes into one JSON, rewritten after every arm so a cut run keeps what finished):
-  user    the 32K user path, recipe llama31_8b_to_3b_32k_1xh200 (mock data, lean_adam, 4 iterations), no override
+  user    the 32K user path, recipe llama31_8b_to_3b_32k_1xh200 (mock data, lean_adam, --iters iterations), no override
           of the backend or fusions; for each --recompute count R (layers recomputed), arms named *_rR:
             sdpa_no_te      TE not importable (its folder off PYTHONPATH): auto -> SDPA; the first builds the cache
             te_bf16         TE importable: auto -> TE's spec; the first also builds a cache with a TE teacher
@@ -123,7 +123,8 @@ def compare_caches(a, b):
 
 def part_user(a, out, E, deadline):
     c1, c2 = os.path.join(a.scratch, "cache_sdpa"), os.path.join(a.scratch, "cache_te")
-    base = ["--config-name", RECIPE, "data.kind=mock", "data.path=null", "train.iters=4", "train.global_batch_size=1",
+    base = ["--config-name", RECIPE, "data.kind=mock", "data.path=null", f"train.iters={a.iters}",
+            "train.global_batch_size=1",
             "train.lr_warmup_iters=0", "train.optimizer=lean_adam", *QUIET]
 
     def fp8(recipe):
@@ -278,6 +279,8 @@ def main():
     ap.add_argument("--parts", nargs="+", default=["user", "gptoss", "fp8"], choices=["user", "gptoss", "fp8"])
     ap.add_argument("--budget-s", type=float, default=560)
     ap.add_argument("--arm-s", type=float, default=150, help="cut one arm at this many seconds")
+    ap.add_argument("--iters", type=int, default=4,
+                    help="iterations of each user arm (its figure is the median step of iterations 2..N)")
     ap.add_argument("--recompute", type=int, nargs="+", default=[12], help="recomputed layers of the user arms")
     ap.add_argument("--fp8-arms", nargs="*", default=["tensorwise:12"],
                     help="FP8 arms of the user part as RECIPE:R[:exp][:dpa] (model.fp8_recipe, recomputed layers; exp: "

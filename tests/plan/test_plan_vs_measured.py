@@ -66,7 +66,10 @@ ARMS = {
     "tensorwise_r8": ("te_stack_user_r8_h200.json", "te_fp8_r8", True),
     "tensorwise_r6": ("te_stack_user_r8_h200.json", "te_fp8_r6", True),
     "tensorwise_r4": ("te_stack_user_fp8_h200.json", "te_fp8_r4_exp", True),   # expandable segments: same allocated
+    "tensorwise_r2": ("te_stack_user_fp8_2_h200.json", "te_fp8_r2_exp", True),
+    "tensorwise_r1": ("te_stack_user_fp8_2_h200.json", "te_fp8_r1_exp", True),
     "delayed_r6": ("te_stack_user_fp8_h200.json", "te_fp8_delayed_r6", True),
+    "delayed_r2": ("te_stack_user_fp8_2_h200.json", "te_fp8_delayed_r2_exp", True),
     "delayed_attention_r6": ("te_stack_user_fp8_h200.json", "te_fp8_delayed_r6_dpa", True),
 }
 
@@ -83,7 +86,8 @@ def _arm(name) -> tuple[float, float, int]:
 
 @pytest.mark.parametrize("more,fewer", [("sdpa_r8", "sdpa_r12"), ("te_r8", "te_r12"),
                                         ("tensorwise_r8", "tensorwise_r12"), ("tensorwise_r6", "tensorwise_r8"),
-                                        ("tensorwise_r4", "tensorwise_r6")])
+                                        ("tensorwise_r4", "tensorwise_r6"), ("tensorwise_r2", "tensorwise_r4"),
+                                        ("tensorwise_r1", "tensorwise_r2")])
 def test_per_unrecomputed_layer_within_one_percent(more, fewer):
     """The peak's slope in R: one layer's saved tensors less its checkpoint, per spec."""
     m1, p1, r1 = _arm(more)
@@ -95,6 +99,7 @@ def test_per_unrecomputed_layer_within_one_percent(more, fewer):
 @pytest.mark.parametrize("arm,base", [("te_r8", "sdpa_r8"), ("te_r12", "sdpa_r12"),          # TE's layers
                                       ("tensorwise_r8", "te_r8"), ("tensorwise_r12", "te_r12"),  # FP8
                                       ("delayed_r6", "tensorwise_r6"),                         # delayed scaling
+                                      ("delayed_r2", "tensorwise_r2"),
                                       ("delayed_attention_r6", "delayed_r6")])                 # FP8 attention
 def test_between_specs_within_a_third_of_a_gib(arm, base):
     m1, p1, r1 = _arm(arm)

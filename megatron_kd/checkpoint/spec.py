@@ -90,7 +90,7 @@ def refusal(common: dict, m, what: str, setting: str) -> str | None:
 
 
 def build_as_saved(common: dict, m, chosen: str | None, what: str, setting: str) -> None:
-    """For a model rebuilt from its checkpoint alone (export, a mkd: teacher), whose saved recipe says
+    """For a model rebuilt from its checkpoint alone (export, compare, a mkd: teacher), whose saved recipe says
     attention_backend=auto (which picks a spec by what imports here): `m` (its ModelConfig) is set to build `chosen`
     (te, sdpa or local: the user's, for a checkpoint that records no spec), else the spec the checkpoint records,
     else its own. RunError where that cannot load it or cannot be built here (TE's spec recorded, TE not
@@ -104,19 +104,28 @@ def build_as_saved(common: dict, m, chosen: str | None, what: str, setting: str)
         raise RunError(why)
 
 
-def check(path: str, m, what: str, setting: str) -> None:
-    """refusal for the checkpoint at `path` (a save dir or iter_* dir), raised as RunError. An unreadable common state
-    is left to the load, whose failure names it."""
+def _common_at(path: str) -> dict:
+    """The common state of the checkpoint at `path` (a save dir or iter_* dir); empty where it cannot be read: that
+    is left to the load, whose failure names it (load_weights)."""
     from . import store
     try:
-        common = store.read_common(path)
-    except BaseException as e:
+        return store.read_common(path)
+    except BaseException as e:  # torch's CheckpointException derives from BaseException
         if is_interrupt(e):
             raise
-        return
-    why = refusal(common, m, what, setting)
+        return {}
+
+
+def check(path: str, m, what: str, setting: str) -> None:
+    """refusal for the checkpoint at `path` (a save dir or iter_* dir), raised as RunError."""
+    why = refusal(_common_at(path), m, what, setting)
     if why:
         raise RunError(why)
+
+
+def build_as_saved_at(path: str, m, chosen: str | None, what: str, setting: str) -> None:
+    """build_as_saved for the checkpoint at `path` (a save dir or iter_* dir)."""
+    build_as_saved(_common_at(path), m, chosen, what, setting)
 
 
 # Weight names that one spec saves and the other does not: the norms TE fuses into its linears (saved as

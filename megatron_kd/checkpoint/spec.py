@@ -7,8 +7,8 @@ Transformer Engine's spec name some weights differently in a checkpoint (an MoE 
 kernels. `attention_backend=auto` builds TE's spec where TE imports and the SDPA spec elsewhere, so one recipe builds
 other layers on another machine: a run started without TE and resumed in a NeMo container, or the reverse, would
 fail inside dist_checkpointing, or continue on other kernels than it trained on. So every checkpoint records
-layer_backend (SPEC_KEY), and a load compares it with the spec the builder will build (models/builder.spec_backend,
-the builder's own rule) and refuses in one sentence naming the setting and the value that loads it.
+layer_backend (SPEC_KEY), and a load compares it with the spec the builder will build (runtime/features.spec_backend,
+the rule the builder builds by) and refuses in one sentence naming the setting and the value that loads it.
 
 Checkpoints saved before the record existed are told apart only by a failed load: spec_hint names the spec when
 the weight the load missed is one of the names the specs disagree on; otherwise the checkpoint is called damaged.
@@ -42,16 +42,16 @@ def saved(common: dict) -> str | None:
 
 
 def _te_here() -> bool:
-    from ..models import builder
-    return builder.te_available()
+    from ..runtime import features
+    return features.te_available()
 
 
 def _builds(m) -> str:
     """The spec the builder builds for `m` here; te where it asks for TE's and TE does not import (the build would
     refuse; named as what it asks for)."""
-    from ..models import builder
+    from ..runtime import features
     try:
-        return builder.spec_backend(m)
+        return features.spec_backend(m)
     except RuntimeError:  # attention_backend=te without TE: the recipe checks and the builder say so themselves
         return "te"
 

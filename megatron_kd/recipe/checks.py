@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from ..kernels import fused_unavailable
 from ..rules import encoding_problem, padded_vocab_size, same_temperature, top_k_fits
-from ..runtime.features import apex_available, te_available
+from ..runtime import features  # looked up at call time: the one place a test fakes TE or apex importing
 from ..runtime.te_compat import own_attention_cp_refusal, te_attention_refusal, te_attention_unverified
 from .resume_keys import resume_keys_all
 from .schema import (ATTENTION_BACKENDS, FP8_FORMATS, FP8_RECIPES, PRECISIONS, QUANT_CUDA_ONLY, QUANT_FORMATS,
@@ -87,8 +87,8 @@ def check_fp8(m: ModelConfig, section: str) -> None:
     check_fp8_settings(m, section)
     if m.fp8 is None:
         return
-    _need(te_available(), f"{section}.fp8={m.fp8} needs Transformer Engine on a GPU, which does not import here; "
-          f"set {section}.fp8=null (bf16), or run in a container with TE (NeMo / Megatron-Bridge)")
+    _need(features.te_available(), f"{section}.fp8={m.fp8} needs Transformer Engine on a GPU, which does not import "
+          f"here; set {section}.fp8=null (bf16), or run in a container with TE (NeMo / Megatron-Bridge)")
     if m.fp8_recipe == "mxfp8":
         major = torch.cuda.get_device_capability()[0]
         _need(major >= 10, f"{section}.fp8_recipe=mxfp8 needs a Blackwell GPU (compute capability 10+; this one "
@@ -361,10 +361,10 @@ def check_run(r: Recipe, world_size: int, cuda: bool, vocab_size: int) -> None:
                 raise RecipeError("kd.mode=online needs teacher.load: the teacher's checkpoint directory (a "
                                   "`megatron-kd train` save dir), or teacher.hf_path: a Hugging Face checkpoint")
     p = r.parallel
-    if cuda and p.cp > 1 and not te_available():
+    if cuda and p.cp > 1 and not features.te_available():
         raise RecipeError(f"parallel.cp={p.cp} needs Transformer Engine attention, which does not import here; use "
                           "parallel.cp=1 or a container with TE")
-    if cuda and p.sequence_parallel and p.tp > 1 and not (te_available() or apex_available()):
+    if cuda and p.sequence_parallel and p.tp > 1 and not (features.te_available() or features.apex_available()):
         raise RecipeError("parallel.sequence_parallel=true needs Transformer Engine or apex norms (Megatron's torch "
                           "norms refuse it); set it false or run where TE/apex import")
     if src.distills and r.kd.top_k is not None and not top_k_fits(r.kd.top_k, vocab_size):

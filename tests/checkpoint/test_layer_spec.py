@@ -1,10 +1,10 @@
 """A checkpoint records the layer spec that built its model (checkpoint/spec.py), and every load compares it with the
 spec built here before any model is built: a resume, train.pretrained, teacher.load, `megatron-kd export`,
 `megatron-kd compare` and `--teacher mkd:`. On CPU the runs save on the SDPA spec; Transformer Engine cannot build
-here, so a TE machine is played by the builder's rule seeing TE import (builder.te_available), and a checkpoint saved
-on TE's spec by its common state recording te. A checkpoint of an older run (no record) whose load fails on a weight
-the specs name differently is played by a spec that saves its norms under their module names (megatron-core's keys
-map cleared): megatron-core's own load error, for a real name difference.
+here, so a TE machine is played by the builder's rule seeing TE import (runtime/features.te_available), and a
+checkpoint saved on TE's spec by its common state recording te. A checkpoint of an older run (no record) whose load
+fails on a weight the specs name differently is played by a spec that saves its norms under their module names
+(megatron-core's keys map cleared): megatron-core's own load error, for a real name difference.
 """
 import os
 
@@ -15,6 +15,7 @@ from megatron_kd.checkpoint import integrity as ckpt_integrity, spec as layer_sp
 from megatron_kd.models import builder
 from megatron_kd.recipe.compose import compose
 from megatron_kd.recipe.schema import RecipeError, to_recipe
+from megatron_kd.runtime import features
 from megatron_kd.training import loop as train_mod, resume
 from megatron_kd.training.loop import preflight, run
 
@@ -52,7 +53,7 @@ def no_model(monkeypatch):
 
 def te_imports(monkeypatch):
     """The builder's rule as in a NeMo container: attention_backend=auto builds TE's spec."""
-    monkeypatch.setattr(builder, "te_available", lambda: True)
+    monkeypatch.setattr(features, "te_available", lambda: True)
 
 
 def records(monkeypatch, value):

@@ -11,7 +11,7 @@ import torch
 
 from dist_utils import run_ranks
 
-from megatron_kd.runtime import te_compat
+from megatron_kd.runtime import features, te_compat
 
 
 def _config(**kw):
@@ -141,7 +141,7 @@ def test_te_spec_keeps_megatron_kd_core_attention_for_sinks_and_windows(monkeypa
     builds it on the GPU)."""
     from megatron_kd.models import builder
     assert te_compat.te_attention_unverified(_config(**fields)) is unverified
-    monkeypatch.setattr(builder, "te_available", lambda: True)
+    monkeypatch.setattr(features, "te_available", lambda: True)
     seen = []
     monkeypatch.setattr(builder, "te_spec", lambda *a: seen.append(a[-1]) or "spec")
     for backend in ("auto", "te"):
@@ -150,7 +150,7 @@ def test_te_spec_keeps_megatron_kd_core_attention_for_sinks_and_windows(monkeypa
         assert builder.spec_backend(m) == "te"
         assert builder.layer_spec(m) == "spec"
     assert seen == [unverified, unverified]
-    monkeypatch.setattr(builder, "te_available", lambda: False)
+    monkeypatch.setattr(features, "te_available", lambda: False)
     m = _config(**fields)
     m.attention_backend = "auto"
     assert builder.spec_backend(m) == "sdpa"
@@ -174,7 +174,7 @@ def test_own_core_attention_replaces_the_core_attention_of_a_layer_spec():
 def test_recipe_with_sinks_refuses_fp8_naming_the_key(monkeypatch, key, value):
     from megatron_kd.recipe import checks
     from megatron_kd.recipe.schema import RecipeError
-    monkeypatch.setattr(checks, "te_available", lambda: True)
+    monkeypatch.setattr(features, "te_available", lambda: True)
     m = _config(softmax_type="learnable", window_size=[127, 0], window_attn_skip_freq=2)
     m.attention_backend = "auto"
     setattr(m, key, value)
@@ -212,7 +212,7 @@ def test_recipe_with_sinks_refuses_context_parallel_naming_the_key(cuda):
 def test_recipe_with_sinks_takes_te_layers(monkeypatch):
     """attention_backend=te on a model with sinks / a window: TE's layers with megatron-kd's core attention."""
     from megatron_kd.recipe import checks
-    monkeypatch.setattr(checks, "te_available", lambda: True)
+    monkeypatch.setattr(features, "te_available", lambda: True)
     m = _config(softmax_type="learnable", window_size=[127, 0], window_attn_skip_freq=2)
     m.attention_backend = "te"
     checks.check_model(m, "teacher", 1)
@@ -223,7 +223,7 @@ def test_fp8_attention_is_checked_by_name(monkeypatch):
     scaling on Hopper): refused by name before any work; fp8=hybrid, fp8_recipe=delayed passes."""
     from megatron_kd.recipe import checks
     from megatron_kd.recipe.schema import RecipeError
-    monkeypatch.setattr(checks, "te_available", lambda: True)
+    monkeypatch.setattr(features, "te_available", lambda: True)
     m = _config()
     m.attention_backend = "auto"
     m.fp8_attention = True

@@ -7,8 +7,8 @@ Transformer Engine's spec name some weights differently in a checkpoint (an MoE 
 kernels. `attention_backend=auto` builds TE's spec where TE imports and the SDPA spec elsewhere, so one recipe builds
 other layers on another machine: a run started without TE and resumed in a NeMo container, or the reverse, would
 fail inside dist_checkpointing, or continue on other kernels than it trained on. So every checkpoint records
-layer_backend (SPEC_KEY), and a load compares it with the spec the builder will build (models/builder.spec_backend,
-the builder's own rule) and refuses in one sentence naming the setting and the value that loads it.
+layer_backend (SPEC_KEY), and a load compares it with the spec the builder will build (runtime/features.spec_backend,
+the rule the builder builds by) and refuses in one sentence naming the setting and the value that loads it.
 
 Checkpoints saved before the record existed are told apart only by a failed load: spec_hint names the spec when
 the weight the load missed is one of the names the specs disagree on; otherwise the checkpoint is called damaged.
@@ -42,16 +42,16 @@ def saved(common: dict) -> str | None:
 
 
 def _te_here() -> bool:
-    from ..models import builder
-    return builder.te_available()
+    from ..runtime import features
+    return features.te_available()
 
 
 def _builds(m) -> str:
     """The spec the builder builds for `m` here; te where it asks for TE's and TE does not import (the build would
     refuse; named as what it asks for)."""
-    from ..models import builder
+    from ..runtime import features
     try:
-        return builder.spec_backend(m)
+        return features.spec_backend(m)
     except RuntimeError:  # attention_backend=te without TE: the recipe checks and the builder say so themselves
         return "te"
 
@@ -90,7 +90,7 @@ def refusal(common: dict, m, what: str, setting: str) -> str | None:
 
 
 def build_as_saved(common: dict, m, chosen: str | None, what: str, setting: str) -> None:
-    """For a model rebuilt from its checkpoint alone (export, a mkd: teacher), whose saved recipe says
+    """For a model rebuilt from its checkpoint alone (export, compare, a mkd: teacher), whose saved recipe says
     attention_backend=auto (which picks a spec by what imports here): `m` (its ModelConfig) is set to build `chosen`
     (te, sdpa or local: the user's, for a checkpoint that records no spec), else the spec the checkpoint records,
     else its own. RunError where that cannot load it or cannot be built here (TE's spec recorded, TE not
@@ -104,19 +104,28 @@ def build_as_saved(common: dict, m, chosen: str | None, what: str, setting: str)
         raise RunError(why)
 
 
-def check(path: str, m, what: str, setting: str) -> None:
-    """refusal for the checkpoint at `path` (a save dir or iter_* dir), raised as RunError. An unreadable common state
-    is left to the load, whose failure names it."""
+def _common_at(path: str) -> dict:
+    """The common state of the checkpoint at `path` (a save dir or iter_* dir); empty where it cannot be read: that
+    is left to the load, whose failure names it (load_weights)."""
     from . import store
     try:
-        common = store.read_common(path)
-    except BaseException as e:
+        return store.read_common(path)
+    except BaseException as e:  # torch's CheckpointException derives from BaseException
         if is_interrupt(e):
             raise
-        return
-    why = refusal(common, m, what, setting)
+        return {}
+
+
+def check(path: str, m, what: str, setting: str) -> None:
+    """refusal for the checkpoint at `path` (a save dir or iter_* dir), raised as RunError."""
+    why = refusal(_common_at(path), m, what, setting)
     if why:
         raise RunError(why)
+
+
+def build_as_saved_at(path: str, m, chosen: str | None, what: str, setting: str) -> None:
+    """build_as_saved for the checkpoint at `path` (a save dir or iter_* dir)."""
+    build_as_saved(_common_at(path), m, chosen, what, setting)
 
 
 # Weight names that one spec saves and the other does not: the norms TE fuses into its linears (saved as

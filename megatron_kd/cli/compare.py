@@ -11,7 +11,9 @@ compare.json and compare.png.
 Held-out numbers: with a teacher checkpoint (--teacher, or the teacher.load every run names), every run is
 scored on the same held-out samples of the runs' data: cross-entropy and KL(teacher || student) over the
 teacher's full vocabulary. Without one (or with --no-eval), each run's own final evaluation is shown (CE; KL
-only where the run computed it).
+only where the run computed it). The teacher and each run are built on the layer spec their checkpoints record
+(a run's model.attention_backend=auto would pick Transformer Engine's or not by what imports here);
+--attention-backend chooses it for checkpoints of older runs, which record none.
 """
 import argparse
 import json
@@ -33,6 +35,10 @@ def build_parser():
                    help="held-out samples to score (default: the first run's data.eval_samples, else "
                         "train.eval_iters x train.global_batch_size)")
     p.add_argument("--no-eval", action="store_true", help="show each run's own final evaluation; load no model")
+    p.add_argument("--attention-backend", choices=("te", "sdpa", "local"), default=None,
+                   help="the layer spec to build the teacher and every run on (default: the one each checkpoint "
+                        "records; a checkpoint of an older run records none, and its model.attention_backend "
+                        "applies)")
     return p
 
 
@@ -110,7 +116,7 @@ def compare(args) -> int:
         "runs on the same held-out samples, with KL)"
     if teacher:
         n = args.eval_samples or eval_samples(recipes[0])
-        heldout = evaluate(paths, recipes, teacher, n)
+        heldout = evaluate(paths, recipes, teacher, n, args.attention_backend)
         note = f"{n} held-out samples, the same for every run; KL(teacher || student) over the full vocabulary " \
                f"of the teacher {teacher}"
     elif args.no_eval:
@@ -150,8 +156,9 @@ def eval_samples(recipe: dict) -> int:
     return int(d.get("eval_samples") or t["eval_iters"] * t["global_batch_size"])
 
 
-def evaluate(paths: list, recipes: list, teacher: str, n: int) -> dict:
-    """{run name: {"ce", "kl"}} on the first n held-out samples of the runs' data (which must be the same)."""
+def evaluate(paths: list, recipes: list, teacher: str, n: int, attention_backend: str | None = None) -> dict:
+    """{run name: {"ce", "kl"}} on the first n held-out samples of the runs' data (which must be the same), each
+    model built on the layer spec its checkpoint records (attention_backend: for checkpoints that record none)."""
     from ..report.compare import differing, short_names
     data = [k for k in differing(recipes) if k.startswith("data.")]
     if data:
@@ -170,5 +177,5 @@ def evaluate(paths: list, recipes: list, teacher: str, n: int) -> dict:
     students = {name: (ModelConfig(**{k: v for k, v in rec["model"].items() if k in mfields}), path)
                 for name, path, rec in zip(names, paths, recipes)}
     print(f"megatron-kd compare: scoring {len(students)} runs and the teacher on {n} held-out samples", flush=True)
-    out = score(r, teacher, students, n, min(n, r.train.micro_batch_size))
+    out = score(r, teacher, students, n, min(n, r.train.micro_batch_size), attention_backend, "--attention-backend {}")
     return {name: out[name] for name in names}

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from ..rules import padded_vocab_size
 from ..recipe.fp8 import fp8_kwargs
 from ..recipe.schema import ModelConfig, ParallelConfig
-from ..runtime.features import te_available
+from ..runtime.features import spec_backend  # the rule's home (the recipe's checks ask it too)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -72,17 +72,6 @@ def transformer_config(m: ModelConfig, p: ParallelConfig, precision: str = "fp32
     config = TransformerConfig(**kw)
     gpt_oss.apply_yarn(config, m)
     return config
-
-
-def spec_backend(m: ModelConfig) -> str:
-    """The layer spec a model runs on: te, sdpa or local. `auto` is TE's where TE imports, else sdpa. The one rule:
-    the builder builds by it, and a checkpoint's recorded spec (layer_backend) is compared with it before a load."""
-    if m.attention_backend == "auto":
-        return "te" if te_available() else "sdpa"
-    if m.attention_backend == "te" and not te_available():
-        raise RuntimeError("model.attention_backend=te but Transformer Engine does not import here; use sdpa "
-                           "(or auto) or run in a container with TE")
-    return m.attention_backend
 
 
 def layer_backend(model) -> str:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from ..kernels import fused_unavailable
 from ..rules import encoding_problem, padded_vocab_size, same_temperature, top_k_fits
-from ..runtime.features import apex_available, te_available
+from ..runtime import features  # looked up at call time: the one place a test fakes TE or apex importing
 from ..runtime.te_compat import own_attention_cp_refusal, te_attention_refusal, te_attention_unverified
 from .resume_keys import resume_keys_all
 from .schema import (ATTENTION_BACKENDS, FP8_FORMATS, FP8_RECIPES, PRECISIONS, QUANT_CUDA_ONLY, QUANT_FORMATS,
@@ -87,8 +87,8 @@ def check_fp8(m: ModelConfig, section: str) -> None:
     check_fp8_settings(m, section)
     if m.fp8 is None:
         return
-    _need(te_available(), f"{section}.fp8={m.fp8} needs Transformer Engine on a GPU, which does not import here; "
-          f"set {section}.fp8=null (bf16), or run in a container with TE (NeMo / Megatron-Bridge)")
+    _need(features.te_available(), f"{section}.fp8={m.fp8} needs Transformer Engine on a GPU, which does not import "
+          f"here; set {section}.fp8=null (bf16), or run in a container with TE (NeMo / Megatron-Bridge)")
     if m.fp8_recipe == "mxfp8":
         major = torch.cuda.get_device_capability()[0]
         _need(major >= 10, f"{section}.fp8_recipe=mxfp8 needs a Blackwell GPU (compute capability 10+; this one "
@@ -361,16 +361,44 @@ def check_run(r: Recipe, world_size: int, cuda: bool, vocab_size: int) -> None:
                 raise RecipeError("kd.mode=online needs teacher.load: the teacher's checkpoint directory (a "
                                   "`megatron-kd train` save dir), or teacher.hf_path: a Hugging Face checkpoint")
     p = r.parallel
-    if cuda and p.cp > 1 and not te_available():
+    if cuda and p.cp > 1 and not features.te_available():
         raise RecipeError(f"parallel.cp={p.cp} needs Transformer Engine attention, which does not import here; use "
                           "parallel.cp=1 or a container with TE")
-    if cuda and p.sequence_parallel and p.tp > 1 and not (te_available() or apex_available()):
-        raise RecipeError("parallel.sequence_parallel=true needs Transformer Engine or apex norms (Megatron's torch "
-                          "norms refuse it); set it false or run where TE/apex import")
+    if cuda and p.sequence_parallel and p.tp > 1:
+        for section, m in [("model", r.model), *([("teacher", r.teacher)] if src.needs_teacher else [])]:
+            why = _sequence_parallel_norms_refusal(m, section, p.tp)
+            _need(why is None, why)
     if src.distills and r.kd.top_k is not None and not top_k_fits(r.kd.top_k, vocab_size):
         raise RecipeError(f"kd.top_k={r.kd.top_k} exceeds the vocabulary ({vocab_size} ids)")
     check_world(r, world_size)
     check_export(r)
+
+
+def _sequence_parallel_norms_refusal(m: ModelConfig, section: str, tp: int) -> str | None:
+    """Why the norms of the layer spec `m` is built on here refuse parallel.sequence_parallel (None: they take it).
+    Transformer Engine's spec has TE's norms, which take it. The SDPA and local specs are megatron-core's local spec,
+    whose norms are its torch norms (they assert sequence_parallel is off) except a LayerNorm where apex imports
+    (apex's fused LayerNorm); an RMSNorm is a torch norm there with or without apex. So it is the spec built, not
+    whether TE imports, that decides: attention_backend=sdpa where TE imports still gets torch norms."""
+    try:
+        backend = features.spec_backend(m)
+    except RuntimeError:  # attention_backend=te without TE: the builder refuses that itself
+        return None
+    if backend == "te" or (m.normalization == "LayerNorm" and features.apex_available()):
+        return None
+    how = f"{section}.attention_backend={m.attention_backend}"
+    if m.attention_backend == "auto":
+        how += " (Transformer Engine does not import here)"
+    if features.te_available():
+        fix = f"set {section}.attention_backend=te (or auto: Transformer Engine imports here)"
+    else:
+        fix = "run where Transformer Engine imports (a NeMo or Megatron-Bridge container) with " \
+              f"{section}.attention_backend=auto"
+        if m.normalization == "LayerNorm":
+            fix += " or where NVIDIA apex imports"
+    return (f"parallel.sequence_parallel=true with parallel.tp={tp}: {how} builds {section}'s {m.normalization} layers "
+            f"as megatron-core's torch norms, which refuse sequence parallel; {fix}, or set "
+            "parallel.sequence_parallel=false")
 
 
 def check_export(r: Recipe) -> None:

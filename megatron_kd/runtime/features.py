@@ -1,4 +1,5 @@
-"""What this machine offers (Transformer Engine, apex norms) and freeing a finished run's memory."""
+"""What this machine offers (Transformer Engine, apex norms), the layer spec a model's attention_backend picks on it,
+and freeing a finished run's memory."""
 import gc
 import importlib.util
 
@@ -25,6 +26,20 @@ def apex_available() -> bool:
         return importlib.util.find_spec("apex.normalization") is not None
     except Exception:
         return False
+
+
+def spec_backend(m) -> str:
+    """The layer spec a model runs on: te, sdpa or local. `auto` is TE's where TE imports, else sdpa. The one rule:
+    the builder builds by it (models/builder), a checkpoint's recorded spec (layer_backend) is compared with it
+    before a load (checkpoint/spec.py). `m`: a recipe's model or teacher section (its attention_backend). Here,
+    below the recipe, so that the recipe's checks can ask it too; te_available is looked up in this module at call
+    time, the one place a test fakes Transformer Engine importing."""
+    if m.attention_backend == "auto":
+        return "te" if te_available() else "sdpa"
+    if m.attention_backend == "te" and not te_available():
+        raise RuntimeError("model.attention_backend=te but Transformer Engine does not import here; use sdpa "
+                           "(or auto) or run in a container with TE")
+    return m.attention_backend
 
 
 def release_memory() -> None:

@@ -1,10 +1,10 @@
 """A checkpoint records the layer spec that built its model (checkpoint/spec.py), and every load compares it with the
-spec built here before any model is built: a resume, train.pretrained, teacher.load, `megatron-kd export` and
-`--teacher mkd:`. On CPU the runs save on the SDPA spec; Transformer Engine cannot build here, so a TE machine is
-played by the builder's rule seeing TE import (builder.te_available), and a checkpoint saved on TE's spec by its
-common state recording te. A checkpoint of an older run (no record) whose load fails on a weight the specs name
-differently is played by a spec that saves its norms under their module names (megatron-core's keys map cleared):
-megatron-core's own load error, for a real name difference.
+spec built here before any model is built: a resume, train.pretrained, teacher.load, `megatron-kd export`,
+`megatron-kd compare` and `--teacher mkd:`. On CPU the runs save on the SDPA spec; Transformer Engine cannot build
+here, so a TE machine is played by the builder's rule seeing TE import (runtime/features.te_available), and a
+checkpoint saved on TE's spec by its common state recording te. A checkpoint of an older run (no record) whose load
+fails on a weight the specs name differently is played by a spec that saves its norms under their module names
+(megatron-core's keys map cleared): megatron-core's own load error, for a real name difference.
 """
 import os
 
@@ -15,6 +15,7 @@ from megatron_kd.checkpoint import integrity as ckpt_integrity, spec as layer_sp
 from megatron_kd.models import builder
 from megatron_kd.recipe.compose import compose
 from megatron_kd.recipe.schema import RecipeError, to_recipe
+from megatron_kd.runtime import features
 from megatron_kd.training import loop as train_mod, resume
 from megatron_kd.training.loop import preflight, run
 
@@ -52,7 +53,7 @@ def no_model(monkeypatch):
 
 def te_imports(monkeypatch):
     """The builder's rule as in a NeMo container: attention_backend=auto builds TE's spec."""
-    monkeypatch.setattr(builder, "te_available", lambda: True)
+    monkeypatch.setattr(features, "te_available", lambda: True)
 
 
 def records(monkeypatch, value):
@@ -395,3 +396,67 @@ def test_a_mkd_teacher_builds_the_recorded_spec_where_auto_would_build_another(f
             ps.destroy_model_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# --- megatron-kd compare ----------------------------------------------------------------------------------------
+
+def compare_cli(finished, tmp_path, *extra, teacher=None):
+    """The finished run scored against a teacher (itself by default) on 2 held-out samples."""
+    from megatron_kd.cli.compare import main
+    return main([str(finished), "--teacher", str(teacher or finished), "--eval-samples", "2",
+                 "--out", str(tmp_path / "cmp"), *extra])
+
+
+def no_compare_model(monkeypatch):
+    """no_model, and for compare too: it builds with the build_gpt it imported by name."""
+    from megatron_kd.training import evaluate
+    no_model(monkeypatch)
+    monkeypatch.setattr(evaluate, "build_gpt", builder.build_gpt)
+
+
+def test_compare_builds_the_recorded_spec_where_auto_would_build_another(finished, tmp_path, monkeypatch):
+    """The run's recipe says auto, which would build TE's spec here; compare builds the SDPA spec its checkpoint
+    records for the teacher and the run (the run as its own teacher: KL 0)."""
+    import json
+    te_imports(monkeypatch)
+    assert compare_cli(finished, tmp_path) == 0
+    rows = json.loads((tmp_path / "cmp" / "compare.json").read_text())["rows"]
+    assert len(rows) == 1 and rows[0]["kl"] == pytest.approx(0.0, abs=1e-5)
+
+
+def test_compare_of_a_te_checkpoint_where_te_does_not_import_is_refused(finished, tmp_path, monkeypatch, capsys):
+    records(monkeypatch, "te")
+    no_compare_model(monkeypatch)
+    assert compare_cli(finished, tmp_path) == 2
+    err = capsys.readouterr().err
+    one_sentence(err)
+    assert f"the checkpoint {finished} was saved on Transformer Engine's layer spec, which cannot be built here" in err
+    assert "--attention-backend te" in err
+
+
+def test_compare_on_another_spec_than_recorded_is_refused(finished, tmp_path, monkeypatch, capsys):
+    no_compare_model(monkeypatch)
+    assert compare_cli(finished, tmp_path, "--attention-backend", "local") == 2
+    err = capsys.readouterr().err
+    one_sentence(err)
+    assert f"the checkpoint {finished} was saved on the SDPA layer spec and --attention-backend local builds " \
+           "megatron-core's local layer spec; set --attention-backend sdpa" in err
+
+
+@pytest.mark.parametrize("case", ["damaged", "older_spec"])
+def test_a_compare_whose_load_fails_is_one_sentence(finished, tmp_path, monkeypatch, capsys, case):
+    """torch's CheckpointException derives from BaseException: without the catch it is a raw traceback."""
+    d = copy_at(finished, tmp_path / "c")
+    if case == "damaged":
+        damage(d, 4)
+    else:
+        records(monkeypatch, None)
+        module_names_spec(monkeypatch)
+    assert compare_cli(finished, tmp_path, teacher=d) == 2
+    err = capsys.readouterr().err
+    one_sentence(err)
+    assert f"the checkpoint {d}" in err
+    if case == "damaged":
+        assert "cannot be loaded" in err and "damaged or incomplete" in err
+    else:
+        assert "likely saved on Transformer Engine's layer spec" in err and "--attention-backend te" in err

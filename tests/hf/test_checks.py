@@ -177,8 +177,9 @@ def test_auto_builds_hf_checkpoints_on_te_layers_where_te_imports(tmp_path, monk
     from megatron_kd.models import builder
     from megatron_kd.models.attention import SDPAttention
     from megatron_kd.recipe.schema import ModelConfig, ParallelConfig
+    from megatron_kd.runtime import features
     from megatron_kd.runtime.dist import distributed
-    monkeypatch.setattr(builder, "te_available", lambda: True)
+    monkeypatch.setattr(features, "te_available", lambda: True)
 
     def te_spec(*a, **k):
         raise LookupError("TE's layer spec asked for")

@@ -11,7 +11,7 @@ import torch
 
 from dist_utils import run_ranks
 
-from megatron_kd.runtime import te_compat
+from megatron_kd.runtime import features, te_compat
 
 
 def _config(**kw):
@@ -141,7 +141,7 @@ def test_te_spec_keeps_megatron_kd_core_attention_for_sinks_and_windows(monkeypa
     builds it on the GPU)."""
     from megatron_kd.models import builder
     assert te_compat.te_attention_unverified(_config(**fields)) is unverified
-    monkeypatch.setattr(builder, "te_available", lambda: True)
+    monkeypatch.setattr(features, "te_available", lambda: True)
     seen = []
     monkeypatch.setattr(builder, "te_spec", lambda *a: seen.append(a[-1]) or "spec")
     for backend in ("auto", "te"):
@@ -150,7 +150,7 @@ def test_te_spec_keeps_megatron_kd_core_attention_for_sinks_and_windows(monkeypa
         assert builder.spec_backend(m) == "te"
         assert builder.layer_spec(m) == "spec"
     assert seen == [unverified, unverified]
-    monkeypatch.setattr(builder, "te_available", lambda: False)
+    monkeypatch.setattr(features, "te_available", lambda: False)
     m = _config(**fields)
     m.attention_backend = "auto"
     assert builder.spec_backend(m) == "sdpa"
@@ -174,7 +174,7 @@ def test_own_core_attention_replaces_the_core_attention_of_a_layer_spec():
 def test_recipe_with_sinks_refuses_fp8_naming_the_key(monkeypatch, key, value):
     from megatron_kd.recipe import checks
     from megatron_kd.recipe.schema import RecipeError
-    monkeypatch.setattr(checks, "te_available", lambda: True)
+    monkeypatch.setattr(features, "te_available", lambda: True)
     m = _config(softmax_type="learnable", window_size=[127, 0], window_attn_skip_freq=2)
     m.attention_backend = "auto"
     setattr(m, key, value)
@@ -209,10 +209,71 @@ def test_recipe_with_sinks_refuses_context_parallel_naming_the_key(cuda):
         check_recipe(to_recipe(compose("tiny_cpu", base)), None, True)
 
 
+def _sp_recipe(*overrides):
+    from megatron_kd.recipe.compose import compose
+    from megatron_kd.recipe.schema import to_recipe
+    return to_recipe(compose("tiny_cpu", ["data=mock", "data.vocab_size=64", "kd=ce", "parallel.tp=2",
+                                          "parallel.sequence_parallel=true", *overrides]))
+
+
+def _machine(monkeypatch, te: bool, apex: bool):
+    monkeypatch.setattr(features, "te_available", lambda: te)
+    monkeypatch.setattr(features, "apex_available", lambda: apex)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "local"])
+def test_sequence_parallel_is_refused_where_the_spec_built_has_torch_norms(monkeypatch, backend):
+    """Where TE imports and apex does not, attention_backend=sdpa / local still builds megatron-core's local spec,
+    whose torch norms assert sequence_parallel is off (a crash at the build): refused by the recipe's checks, naming
+    the key and a fix that works here. auto (TE's spec here) passes."""
+    from megatron_kd.recipe.checks import check_run
+    from megatron_kd.recipe.schema import RecipeError
+    _machine(monkeypatch, te=True, apex=False)
+    with pytest.raises(RecipeError) as e:
+        check_run(_sp_recipe(f"model.attention_backend={backend}"), 2, True, 64)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(
+        f"parallel.sequence_parallel=true with parallel.tp=2: model.attention_backend={backend} builds model's "
+        "RMSNorm layers as megatron-core's torch norms, which refuse sequence parallel; set "
+        "model.attention_backend=te (or auto: Transformer Engine imports here), or set "
+        "parallel.sequence_parallel=false"), msg
+    check_run(_sp_recipe("model.attention_backend=auto"), 2, True, 64)
+
+
+def test_sequence_parallel_checks_the_teacher_that_runs(monkeypatch):
+    """An online teacher is built with the same parallel layout: its spec is checked too, by its own key."""
+    from megatron_kd.recipe.checks import check_run
+    from megatron_kd.recipe.schema import RecipeError
+    _machine(monkeypatch, te=True, apex=False)
+    online = ["kd=online", "teacher.load=/t", "teacher.attention_backend=sdpa"]
+    with pytest.raises(RecipeError, match=r"^parallel\.sequence_parallel=true with parallel\.tp=2: "
+                                          r"teacher\.attention_backend=sdpa builds teacher's RMSNorm layers .* set "
+                                          r"teacher\.attention_backend=te"):
+        check_run(_sp_recipe(*online), 2, True, 64)
+    check_run(_sp_recipe("teacher.attention_backend=sdpa"), 2, True, 64)  # kd=ce: no teacher runs
+
+
+@pytest.mark.parametrize("norm, passes", [("RMSNorm", False), ("LayerNorm", True)])
+def test_sequence_parallel_with_apex_without_te_takes_only_apex_norms(monkeypatch, norm, passes):
+    """Without TE, auto builds the SDPA spec: apex gives it a fused LayerNorm, but megatron-core's local spec builds
+    an RMSNorm as its torch norm with or without apex."""
+    from megatron_kd.recipe.checks import check_run
+    from megatron_kd.recipe.schema import RecipeError
+    _machine(monkeypatch, te=False, apex=True)
+    r = _sp_recipe(f"model.normalization={norm}")
+    if passes:
+        check_run(r, 2, True, 64)
+        return
+    with pytest.raises(RecipeError, match=r"model\.attention_backend=auto \(Transformer Engine does not import "
+                                          r"here\) builds model's RMSNorm layers as megatron-core's torch norms, .* "
+                                          r"run where Transformer Engine imports"):
+        check_run(r, 2, True, 64)
+
+
 def test_recipe_with_sinks_takes_te_layers(monkeypatch):
     """attention_backend=te on a model with sinks / a window: TE's layers with megatron-kd's core attention."""
     from megatron_kd.recipe import checks
-    monkeypatch.setattr(checks, "te_available", lambda: True)
+    monkeypatch.setattr(features, "te_available", lambda: True)
     m = _config(softmax_type="learnable", window_size=[127, 0], window_attn_skip_freq=2)
     m.attention_backend = "te"
     checks.check_model(m, "teacher", 1)
@@ -223,7 +284,7 @@ def test_fp8_attention_is_checked_by_name(monkeypatch):
     scaling on Hopper): refused by name before any work; fp8=hybrid, fp8_recipe=delayed passes."""
     from megatron_kd.recipe import checks
     from megatron_kd.recipe.schema import RecipeError
-    monkeypatch.setattr(checks, "te_available", lambda: True)
+    monkeypatch.setattr(features, "te_available", lambda: True)
     m = _config()
     m.attention_backend = "auto"
     m.fp8_attention = True

@@ -165,12 +165,17 @@ def test_the_top_k_runs_beside_the_next_forward():
         return emb[t.reshape(-1)] * 1.0, w
 
     tokens = torch.randint(0, 1024, (1, N), generator=g).cuda()
+    # four chunks: each queues about 70 kernels, and CUDA's command buffer holds about a thousand launches; a
+    # top-K of the default 25 chunks fills it while its stream waits for the forward, and the host then blocks in
+    # a launch until the forward ends, whichever stream the top-K is on (the profiler names it "Command Buffer
+    # Full"), which is not what this test is after
+    chunk = N // 4
     # once without the sleep: the first call compiles the top-K's Triton kernels on the host, which can outlast
     # any forward
-    _start_teacher_topk(CallableTeacher(lambda t: (emb[t.reshape(-1)] * 1.0, w), V), tokens, K, 1.0, None,
+    _start_teacher_topk(CallableTeacher(lambda t: (emb[t.reshape(-1)] * 1.0, w), V), tokens, K, 1.0, chunk,
                         None).result()
     torch.cuda.synchronize()
-    p = _start_teacher_topk(CallableTeacher(fn, V), tokens, K, 1.0, None, None)
+    p = _start_teacher_topk(CallableTeacher(fn, V), tokens, K, 1.0, chunk, None)
     assert not torch.cuda.current_stream().query(), "the forward ended before the top-K was queued: sleep longer"
     torch.cuda.current_stream().synchronize()  # what the next forward's host syncs do
     running = not p._flags_ready.query()
@@ -178,3 +183,11 @@ def test_the_top_k_runs_beside_the_next_forward():
     ref_ids, ref_lp = topk_from_hidden(emb[tokens.reshape(-1)], w, K)
     assert torch.equal(ids, ref_ids) and torch.equal(lp, ref_lp)
     assert running, "the current stream's sync waited for the top-K: it was queued on the current stream"
+
+
+def test_the_side_stream_check_fails_when_the_top_k_shares_the_stream(monkeypatch):
+    """The test above against a builder that queues the top-K on the current stream: it must fail."""
+    from megatron_kd.teacher import build
+    monkeypatch.setattr(build, "_topk_stream", lambda x, group: None)
+    with pytest.raises(AssertionError, match="queued on the current stream"):
+        test_the_top_k_runs_beside_the_next_forward()

@@ -49,6 +49,10 @@ def check_model(m: ModelConfig, section: str, tp: int) -> None:
     check_rope_scaling(m, section)
     _need(m.attention_backend in ATTENTION_BACKENDS,
           f"{section}.attention_backend={m.attention_backend!r}: use one of {ATTENTION_BACKENDS}")
+    _need(m.attention_backend != "te" or features.te_available(),
+          f"{section}.attention_backend=te needs Transformer Engine, which does not import here; set "
+          f"{section}.attention_backend=auto (TE's layers where TE imports, else SDPA) or sdpa, or run in a "
+          "container with TE (NeMo / Megatron-Bridge)")
     _need(m.make_vocab_size_divisible_by >= 1, f"{section}.make_vocab_size_divisible_by must be >= 1")
     check_fp8(m, section)
     if m.hf_path:  # the directory here; Bridge, architecture and layout in recipe.hf.resolve

@@ -37,7 +37,7 @@ def spec_backend(m) -> str:
     if m.attention_backend == "auto":
         return "te" if te_available() else "sdpa"
     if m.attention_backend == "te" and not te_available():
-        raise RuntimeError("model.attention_backend=te but Transformer Engine does not import here; use sdpa "
+        raise RuntimeError("attention_backend=te but Transformer Engine does not import here; use sdpa "
                            "(or auto) or run in a container with TE")
     return m.attention_backend
 

@@ -173,3 +173,16 @@ def test_cache_top_p_keys_are_checked_by_name():
                          (["kd.cache_encoding=sampled", "kd.cache_samples=0"], r"^kd.cache_samples=0 must be")):
         with pytest.raises(RecipeError, match=match):
             check_recipe(to_recipe(compose("tiny_cpu", [*base, *extra])), None, False)
+
+
+@pytest.mark.parametrize("section", ["model", "teacher"])
+def test_te_backend_without_transformer_engine_is_refused_before_any_work(tmp_path, monkeypatch, section):
+    """attention_backend=te where TE does not import: one sentence naming the section's key, before the cache build
+    or the student's build (the teacher's used to fail inside the cache build, naming the student's key); the fix
+    it gives (auto) passes."""
+    from megatron_kd.recipe.checks import check_recipe
+    from megatron_kd.runtime import features
+    monkeypatch.setattr(features, "te_available", lambda: False)
+    fails(tmp_path, rf"^{section}\.attention_backend=te needs Transformer Engine.*set {section}\.attention_backend=auto",
+          f"{section}.attention_backend=te")
+    check_recipe(recipe(tmp_path, f"{section}.attention_backend=auto"), None, False)

@@ -368,14 +368,20 @@ def check_run(r: Recipe, world_size: int, cuda: bool, vocab_size: int) -> None:
     if cuda and p.cp > 1 and not features.te_available():
         raise RecipeError(f"parallel.cp={p.cp} needs Transformer Engine attention, which does not import here; use "
                           "parallel.cp=1 or a container with TE")
-    if cuda and p.sequence_parallel and p.tp > 1:
-        for section, m in [("model", r.model), *([("teacher", r.teacher)] if src.needs_teacher else [])]:
-            why = _sequence_parallel_norms_refusal(m, section, p.tp)
-            _need(why is None, why)
+    for section, m in [("model", r.model), *([("teacher", r.teacher)] if src.needs_teacher else [])]:
+        check_sequence_parallel(m, section, p, cuda)
     if src.distills and r.kd.top_k is not None and not top_k_fits(r.kd.top_k, vocab_size):
         raise RecipeError(f"kd.top_k={r.kd.top_k} exceeds the vocabulary ({vocab_size} ids)")
     check_world(r, world_size)
     check_export(r)
+
+
+def check_sequence_parallel(m: ModelConfig, section: str, p, cuda: bool) -> None:
+    """parallel.sequence_parallel against the norms of the spec `m` is built on here (a run's models, or the
+    teacher of `megatron-kd cache build --recipe`). p: the recipe's parallel section."""
+    if cuda and p.sequence_parallel and p.tp > 1:
+        why = _sequence_parallel_norms_refusal(m, section, p.tp)
+        _need(why is None, why)
 
 
 def _sequence_parallel_norms_refusal(m: ModelConfig, section: str, tp: int) -> str | None:

@@ -8,7 +8,8 @@ Both take the recipe name (or a .yaml path) and Hydra overrides. The dataset is 
 samples (train.iters x train.global_batch_size of data's train split), so its sample indices are the run's.
 Under torchrun every rank runs the command; the teacher factory sets up Megatron's parallel groups.
 """
-from ..recipe.checks import check_model, check_vocab
+from ..recipe.checks import check_model, check_sequence_parallel, check_vocab
+from ..runtime.dist import use_cuda
 from ..recipe.schema import to_recipe
 from ..data.datasets import build_datasets, load_tokenizer, samples_needed
 from ..recipe.compose import compose
@@ -35,6 +36,7 @@ def recipe_teacher(recipe: str = "tiny_cpu", overrides=None):
         resolve_hf(r, teacher=True)
     tok = load_tokenizer(r.data)
     check_model(r.teacher, "teacher", r.parallel.tp)
+    check_sequence_parallel(r.teacher, "teacher", r.parallel, use_cuda(r.train.device))
     check_vocab(tok.vocab_size, r.teacher, "teacher", r.parallel.tp)
     if not (r.teacher.load or r.teacher.hf_path):
         raise ValueError(f"recipe {recipe}: teacher.load is not set; point it at the teacher's checkpoint directory "

@@ -253,6 +253,26 @@ def test_sequence_parallel_checks_the_teacher_that_runs(monkeypatch):
     check_run(_sp_recipe("teacher.attention_backend=sdpa"), 2, True, 64)  # kd=ce: no teacher runs
 
 
+def test_sequence_parallel_checks_the_teacher_of_a_cache_build_from_a_recipe(monkeypatch):
+    """`megatron-kd cache build --recipe` builds the recipe's teacher on its parallel layout (recipe_teacher): its
+    spec is checked by the teacher's key before the teacher is built; on the CPU sequence parallel is not used."""
+    from megatron_kd.teacher import factories
+    from megatron_kd.recipe.schema import RecipeError
+    _machine(monkeypatch, te=True, apex=False)
+    built = []
+    monkeypatch.setattr("megatron_kd.teacher.megatron.start_cache_teacher", lambda r, v: built.append(r) or "t")
+    over = ["data=mock", "data.vocab_size=64", "parallel.tp=2", "parallel.sequence_parallel=true", "teacher.load=/t",
+            "teacher.attention_backend=sdpa"]
+    monkeypatch.setattr(factories, "use_cuda", lambda device: True)
+    with pytest.raises(RecipeError, match=r"^parallel\.sequence_parallel=true with parallel\.tp=2: "
+                                          r"teacher\.attention_backend=sdpa builds teacher's RMSNorm layers"):
+        factories.recipe_teacher("tiny_cpu", over)
+    assert not built
+    assert factories.recipe_teacher("tiny_cpu", [*over[:-1], "teacher.attention_backend=auto"]) == "t"
+    monkeypatch.setattr(factories, "use_cuda", lambda device: False)
+    assert factories.recipe_teacher("tiny_cpu", over) == "t"
+
+
 @pytest.mark.parametrize("norm, passes", [("RMSNorm", False), ("LayerNorm", True)])
 def test_sequence_parallel_with_apex_without_te_takes_only_apex_norms(monkeypatch, norm, passes):
     """Without TE, auto builds the SDPA spec: apex gives it a fused LayerNorm, but megatron-core's local spec builds

@@ -339,14 +339,21 @@ def test_export_builds_the_recorded_spec_where_auto_would_build_another(finished
     assert seen == ["sdpa"]
 
 
-@pytest.mark.parametrize("case", ["damaged", "older_spec"])
-def test_an_export_whose_load_fails_is_one_sentence(finished, tmp_path, monkeypatch, capsys, case):
+def broken_copy(finished, tmp_path, monkeypatch, case):
+    """A copy of the run whose load fails: its data files damaged, or saved before the spec was recorded (on
+    TE's layers, by its module names)."""
     d = copy_at(finished, tmp_path / "c")
     if case == "damaged":
         damage(d, 4)
     else:
         records(monkeypatch, None)
         module_names_spec(monkeypatch)
+    return d
+
+
+@pytest.mark.parametrize("case", ["damaged", "older_spec"])
+def test_an_export_whose_load_fails_is_one_sentence(finished, tmp_path, monkeypatch, capsys, case):
+    d = broken_copy(finished, tmp_path, monkeypatch, case)
     local_hf_chunks(monkeypatch, [])
     assert export_cli(d, tmp_path) == 2
     err = capsys.readouterr().err
@@ -446,12 +453,7 @@ def test_compare_on_another_spec_than_recorded_is_refused(finished, tmp_path, mo
 @pytest.mark.parametrize("case", ["damaged", "older_spec"])
 def test_a_compare_whose_load_fails_is_one_sentence(finished, tmp_path, monkeypatch, capsys, case):
     """torch's CheckpointException derives from BaseException: without the catch it is a raw traceback."""
-    d = copy_at(finished, tmp_path / "c")
-    if case == "damaged":
-        damage(d, 4)
-    else:
-        records(monkeypatch, None)
-        module_names_spec(monkeypatch)
+    d = broken_copy(finished, tmp_path, monkeypatch, case)
     assert compare_cli(finished, tmp_path, teacher=d) == 2
     err = capsys.readouterr().err
     one_sentence(err)

@@ -392,7 +392,7 @@ def _sequence_parallel_norms_refusal(m: ModelConfig, section: str, tp: int) -> s
     whether TE imports, that decides: attention_backend=sdpa where TE imports still gets torch norms."""
     try:
         backend = features.spec_backend(m)
-    except RuntimeError:  # attention_backend=te without TE: the builder refuses that itself
+    except RuntimeError:  # attention_backend=te without TE: check_model refuses that, naming the key
         return None
     if backend == "te" or (m.normalization == "LayerNorm" and features.apex_available()):
         return None

@@ -112,3 +112,15 @@ def test_between_specs_within_a_third_of_a_gib(arm, base):
 def test_peak_within_three_percent_below_the_measured(name):
     measured, planned, _ = _arm(name)
     assert 0.97 <= planned / measured <= 1.0, (name, planned, measured)
+
+
+def test_the_fp8_recipe_is_the_measured_fp8_arm():
+    """llama31_8b_to_3b_32k_1xh200_fp8 is the FP8 configuration measured on the H200 (tensorwise, 2 layers
+    recomputed, lean_adam): planned from the recipe file alone it is the plan of that arm's command, and the
+    plan is within 3% below the arm's measured peak."""
+    path, arm, _ = ARMS["tensorwise_r2"]
+    run = json.load(open(os.path.join(RESULTS_DIR, path)))["arms"][arm]
+    over = [o for o in _overrides(run["command"]) if not o.startswith(("model.", "train.optimizer="))]
+    recipe = _plan_gib("llama31_8b_to_3b_32k_1xh200_fp8", over)
+    assert recipe == _plan_gib("llama31_8b_to_3b_32k_1xh200", _overrides(run["command"]))
+    assert 0.97 <= recipe / run["peak_gib"] <= 1.0, (recipe, run["peak_gib"])

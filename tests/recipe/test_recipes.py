@@ -186,3 +186,17 @@ def test_te_backend_without_transformer_engine_is_refused_before_any_work(tmp_pa
     fails(tmp_path, rf"^{section}\.attention_backend=te needs Transformer Engine.*set {section}\.attention_backend=auto",
           f"{section}.attention_backend=te")
     check_recipe(recipe(tmp_path, f"{section}.attention_backend=auto"), None, False)
+
+
+def test_the_fp8_recipe_needs_transformer_engine(monkeypatch):
+    """llama31_8b_to_3b_32k_1xh200_fp8 without TE: refused before any work naming model.fp8; where TE imports it
+    passes the same checks as its bf16 recipe."""
+    from megatron_kd.recipe.checks import check_recipe
+    from megatron_kd.runtime import features
+    over = ["data.path=/data/x_text_document", "kd.cache=/data/kd"]
+    r = to_recipe(compose("llama31_8b_to_3b_32k_1xh200_fp8", over, save="/tmp/unused"))
+    monkeypatch.setattr(features, "te_available", lambda: False)
+    with pytest.raises(RecipeError, match=r"^model\.fp8=hybrid needs Transformer Engine.*set model\.fp8=null"):
+        check_recipe(r, None, True)
+    monkeypatch.setattr(features, "te_available", lambda: True)
+    check_recipe(r, None, True)

@@ -48,8 +48,7 @@ def check_model(m: ModelConfig, section: str, tp: int) -> None:
           f"{section}.position_embedding_type={m.position_embedding_type!r}: use rope, yarn, learned_absolute or none")
     check_gpt_oss_fields(m, section)
     check_rope_scaling(m, section)
-    _need(m.attention_backend in ATTENTION_BACKENDS,
-          f"{section}.attention_backend={m.attention_backend!r}: use one of {ATTENTION_BACKENDS}")
+    check_layer_settings(m, section)
     _need(m.attention_backend != "te" or features.te_available(),
           f"{section}.attention_backend=te needs Transformer Engine, which does not import here; set "
           f"{section}.attention_backend=auto (TE's layers where TE imports, else SDPA) or sdpa, or run in a "
@@ -65,6 +64,22 @@ def check_model(m: ModelConfig, section: str, tp: int) -> None:
         bad = sorted(set(m.megatron) - known)
         _need(not bad, f"unknown recipe key(s) {', '.join(f'{section}.megatron.{k}' for k in bad)}: "
               f"{section}.megatron passes fields to Megatron's TransformerConfig, which has no such field")
+
+
+def check_layer_settings(m: ModelConfig, section: str) -> None:
+    """The attention backend and FP8 keys as far as the machine does not matter (also for `megatron-kd plan`, on a
+    machine that need not have TE): what check_model refuses of them anywhere is not planned either."""
+    _need(m.attention_backend in ATTENTION_BACKENDS,
+          f"{section}.attention_backend={m.attention_backend!r}: use one of {ATTENTION_BACKENDS}")
+    check_fp8_settings(m, section)
+
+
+def check_quant_fp8(r: Recipe) -> None:
+    """ModelOpt's quantization (quant.format) and TE's FP8 of the student, which both quantize its linears."""
+    fp8_key = fp8_keys(r.model, "model").get("fp8")
+    _need(r.quant.format == "none" or not fp8_key, f"quant.format={r.quant.format} with {fp8_key}="
+          f"{fp8_fields(r.model).get('fp8')}: ModelOpt's fake quantization and Transformer Engine's FP8 would both "
+          f"quantize the same linear layers; set {fp8_key}=null")
 
 
 def check_fp8_settings(m: ModelConfig, section: str) -> None:
@@ -152,10 +167,7 @@ def check_recipe(r: Recipe, world_size: int | None = 1, cuda: bool = False) -> N
     _need(r.quant.format == "none" or (p.pp == 1 and not p.vpp), f"quant.format={r.quant.format} with parallel.pp="
           f"{p.pp}: a quantized student trains under TP and DP, not pipeline stages (each stage's quantizers would "
           "need their own state); set parallel.pp=1")
-    fp8_key = fp8_keys(r.model, "model").get("fp8")
-    _need(r.quant.format == "none" or not fp8_key, f"quant.format={r.quant.format} with {fp8_key}="
-          f"{fp8_fields(r.model).get('fp8')}: ModelOpt's fake quantization and Transformer Engine's FP8 would both "
-          f"quantize the same linear layers; set {fp8_key}=null")
+    check_quant_fp8(r)
     if not cuda:
         _check_cpu(r)
     if world_size is not None:

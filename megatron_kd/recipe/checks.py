@@ -92,7 +92,8 @@ def check_fp8_settings(m: ModelConfig, section: str) -> None:
               f"(and {section}.fp8_recipe=delayed), or {section}.fp8_attention=false")
     else:
         _need(m.fp8 in FP8_FORMATS, f"{section}.fp8={m.fp8!r}: use one of {FP8_FORMATS} (or null for bf16)")
-        _need(m.fp8_recipe in FP8_RECIPES, f"{section}.fp8_recipe={m.fp8_recipe!r}: use one of {FP8_RECIPES}")
+    # checked with FP8 off too: a misspelt recipe must not wait until someone turns FP8 on
+    _need(m.fp8_recipe in FP8_RECIPES, f"{section}.fp8_recipe={m.fp8_recipe!r}: use one of {FP8_RECIPES}")
     f8, key = fp8_fields(m), fp8_keys(m, section)
     if not f8:
         return

@@ -487,3 +487,15 @@ def test_fp8_set_through_megatron_is_checked_by_its_key(monkeypatch):
                                           r"set teacher\.megatron\.fp8=null"):
         checks.check_model(sinks, "teacher", 1)
     checks.check_model(replace(sinks, megatron={"fp8": None}), "teacher", 1)
+
+
+def test_a_misspelt_fp8_recipe_is_refused_with_fp8_off():
+    """model.fp8_recipe=foo without model.fp8 trained with no word (the key is read only when FP8 is on); the
+    value is refused by name wherever it is, and the fix (a listed recipe) passes with FP8 off."""
+    from dataclasses import replace
+    from megatron_kd.recipe import checks
+    from megatron_kd.recipe.schema import RecipeError
+    m = _config(fp8_recipe="foo")
+    with pytest.raises(RecipeError, match=r"^teacher\.fp8_recipe='foo': use one of \('tensorwise', 'delayed'"):
+        checks.check_model(m, "teacher", 1)
+    checks.check_model(replace(m, fp8_recipe="delayed"), "teacher", 1)

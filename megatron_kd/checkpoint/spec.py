@@ -102,6 +102,11 @@ def build_as_saved(common: dict, m, chosen: str | None, what: str, setting: str)
     why = refusal(common, m, what, setting)
     if why:
         raise RunError(why)
+    if m.attention_backend == "te" and not _te_here():  # no record: the builder's RuntimeError, a raw traceback
+        how = setting.format("te") if chosen else "its recipe's attention_backend=te"
+        raise RunError(f"{what}: {how} builds {NAMES['te']}, which cannot be built here (Transformer Engine does "
+                       f"not import); set {setting.format('sdpa')} for a checkpoint saved without it, or load it "
+                       "where Transformer Engine imports (a NeMo or Megatron-Bridge container)")
 
 
 def _common_at(path: str) -> dict:

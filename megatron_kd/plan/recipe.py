@@ -187,10 +187,10 @@ def layer_spec(m, shape: ModelShape) -> tuple[dict, list]:
     image, docker/Dockerfile) and NeMo / Megatron-Bridge environments have, and says how to plan the other.
     The exception is runtime/te_compat's: models with sinks / windows keep megatron-kd's core attention under
     TE's linears."""
-    from ..recipe.checks import check_fp8_settings
+    from ..recipe.checks import check_layer_settings
     from ..recipe.fp8 import fp8_fields
     from ..runtime.te_compat import te_attention_unverified
-    check_fp8_settings(m, "model")  # what training refuses is not planned
+    check_layer_settings(m, "model")  # what training refuses is not planned
     f8 = fp8_fields(m)
     fp8, fp8_recipe = f8.get("fp8"), f8.get("fp8_recipe")
     fp8_attention = bool(f8.get("fp8_dot_product_attention"))
@@ -271,6 +271,10 @@ def from_recipe(r) -> RecipePlan:
                      "and no separate main params)")
     if p.vpp:
         notes.append(f"parallel.vpp={p.vpp}: interleaved pipeline stages are not modelled (1F1B counted)")
+    from ..recipe.checks import check_layer_settings, check_quant_fp8
+    if targets.needs_teacher:  # the teacher training (online) or the cache build (kd.build_cache) runs
+        check_layer_settings(r.teacher, "teacher")
+    check_quant_fp8(r)
     spec, spec_notes = layer_spec(m, shape)
     tr.update(spec)
     notes += spec_notes

@@ -14,6 +14,7 @@ from ..kernels import fused_unavailable
 from ..rules import encoding_problem, padded_vocab_size, same_temperature, top_k_fits
 from ..runtime import features  # looked up at call time: the one place a test fakes TE or apex importing
 from ..runtime.te_compat import own_attention_cp_refusal, te_attention_refusal, te_attention_unverified
+from .fp8 import fp8_fields, fp8_keys
 from .resume_keys import resume_keys_all
 from .schema import (ATTENTION_BACKENDS, FP8_FORMATS, FP8_RECIPES, PRECISIONS, QUANT_CUDA_ONLY, QUANT_FORMATS,
                      ModelConfig, Recipe, RecipeError)
@@ -47,8 +48,7 @@ def check_model(m: ModelConfig, section: str, tp: int) -> None:
           f"{section}.position_embedding_type={m.position_embedding_type!r}: use rope, yarn, learned_absolute or none")
     check_gpt_oss_fields(m, section)
     check_rope_scaling(m, section)
-    _need(m.attention_backend in ATTENTION_BACKENDS,
-          f"{section}.attention_backend={m.attention_backend!r}: use one of {ATTENTION_BACKENDS}")
+    check_layer_settings(m, section)
     _need(m.attention_backend != "te" or features.te_available(),
           f"{section}.attention_backend=te needs Transformer Engine, which does not import here; set "
           f"{section}.attention_backend=auto (TE's layers where TE imports, else SDPA) or sdpa, or run in a "
@@ -66,37 +66,62 @@ def check_model(m: ModelConfig, section: str, tp: int) -> None:
               f"{section}.megatron passes fields to Megatron's TransformerConfig, which has no such field")
 
 
+def check_layer_settings(m: ModelConfig, section: str) -> None:
+    """The attention backend and FP8 keys as far as the machine does not matter (also for `megatron-kd plan`, on a
+    machine that need not have TE): what check_model refuses of them anywhere is not planned either."""
+    _need(m.attention_backend in ATTENTION_BACKENDS,
+          f"{section}.attention_backend={m.attention_backend!r}: use one of {ATTENTION_BACKENDS}")
+    check_fp8_settings(m, section)
+
+
+def check_quant_fp8(r: Recipe) -> None:
+    """ModelOpt's quantization (quant.format) and TE's FP8 of the student, which both quantize its linears."""
+    fp8_key = fp8_keys(r.model, "model").get("fp8")
+    _need(r.quant.format == "none" or not fp8_key, f"quant.format={r.quant.format} with {fp8_key}="
+          f"{fp8_fields(r.model).get('fp8')}: ModelOpt's fake quantization and Transformer Engine's FP8 would both "
+          f"quantize the same linear layers; set {fp8_key}=null")
+
+
 def check_fp8_settings(m: ModelConfig, section: str) -> None:
     """The FP8 keys among themselves and with the model, wherever the recipe is read (also by `megatron-kd plan`,
     on a machine that need not have TE): FP8 runs in Transformer Engine's layers only, FP8 attention with delayed
-    scaling only, and not for models whose attention TE's spec does not reproduce."""
+    scaling only, and not for models whose attention TE's spec does not reproduce. The section's own keys, then
+    what megatron-core gets (recipe/fp8.fp8_fields: `megatron:` may set FP8 too), each by the key that set it."""
     if m.fp8 is None:
         _need(not m.fp8_attention, f"{section}.fp8_attention=true needs FP8 layers: set {section}.fp8=hybrid "
               f"(and {section}.fp8_recipe=delayed), or {section}.fp8_attention=false")
-        return
-    _need(not te_attention_unverified(m), te_attention_refusal(section, m.fp8))
-    _need(m.fp8 in FP8_FORMATS, f"{section}.fp8={m.fp8!r}: use one of {FP8_FORMATS} (or null for bf16)")
+    else:
+        _need(m.fp8 in FP8_FORMATS, f"{section}.fp8={m.fp8!r}: use one of {FP8_FORMATS} (or null for bf16)")
+    # checked with FP8 off too: a misspelt recipe must not wait until someone turns FP8 on
     _need(m.fp8_recipe in FP8_RECIPES, f"{section}.fp8_recipe={m.fp8_recipe!r}: use one of {FP8_RECIPES}")
-    _need(m.attention_backend in ("te", "auto"), f"{section}.fp8={m.fp8} runs in Transformer Engine's layers but "
+    f8, key = fp8_fields(m), fp8_keys(m, section)
+    if not f8:
+        return
+    fp8, recipe, attention = f8["fp8"], f8["fp8_recipe"], bool(f8["fp8_dot_product_attention"])
+    _need(not te_attention_unverified(m), te_attention_refusal(key["fp8"], fp8))
+    _need(fp8 in FP8_FORMATS, f"{key['fp8']}={fp8!r}: use one of {FP8_FORMATS} (or null for bf16)")
+    _need(recipe in FP8_RECIPES, f"{key['fp8_recipe']}={recipe!r}: use one of {FP8_RECIPES}")
+    _need(m.attention_backend in ("te", "auto"), f"{key['fp8']}={fp8} runs in Transformer Engine's layers but "
           f"{section}.attention_backend={m.attention_backend}; set {section}.attention_backend=te (or auto), or "
-          f"{section}.fp8=null")
-    _need(not m.fp8_attention or m.fp8_recipe == "delayed",
-          f"{section}.fp8_attention=true with {section}.fp8_recipe={m.fp8_recipe}: Transformer Engine's FP8 "
-          f"attention runs with delayed scaling only (it has no backend for {m.fp8_recipe}); set "
-          f"{section}.fp8_recipe=delayed, or {section}.fp8_attention=false")
+          f"{key['fp8']}=null")
+    a, r = key["fp8_dot_product_attention"], key["fp8_recipe"]
+    _need(not attention or recipe == "delayed",
+          f"{a}=true with {r}={recipe}: Transformer Engine's FP8 attention runs with delayed scaling only (it has "
+          f"no backend for {recipe}); set {r}=delayed, or {a}=false")
 
 
 def check_fp8(m: ModelConfig, section: str) -> None:
     """FP8 runs in Transformer Engine's layers only, and each scaling recipe on the GPUs that have it."""
     check_fp8_settings(m, section)
-    if m.fp8 is None:
+    f8, key = fp8_fields(m), fp8_keys(m, section)
+    if not f8:
         return
-    _need(features.te_available(), f"{section}.fp8={m.fp8} needs Transformer Engine on a GPU, which does not import "
-          f"here; set {section}.fp8=null (bf16), or run in a container with TE (NeMo / Megatron-Bridge)")
-    if m.fp8_recipe == "mxfp8":
+    _need(features.te_available(), f"{key['fp8']}={f8['fp8']} needs Transformer Engine on a GPU, which does not "
+          f"import here; set {key['fp8']}=null (bf16), or run in a container with TE (NeMo / Megatron-Bridge)")
+    if f8["fp8_recipe"] == "mxfp8":
         major = torch.cuda.get_device_capability()[0]
-        _need(major >= 10, f"{section}.fp8_recipe=mxfp8 needs a Blackwell GPU (compute capability 10+; this one "
-              f"is {major}.x); use {section}.fp8_recipe=tensorwise, delayed or blockwise")
+        _need(major >= 10, f"{key['fp8_recipe']}=mxfp8 needs a Blackwell GPU (compute capability 10+; this one "
+              f"is {major}.x); use {key['fp8_recipe']}=tensorwise, delayed or blockwise")
 
 
 def check_vocab(vocab_size: int, m: ModelConfig, section: str, tp: int) -> int:
@@ -143,9 +168,7 @@ def check_recipe(r: Recipe, world_size: int | None = 1, cuda: bool = False) -> N
     _need(r.quant.format == "none" or (p.pp == 1 and not p.vpp), f"quant.format={r.quant.format} with parallel.pp="
           f"{p.pp}: a quantized student trains under TP and DP, not pipeline stages (each stage's quantizers would "
           "need their own state); set parallel.pp=1")
-    _need(r.quant.format == "none" or not r.model.fp8, f"quant.format={r.quant.format} with model.fp8="
-          f"{r.model.fp8}: ModelOpt's fake quantization and Transformer Engine's FP8 would both quantize the same "
-          "linear layers; set model.fp8=null")
+    check_quant_fp8(r)
     if not cuda:
         _check_cpu(r)
     if world_size is not None:

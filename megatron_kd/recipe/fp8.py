@@ -26,3 +26,12 @@ def fp8_fields(m) -> dict:
         defaults = {f.name: f.default for f in fields(TransformerConfig)}
         kw |= {k: defaults[k] for k in missing}
     return kw
+
+
+def fp8_keys(m, section: str) -> dict:
+    """The recipe key each of fp8_fields' values comes from ({} when no FP8): `{section}.megatron.X` where the
+    pass-through sets it, else the section's own key (fp8_dot_product_attention: `{section}.fp8_attention`), so
+    that a check of the FP8 megatron-core runs with names the key the user set."""
+    own = {"fp8": "fp8", "fp8_recipe": "fp8_recipe", "fp8_dot_product_attention": "fp8_attention"}
+    meg = m.megatron or {}
+    return {k: f"{section}.megatron.{k}" if k in meg else f"{section}.{own[k]}" for k in fp8_fields(m)}

@@ -14,6 +14,7 @@ from ..cache.hashing import tokenizer_id
 from ..hf.checks import (HFCheckpointError, check_hf_dir, check_layout, check_same_tokenizer, hf_vocab_size,
                          tokenizer_size)
 from ..hf.model import open_hf
+from .fp8 import fp8_fields, fp8_keys
 from .schema import Recipe, RecipeError
 from .targets import TargetSource
 
@@ -57,8 +58,10 @@ def resolve(r, *, teacher: bool | None = None) -> list:
         else:
             check_layout(m.hf_path, key, tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp)
         hf = open_hf(m.hf_path, key)
-        if m.fp8 and hf.te_attention_unverified():
-            raise HFCheckpointError(f"{key}={m.hf_path!r}: " + te_attention_refusal(name, m.fp8))
+        f8 = fp8_fields(m)
+        if f8 and hf.te_attention_unverified():
+            raise HFCheckpointError(f"{key}={m.hf_path!r}: " + te_attention_refusal(fp8_keys(m, name)["fp8"],
+                                                                                    f8["fp8"]))
         if p.cp > 1 and hf.te_attention_unverified() and (name == "model" or TargetSource.of(r.kd).teacher_each_step):
             raise HFCheckpointError(f"{key}={m.hf_path!r}: " + own_attention_cp_refusal(name, p.cp))
         arch = hf.architecture()

@@ -58,10 +58,11 @@ def own_attention_cp_refusal(section: str, cp: int) -> str:
             "exchange; set parallel.cp=1 (for memory: recompute more layers, or spread the experts with parallel.ep)")
 
 
-def te_attention_refusal(section: str, fp8) -> str:
-    """The sentence that refuses `{section}.fp8` for such a model, with the fix."""
-    return (f"{section}.fp8={fp8}: FP8 has not been checked against bf16 for models with attention sinks / sliding "
-            f"windows (GPT-OSS); set {section}.fp8=null (the model then trains in bf16 on Transformer Engine's "
+def te_attention_refusal(key: str, fp8) -> str:
+    """The sentence that refuses FP8 for such a model, with the fix. `key`: the recipe key that set FP8
+    (`model.fp8`, or `model.megatron.fp8` where the pass-through sets it)."""
+    return (f"{key}={fp8}: FP8 has not been checked against bf16 for models with attention sinks / sliding "
+            f"windows (GPT-OSS); set {key}=null (the model then trains in bf16 on Transformer Engine's "
             "layers with megatron-kd's sink / window attention)")
 
 

@@ -440,3 +440,22 @@ def test_the_plan_counts_the_sink_attention():
     extra = {k: v for k, v in attention_activation_bytes(T, 64, 8, 64, sink=True, window=None).items()
              if k != "attention out + lse"}
     assert with_sink - plain == sum(extra.values()) > 0
+
+
+@pytest.mark.parametrize("over, error", [
+    (["model.attention_backend=TE"], r"^model\.attention_backend='TE': use one of"),
+    (["kd=online", "teacher.fp8=fp4"], r"^teacher\.fp8='fp4': use one of"),
+    (["kd=online", "teacher.attention_backend=sdpa", "teacher.fp8=hybrid"],
+     r"^teacher\.fp8=hybrid runs in Transformer Engine's layers but teacher\.attention_backend=sdpa"),
+    (["kd.build_cache=true", "kd.top_k=100", "teacher.fp8_attention=true"], r"^teacher\.fp8_attention=true needs"),
+    (["model.fp8=hybrid", "quant.format=fp8"], r"^quant\.format=fp8 with model\.fp8=hybrid: .*set model\.fp8=null"),
+])
+def test_plan_refuses_the_backend_and_fp8_keys_training_refuses(over, error):
+    """What training refuses of the attention backend and FP8 keys, wherever the machine does not matter, is not
+    planned: an unknown backend was planned (as the local spec), a teacher's FP8 keys were not read, and FP8 with
+    quant.format was planned. The student alone with the same teacher keys but kd.mode=ce still plans."""
+    from megatron_kd.errors import RecipeError
+    with pytest.raises(RecipeError, match=error):
+        _read(*over)
+    if over[0].startswith("kd="):
+        _read("kd=ce", *over[1:])

@@ -200,3 +200,22 @@ def test_the_fp8_recipe_needs_transformer_engine(monkeypatch):
         check_recipe(r, None, True)
     monkeypatch.setattr(features, "te_available", lambda: True)
     check_recipe(r, None, True)
+
+
+@pytest.mark.parametrize("te", [False, True])
+def test_fp8_set_through_megatron_is_refused_by_its_key_before_any_work(tmp_path, monkeypatch, te):
+    """model.megatron.fp8 reaches megatron-core as model.fp8 does: without TE it is refused before any work (it
+    trained in bf16 on the local spec with no word), and with quant.format it is refused like model.fp8, naming
+    the key that set it; the fix given passes."""
+    from megatron_kd.recipe.checks import check_recipe
+    from megatron_kd.runtime import features
+    monkeypatch.setattr(features, "te_available", lambda: te)
+    if not te:
+        fails(tmp_path, r"^model\.megatron\.fp8=hybrid needs Transformer Engine.*set model\.megatron\.fp8=null",
+              "model.megatron.fp8=hybrid")
+        check_recipe(recipe(tmp_path, "model.megatron.fp8=null"), None, False)
+        return
+    with pytest.raises(RecipeError, match=r"^quant\.format=int8 with model\.megatron\.fp8=hybrid: .*"
+                                          r"set model\.megatron\.fp8=null"):
+        check_recipe(recipe(tmp_path, "model.megatron.fp8=hybrid", "quant.format=int8"), None, False)
+    check_recipe(recipe(tmp_path, "model.megatron.fp8=null", "quant.format=int8"), None, False)

@@ -451,3 +451,51 @@ def test_a_te_final_norm_alone_does_not_make_a_te_teacher():
     assert layer_backend(model) == "sdpa"
     decoder.layers.append(te_norm())  # a TE module inside the layers is TE's spec
     assert layer_backend(model) == "te"
+
+
+def test_fp8_set_through_megatron_is_checked_by_its_key(monkeypatch):
+    """FP8 set in the `megatron:` pass-through reaches megatron-core (recipe/fp8.fp8_fields) as model.fp8 does, so
+    the FP8 rules hold for it too, naming the key the user set: it trained in bf16 on the local spec with no word
+    (model.megatron.fp8=hybrid without TE, or with attention_backend=sdpa), and took any value (fp4). Each fix
+    given passes."""
+    from dataclasses import replace
+    from megatron_kd.recipe import checks
+    from megatron_kd.recipe.schema import RecipeError
+    monkeypatch.setattr(features, "te_available", lambda: False)
+    m = _config(megatron={"fp8": "hybrid"})
+    m.attention_backend = "auto"
+    with pytest.raises(RecipeError, match=r"^model\.megatron\.fp8=hybrid needs Transformer Engine.*"
+                                          r"set model\.megatron\.fp8=null"):
+        checks.check_model(m, "model", 1)
+    checks.check_model(replace(m, megatron={"fp8": None}), "model", 1)
+    monkeypatch.setattr(features, "te_available", lambda: True)
+    checks.check_model(m, "model", 1)
+    with pytest.raises(RecipeError, match=r"^model\.megatron\.fp8=hybrid runs in Transformer Engine's layers but "
+                                          r"model\.attention_backend=sdpa; set model\.attention_backend=te"):
+        checks.check_model(replace(m, attention_backend="sdpa"), "model", 1)
+    with pytest.raises(RecipeError, match=r"^teacher\.megatron\.fp8='fp4': use one of"):
+        checks.check_model(replace(m, megatron={"fp8": "fp4"}), "teacher", 1)
+    with pytest.raises(RecipeError, match=r"^model\.megatron\.fp8_recipe='foo': use one of"):
+        checks.check_model(replace(m, fp8="hybrid", megatron={"fp8_recipe": "foo"}), "model", 1)
+    attn = replace(m, fp8="hybrid", megatron={"fp8_dot_product_attention": True})
+    with pytest.raises(RecipeError, match=r"^model\.megatron\.fp8_dot_product_attention=true with "
+                                          r"model\.fp8_recipe=tensorwise: .*set model\.fp8_recipe=delayed"):
+        checks.check_model(attn, "model", 1)
+    checks.check_model(replace(attn, fp8_recipe="delayed"), "model", 1)
+    sinks = replace(m, softmax_type="learnable", window_size=[127, 0], window_attn_skip_freq=2)
+    with pytest.raises(RecipeError, match=r"^teacher\.megatron\.fp8=hybrid: FP8 has not been checked.*"
+                                          r"set teacher\.megatron\.fp8=null"):
+        checks.check_model(sinks, "teacher", 1)
+    checks.check_model(replace(sinks, megatron={"fp8": None}), "teacher", 1)
+
+
+def test_a_misspelt_fp8_recipe_is_refused_with_fp8_off():
+    """model.fp8_recipe=foo without model.fp8 trained with no word (the key is read only when FP8 is on); the
+    value is refused by name wherever it is, and the fix (a listed recipe) passes with FP8 off."""
+    from dataclasses import replace
+    from megatron_kd.recipe import checks
+    from megatron_kd.recipe.schema import RecipeError
+    m = _config(fp8_recipe="foo")
+    with pytest.raises(RecipeError, match=r"^teacher\.fp8_recipe='foo': use one of \('tensorwise', 'delayed'"):
+        checks.check_model(m, "teacher", 1)
+    checks.check_model(replace(m, fp8_recipe="delayed"), "teacher", 1)

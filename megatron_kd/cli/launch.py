@@ -97,6 +97,21 @@ def composed(a):
     return cfg
 
 
+def refusal_here(cfg) -> str | None:
+    """For a run on this node: the sentence the recipe's own checks (recipe/checks.check_recipe, with this
+    machine's GPU and Transformer Engine) refuse it with, else None. Said before torchrun starts: otherwise every
+    worker prints the sentence and torchrun adds its own traceback (ChildFailedError) after it."""
+    from ..recipe.checks import check_recipe
+    from ..recipe.schema import RecipeError, to_recipe
+    from ..runtime.dist import use_cuda
+    r = to_recipe(cfg)
+    try:
+        check_recipe(r, None, use_cuda(r.train.device))
+    except (RecipeError, RuntimeError) as e:
+        return str(e)
+    return None
+
+
 def recipe_args(recipe: str) -> list:
     """Hydra's flags for a recipe, as launch/slurm.sbatch builds them: a path gives --config-path too."""
     if recipe.endswith((".yaml", ".yml")):
@@ -234,5 +249,10 @@ def main(argv=None) -> int:
         print(f"# {note}")
     if a.dry_run:
         return 0
+    if a.nodes == 1 and not (a.slurm or a.container):  # it runs here: checked here first
+        why = refusal_here(composed(a))
+        if why:
+            print(f"megatron-kd launch: error: {why}", file=sys.stderr)
+            return 2
     sys.stdout.flush()
     return subprocess.run(plan.argv, env={**os.environ, **plan.env}).returncode

@@ -171,6 +171,29 @@ def test_launch_unknown_recipe_names_the_known_ones():
         launch.main(["--dry-run", "no_such_recipe"])
 
 
+@pytest.mark.parametrize("override, key", [("model.fp8=fp4", "model.fp8='fp4'"),
+                                           ("teacher.attention_backend=te", "teacher.attention_backend=te")])
+def test_launch_here_refuses_a_bad_recipe_before_torchrun(capsys, monkeypatch, tmp_path, override, key):
+    """A run on this node is checked here first: one sentence and exit 2, torchrun never started (it used to print
+    every worker's sentence and then its own ChildFailedError traceback). Slurm and docker runs are checked where
+    they run."""
+    from megatron_kd.runtime import features
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(features, "te_available", lambda: False)
+    started, real_run = [], subprocess.run
+
+    def run_or_record(argv, *a, env=None, **k):  # torchrun.sh's own dry run (the printed line) still runs
+        if (env or {}).get("DRY_RUN") == "1":
+            return real_run(argv, *a, env=env, **k)
+        started.append(argv)
+    monkeypatch.setattr(launch.subprocess, "run", run_or_record)
+    assert launch.main(["tiny_cpu", override]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"megatron-kd launch: error: {key}") and "\n" not in err, err
+    assert not started
+    assert launch.main(["tiny_cpu", "--nodes", "2", "--dry-run", override]) == 0  # not refused for another machine
+
+
 def test_launch_through_the_cli_dispatcher(recipe):
     out = run([sys.executable, "-m", "megatron_kd", "launch", "--dry-run", str(recipe)], cwd=ROOT)
     assert out.returncode == 0, out.stderr

@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     from ..runtime.interrupt import run_interruptible
     parser = get_args_parser()
     args = parser.parse_args(argv)
-    problem = preflight(args.config_name or "tiny_cpu", args.config_path, args.overrides)
+    problem = preflight(args.config_name or "tiny_cpu", args.config_path, args.overrides, checks=not args.cfg)
     if not problem and args.multirun and not args.cfg:  # before Hydra writes multirun.yaml and each run's .hydra/
         problem = sweep_problem(args.config_name or "tiny_cpu", args.config_path, args.overrides)
     if problem:
@@ -60,18 +60,26 @@ def main(argv=None) -> int:
     return run_interruptible(call, "the last saved checkpoint is kept")
 
 
-def preflight(name: str, config_path, overrides: list) -> str | None:
+def preflight(name: str, config_path, overrides: list, checks: bool = True) -> str | None:
     """Why the recipe NAME (in --config-path, else the recipes) with these overrides does not compose or does not
     pass the schema, in one sentence; None when it does. A sweep is checked with the first value of each swept key.
-    Hydra would otherwise print its own multi-line report (or the YAML parser's traceback) and exit 1."""
+    Hydra would otherwise print its own multi-line report (or the YAML parser's traceback) and exit 1.
+    checks: also the recipe's own checks (recipe/checks.check_recipe) and its `???` values, before Hydra writes the
+    run directory's .hydra/ (a refused run would replace the record of the run already there); off for --cfg,
+    which prints a recipe as it is. A model or teacher from a Hugging Face checkpoint is checked in the run, once
+    its architecture is read from config.json."""
     from pathlib import Path
-    from ..recipe.checks import recipe_file_error
+    from ..recipe.checks import check_recipe, checked_recipe, recipe_file_error
     from ..recipe.compose import compose, first_of_each_sweep, recipes_dir
     from ..recipe.schema import RecipeError, to_recipe
+    from ..runtime.dist import use_cuda
     target = str(Path(config_path) / f"{name}.yaml") if config_path else name
     try:
         overrides = first_of_each_sweep(overrides)
-        to_recipe(compose(target, overrides))
+        cfg = compose(target, overrides)
+        r = checked_recipe(cfg) if checks else to_recipe(cfg)
+        if checks and not (r.model.hf_path or r.teacher.hf_path):
+            check_recipe(r, None, use_cuda(r.train.device))
     except RecipeError as e:
         return recipe_file_error(name, config_path, overrides, recipes_dir()) or str(e)
     except Exception as e:  # noqa: BLE001  a recipe file that does not read, or an override Hydra's parser refuses

@@ -84,6 +84,20 @@ def test_train_wrong_type_is_one_line_naming_key_and_type(capsys, tmp_path):
     assert err.count("\n") == 0 and "'train.iters'" in err and "Integer" in err and "abc" in err, err
 
 
+@pytest.mark.parametrize("bad", ["model.fp8=fp4", "kd.top_k=0", "kd.cache=???"])
+def test_a_refused_train_leaves_the_run_directory_as_it_was(capsys, tmp_path, bad):
+    """A recipe the checks refuse is refused before Hydra writes the run directory's .hydra/: the record of the
+    run already there stays (a refused run used to replace it with its own recipe)."""
+    record = tmp_path / ".hydra" / "config.yaml"
+    record.parent.mkdir()
+    record.write_text("the finished run's recipe\n")
+    assert train_cli.main([bad, f"hydra.run.dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("megatron-kd train: error: ") and "\n" not in err, err
+    assert record.read_text() == "the finished run's recipe\n"
+    assert sorted(p.name for p in (tmp_path / ".hydra").iterdir()) == ["config.yaml"]
+
+
 def test_cfg_job_prints_every_schema_key_and_keeps_required_ones(capsys):
     from omegaconf import OmegaConf
     from megatron_kd.recipe.schema import TrainConfig

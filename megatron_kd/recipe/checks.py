@@ -101,6 +101,13 @@ def check_fp8_settings(m: ModelConfig, section: str) -> None:
     _need(not te_attention_unverified(m), te_attention_refusal(key["fp8"], fp8))
     _need(fp8 in FP8_FORMATS, f"{key['fp8']}={fp8!r}: use one of {FP8_FORMATS} (or null for bf16)")
     _need(recipe in FP8_RECIPES, f"{key['fp8_recipe']}={recipe!r}: use one of {FP8_RECIPES}")
+    # FP8 from the pass-through alone: the section's own fp8_recipe (the schema's default included) is not
+    # passed to megatron-core, so a different one would be silently ignored
+    source = key["fp8_recipe"] if ".megatron." in key["fp8_recipe"] else "megatron-core's default"
+    _need(m.fp8 is not None or recipe == m.fp8_recipe,
+          f"{key['fp8']}={fp8} runs the FP8 recipe {recipe} ({source}), not {section}.fp8_recipe={m.fp8_recipe}; "
+          f"set {section}.fp8={fp8} instead of {key['fp8']} ({section}.fp8_recipe then applies), or "
+          f"{section}.fp8_recipe={recipe}")
     _need(m.attention_backend in ("te", "auto"), f"{key['fp8']}={fp8} runs in Transformer Engine's layers but "
           f"{section}.attention_backend={m.attention_backend}; set {section}.attention_backend=te (or auto), or "
           f"{key['fp8']}=null")

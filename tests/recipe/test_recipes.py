@@ -212,10 +212,11 @@ def test_fp8_set_through_megatron_is_refused_by_its_key_before_any_work(tmp_path
     monkeypatch.setattr(features, "te_available", lambda: te)
     if not te:
         fails(tmp_path, r"^model\.megatron\.fp8=hybrid needs Transformer Engine.*set model\.megatron\.fp8=null",
-              "model.megatron.fp8=hybrid")
+              "model.megatron.fp8=hybrid", "model.fp8_recipe=delayed")  # megatron-core's default recipe
         check_recipe(recipe(tmp_path, "model.megatron.fp8=null"), None, False)
         return
     with pytest.raises(RecipeError, match=r"^quant\.format=int8 with model\.megatron\.fp8=hybrid: .*"
                                           r"set model\.megatron\.fp8=null"):
-        check_recipe(recipe(tmp_path, "model.megatron.fp8=hybrid", "quant.format=int8"), None, False)
+        check_recipe(recipe(tmp_path, "model.megatron.fp8=hybrid", "model.fp8_recipe=delayed", "quant.format=int8"),
+                     None, False)
     check_recipe(recipe(tmp_path, "model.megatron.fp8=null", "quant.format=int8"), None, False)

@@ -6,6 +6,8 @@
 The TE side (TE's linears keeping the fusion, sequential experts under TE's spec, FP8): tests/models/test_te_gpu.py."""
 import os
 
+import re
+
 import pytest
 import torch
 
@@ -462,7 +464,7 @@ def test_fp8_set_through_megatron_is_checked_by_its_key(monkeypatch):
     from megatron_kd.recipe import checks
     from megatron_kd.recipe.schema import RecipeError
     monkeypatch.setattr(features, "te_available", lambda: False)
-    m = _config(megatron={"fp8": "hybrid"})
+    m = _config(megatron={"fp8": "hybrid"}, fp8_recipe="delayed")  # the recipe megatron-core runs by default
     m.attention_backend = "auto"
     with pytest.raises(RecipeError, match=r"^model\.megatron\.fp8=hybrid needs Transformer Engine.*"
                                           r"set model\.megatron\.fp8=null"):
@@ -477,7 +479,7 @@ def test_fp8_set_through_megatron_is_checked_by_its_key(monkeypatch):
         checks.check_model(replace(m, megatron={"fp8": "fp4"}), "teacher", 1)
     with pytest.raises(RecipeError, match=r"^model\.megatron\.fp8_recipe='foo': use one of"):
         checks.check_model(replace(m, fp8="hybrid", megatron={"fp8_recipe": "foo"}), "model", 1)
-    attn = replace(m, fp8="hybrid", megatron={"fp8_dot_product_attention": True})
+    attn = replace(m, fp8="hybrid", fp8_recipe="tensorwise", megatron={"fp8_dot_product_attention": True})
     with pytest.raises(RecipeError, match=r"^model\.megatron\.fp8_dot_product_attention=true with "
                                           r"model\.fp8_recipe=tensorwise: .*set model\.fp8_recipe=delayed"):
         checks.check_model(attn, "model", 1)
@@ -487,6 +489,31 @@ def test_fp8_set_through_megatron_is_checked_by_its_key(monkeypatch):
                                           r"set teacher\.megatron\.fp8=null"):
         checks.check_model(sinks, "teacher", 1)
     checks.check_model(replace(sinks, megatron={"fp8": None}), "teacher", 1)
+
+
+@pytest.mark.parametrize("megatron, runs", [({"fp8": "hybrid"}, "delayed (megatron-core's default)"),
+                                            ({"fp8": "hybrid", "fp8_recipe": "blockwise"},
+                                             "blockwise (model.megatron.fp8_recipe)")])
+def test_fp8_from_megatron_alone_does_not_ignore_the_sections_fp8_recipe(monkeypatch, megatron, runs):
+    """FP8 set only in the pass-through runs the recipe megatron-core gets there (its default: delayed), not
+    model.fp8_recipe: a different model.fp8_recipe (the schema's tensorwise included) was silently ignored, and the
+    plan counted the other recipe's buffers. Refused naming both; each fix given passes."""
+    from dataclasses import replace
+    from megatron_kd.recipe import checks
+    from megatron_kd.recipe.fp8 import fp8_fields
+    from megatron_kd.recipe.schema import RecipeError
+    monkeypatch.setattr(features, "te_available", lambda: True)
+    m = _config(megatron=megatron, fp8_recipe="tensorwise")
+    m.attention_backend = "auto"
+    with pytest.raises(RecipeError, match=rf"^model\.megatron\.fp8=hybrid runs the FP8 recipe {re.escape(runs)}, "
+                                          r"not model\.fp8_recipe=tensorwise; set model\.fp8=hybrid instead of "
+                                          r"model\.megatron\.fp8 .* or model\.fp8_recipe="):
+        checks.check_model(m, "model", 1)
+    recipe = runs.split()[0]
+    checks.check_model(replace(m, fp8_recipe=recipe), "model", 1)
+    own = replace(m, fp8="hybrid", megatron={k: v for k, v in megatron.items() if k != "fp8"})
+    checks.check_model(own, "model", 1)
+    assert fp8_fields(own)["fp8_recipe"] == megatron.get("fp8_recipe", "tensorwise")
 
 
 def test_a_misspelt_fp8_recipe_is_refused_with_fp8_off():

@@ -90,11 +90,11 @@ def _json_documents(path: str, key: str) -> list:
 
 
 def _parquet_documents(path: str, key: str) -> list:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise CorpusError(f"{path}: reading Parquet needs pyarrow: pip install pyarrow (or pip install -e "
-                          "'.[parquet]')") from None
+    from ..runtime.extras import missing
+    why = missing("parquet", "Parquet corpora", path)
+    if why:
+        raise CorpusError(why)
+    import pyarrow.parquet as pq
     try:
         f = pq.ParquetFile(gzip.open(path) if path.lower().endswith(".gz") else path)
         names = f.schema_arrow.names

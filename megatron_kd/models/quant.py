@@ -10,6 +10,7 @@ Resume: the quantizers' structure and settings are ModelOpt's "modelopt state" (
 state); their calibrated values (amax, AWQ scales) are buffers of the model's state dict and travel with the weights.
 """
 import copy
+import sys
 
 import torch
 
@@ -44,8 +45,11 @@ def is_quantized(model: torch.nn.Module) -> bool:
 
 
 def _is_quantizer(m) -> bool:
-    from modelopt.torch.quantization.nn import TensorQuantizer
-    return isinstance(m, TensorQuantizer)
+    # A quantizer can only exist once ModelOpt's module defining it has been imported (quantize and
+    # restore_quantizers import it): looking it up instead of importing keeps every unquantized run, and every
+    # install without the quant extra, free of ModelOpt and of the packages its import needs.
+    nn = sys.modules.get("modelopt.torch.quantization.nn")
+    return nn is not None and isinstance(m, nn.TensorQuantizer)
 
 
 def enabled_quantizers(model: torch.nn.Module) -> list:
@@ -79,8 +83,8 @@ def quantizer_bytes(model: torch.nn.Module) -> int:
 
 
 def _is_sequential(m) -> bool:  # a chain of quantizers on one tensor (w4a8_awq's int4 then fp8 weights)
-    from modelopt.torch.quantization.nn import SequentialQuantizer
-    return isinstance(m, SequentialQuantizer)
+    nn = sys.modules.get("modelopt.torch.quantization.nn")  # as _is_quantizer: no ModelOpt, no quantizer
+    return nn is not None and isinstance(m, nn.SequentialQuantizer)
 
 
 def _is_quantizer_key(key: str) -> bool:

@@ -192,10 +192,8 @@ def quant_problem(fmt: str, cuda: bool, key: str = "quant.format") -> str | None
         runs = ", ".join(f for f in QUANT_FORMATS if f not in QUANT_CUDA_ONLY and f != "none")
         return (f"{key}={fmt} needs a CUDA GPU (ModelOpt fake-quantizes {fmt} on CUDA tensors only); on this "
                 f"machine use one of {runs}")
-    import importlib.util
-    if importlib.util.find_spec("modelopt") is None:
-        return f"{key}={fmt} needs NVIDIA ModelOpt: pip install 'megatron-kd[quant]' (nvidia-modelopt)"
-    return None
+    from ..runtime.extras import missing
+    return missing("quant", "fake-quantized students", f"{key}={fmt}")
 
 
 def _check_kd(r: Recipe) -> None:

@@ -162,7 +162,7 @@ def test_parquet_without_pyarrow_names_the_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "pyarrow", None)
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     refused(*run("--input", tmp_path / "c.parquet", "--output-prefix", tmp_path / "d/c"),
-            str(tmp_path / "c.parquet"), "pip install pyarrow")
+            str(tmp_path / "c.parquet"), "pip install 'megatron-kd[parquet]'")
 
 
 def test_parquet_without_the_column_names_the_flag(tmp_path):

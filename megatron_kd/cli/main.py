@@ -34,6 +34,8 @@ def main(argv=None) -> int:
     if name not in COMMANDS:
         print(f"megatron-kd: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
+    from ..runtime.quiet import quiet_megatron_warnings
+    quiet_megatron_warnings()  # every command: the libraries' import-time notices are not the user's business
     module = importlib.import_module(COMMANDS[name][0])
     return int(module.main(rest) or 0)
 

@@ -4,9 +4,15 @@ import logging
 import warnings
 
 LIBRARIES = r"megatron\.(core|bridge)(\..*)?$"
-# megatron-core's DDP logs every parameter of every gradient bucket at INFO ("... (param.main_grad.dtype=...)"),
-# hundreds of lines per model; its warnings still come through.
-CHATTY_LOGGERS = ("megatron.core.distributed.param_and_grad_buffer",)
+# megatron-core logs at INFO for its own developers (its DDP lists every parameter of every gradient bucket,
+# "... (param.main_grad.dtype=...)", hundreds of lines per model); its warnings still come through
+CHATTY_LOGGERS = ("megatron.core",)
+# ... except the deprecation notices of classes and options megatron-kd chose, which a user cannot act on
+DEPRECATION_LOGGERS = ("megatron.core.models.gpt.gpt_model", "megatron.core.dist_checkpointing.strategies.torch")
+
+
+def _not_a_deprecation(record: logging.LogRecord) -> bool:
+    return "deprecated" not in record.getMessage().lower()
 
 
 def quiet_megatron_warnings() -> None:
@@ -16,3 +22,7 @@ def quiet_megatron_warnings() -> None:
         warnings.filterwarnings("ignore", category=category, module=LIBRARIES)
     for name in CHATTY_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+    for name in DEPRECATION_LOGGERS:
+        logger = logging.getLogger(name)
+        if _not_a_deprecation not in logger.filters:
+            logger.addFilter(_not_a_deprecation)

@@ -64,7 +64,7 @@ def megatron_logits(checkpoint, student_hf, tokens, vocab=V):
 # (tokenizer ids, teacher embedding rows, student embedding rows): one size; and Qwen-style embeddings padded past
 # the tokenizer, differently in teacher and student (Qwen2.5: 152,064 rows at 7B, 151,936 at 1.5B, 151,665 tokens)
 @pytest.mark.parametrize("tok,t_rows,s_rows", [(V, V, V), (250, 272, 264)], ids=["same", "padded"])
-def test_hf_teacher_and_student_to_exported_student(tmp_path, tok, t_rows, s_rows, capfd):
+def test_hf_teacher_and_student_to_exported_student(tmp_path, tok, t_rows, s_rows):
     import tiny
     teacher, student = str(tmp_path / "teacher_hf"), str(tmp_path / "student_hf")
     tiny.make_hf(teacher, "llama", layers=3, hidden=64, seed=1, vocab_size=t_rows, tokenizer_size=tok)
@@ -89,9 +89,6 @@ def test_hf_teacher_and_student_to_exported_student(tmp_path, tok, t_rows, s_row
     _cli("train", "--config-name", "tiny_cpu", *common, f"model.hf_path={student}", "kd.build_cache=false",
          f"train.save={run}", "train.progress=false", "train.tensorboard=false", "train.lr=1e-2",
          f"train.export_hf={auto}")
-    printed = capfd.readouterr()
-    # the user sees progress, loss and throughput, not megatron-core DDP's line per parameter
-    assert "main_grad.dtype" not in printed.out + printed.err, (printed.out + printed.err)[-2000:]
     summary = json.load(open(os.path.join(run, "summary.json")))
     assert summary["iteration"] == 4 and summary["loss"] > 0
     from megatron_kd.cache import CacheReader

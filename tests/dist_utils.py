@@ -15,10 +15,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, fn, args, errq, timeout=None):
+def _worker(rank, world, port, fn, args, errq, deadline=None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    if timeout:  # every thread's stack on stderr just before the parent gives up: where each rank waits
-        faulthandler.dump_traceback_later(max(1.0, timeout - 3))
+    if deadline:  # every thread's stack on stderr just before the parent gives up: where each rank waits
+        faulthandler.dump_traceback_later(max(1.0, deadline - time.time() - 5))
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         fn(rank, world, *args)
@@ -37,9 +37,10 @@ def run_ranks(world: int, fn, *args, timeout: float | None = None) -> None:
     ctx = mp.get_context("spawn")
     errq = ctx.SimpleQueue()
     try:
-        procs = mp.start_processes(_worker, args=(world, free_port(), fn, args, errq, timeout), nprocs=world,
-                                   start_method="spawn", join=False)
         deadline = None if timeout is None else time.monotonic() + timeout
+        wall = None if timeout is None else time.time() + timeout
+        procs = mp.start_processes(_worker, args=(world, free_port(), fn, args, errq, wall), nprocs=world,
+                                   start_method="spawn", join=False)
         while not procs.join(None if deadline is None else max(0.0, deadline - time.monotonic())):
             if deadline is not None and time.monotonic() >= deadline:
                 for p in procs.processes:

@@ -20,7 +20,7 @@ from dist_utils import run_ranks
 
 pytestmark = pytest.mark.slow
 
-TIMEOUT = 600  # seconds per multi-process run; healthy ones took 116-180 s (2 ranks) and 270-300 s (4 ranks) on a 2-core machine at load 18-55
+TIMEOUT = 600  # seconds per multi-process run: well above a healthy one on a heavily shared 2-core machine
 ARCH = ["num_layers=2", "hidden_size=32", "ffn_hidden_size=64", "num_attention_heads=4", "num_query_groups=2",
         "make_vocab_size_divisible_by=8", "num_moe_experts=4", "moe_router_topk=2", "moe_ffn_hidden_size=32"]
 TEACHER = [f"teacher.{a}" for a in ARCH]

@@ -48,7 +48,9 @@ def transformer_config(m: ModelConfig, p: ParallelConfig, precision: str = "fp32
         recompute_num_layers=m.recompute_num_layers,
         tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
         virtual_pipeline_model_parallel_size=p.vpp, context_parallel_size=p.cp,
-        expert_model_parallel_size=p.ep, expert_tensor_parallel_size=p.etp,
+        # a dense model beside a MoE one (a dense student of a MoE teacher) has no experts to spread
+        expert_model_parallel_size=p.ep if m.num_moe_experts else 1,
+        expert_tensor_parallel_size=p.etp if m.num_moe_experts else None,
         sequence_parallel=p.sequence_parallel and p.tp > 1,
         bf16=precision == "bf16", fp16=precision == "fp16", params_dtype=dtype, pipeline_dtype=dtype,
         # Our loss_func returns per-token sums; Megatron divides by the global token count in finalize_model_grads.

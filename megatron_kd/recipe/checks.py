@@ -164,6 +164,11 @@ def check_recipe(r: Recipe, world_size: int | None = 1, cuda: bool = False) -> N
     for k in ("tp", "pp", "cp", "ep"):
         _need(getattr(p, k) >= 1, f"parallel.{k}={getattr(p, k)} must be >= 1")
     check_model(r.model, "model", p.tp)
+    # megatron-core's MoE layer raises in the first training step otherwise (after any teacher pass)
+    _need(not (r.model.num_moe_experts and p.tp > 1) or p.sequence_parallel,
+          f"model.num_moe_experts={r.model.num_moe_experts} with parallel.tp={p.tp}: megatron-core trains MoE layers "
+          "under tensor parallelism only with sequence parallelism; set parallel.sequence_parallel=true (GPUs), or "
+          "parallel.tp=1 and spread the experts with parallel.ep")
     _need(p.cp == 1 or not te_attention_unverified(r.model), own_attention_cp_refusal("model", p.cp))
     _check_kd(r)
     _check_data(r)

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .cpu_patches import apply_cpu_patches, seed_model_parallel_rng
+from .cpu_patches import apply_cpu_patches, megatron_compat, seed_model_parallel_rng
 
 
 def free_port() -> int:
@@ -73,6 +73,7 @@ def init_model_parallel(p, cuda: bool) -> None:
     from megatron.core import parallel_state as ps
     if not cuda:
         apply_cpu_patches()
+    megatron_compat()  # MoE layers of megatron-core 0.16 without Transformer Engine
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,

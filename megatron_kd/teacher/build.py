@@ -12,6 +12,7 @@ Micro-batches never cross a shard boundary, so a shard's bytes do not depend on 
 Each micro-batch's forward and top-K are queued on the device before the previous micro-batch's result is taken and
 handed to the sink (sink.py: copies, encoding, writes), so the host's work on one overlaps the device's on the next.
 """
+import dataclasses
 import errno
 import hashlib
 import os
@@ -91,17 +92,22 @@ def _topk_stream(x, tp_group):
 
 
 def _start_teacher_topk(teacher, tokens, k, temperature, chunk_size, tp_group, draws_of=None, to_host=False,
-                        shards=None):
+                        shards=None, rows=None):
     """Queue the teacher's forward and top-K of one micro-batch (PendingTopK); None on ranks of an earlier
     pipeline stage (their hidden states went to the next stage).
     draws_of: (sample indices of the micro-batch's rows, seed) for a sampled cache: k draws per position from the
     whole distribution (PendingSample) instead of the top-K, keyed by (seed, sample index, position, draw).
     to_host: queue the top-K's copy to the host right behind it (PendingTopK.copy_to_host), ahead of the next
     micro-batch's forward. shards: a dict kept across micro-batches, the VocabShard of each output layout: found
-    once, the collective that sizes the vocabulary (a host sync at TP > 1) does not run per micro-batch."""
+    once, the collective that sizes the vocabulary (a host sync at TP > 1) does not run per micro-batch.
+    rows: the micro-batch's real samples, the first `rows` of tokens (the rest pad it to the size its
+    expert-parallel peers run at, see _Lockstep); only they reach the top-K."""
     out = teacher(tokens)
     if out is None:
         return None
+    if rows is not None and rows < tokens.shape[0]:
+        out = _first_rows(out, rows)
+        tokens = tokens[:rows]
     x = out.logits if out.logits is not None else out.hidden
     # draws stay on the current stream: their result is read there (PendingSample has no event to wait on)
     stream = _topk_stream(x, tp_group) if draws_of is None else None
@@ -113,6 +119,47 @@ def _start_teacher_topk(teacher, tokens, k, temperature, chunk_size, tp_group, d
             t.record_stream(stream)
     with torch.cuda.stream(stream):
         return _queue_topk(out, teacher, tokens, k, temperature, chunk_size, tp_group, draws_of, to_host, shards)
+
+
+def _first_rows(out, rows: int):
+    """The teacher's output for the first `rows` samples of its micro-batch."""
+    return dataclasses.replace(out, hidden=None if out.hidden is None else out.hidden[:rows],
+                               logits=None if out.logits is None else out.logits[:rows])
+
+
+class _Lockstep:
+    """Expert parallelism makes each forward of the teacher a collective over data-parallel ranks: a MoE layer
+    exchanges its tokens with the ranks that hold the other experts (megatron-core's all-gather dispatcher
+    gathers equal-sized blocks, the all-to-all one sends counts first). So every rank runs the same number of
+    forwards, each of micro_batch_size samples: a short micro-batch is padded with copies of its last sample (their
+    output is dropped), and a rank with no samples left runs forwards of `filler` (output dropped) until the
+    rank with the most micro-batches is done. Without expert parallelism each rank simply runs its own."""
+
+    def __init__(self, teacher, count: int, micro_batch_size: int, filler):
+        self.on = bool(getattr(teacher, "expert_parallel", False)) and _dist_on()
+        self.count, self.size = count, micro_batch_size
+        if self.on:  # the most micro-batches any rank has (ranks of one TP group or pipeline have the same)
+            n = torch.tensor([count], dtype=torch.int64, device=_collective_device())
+            dist.all_reduce(n, op=dist.ReduceOp.MAX)
+            self.count = int(n.item())
+        self.filler = filler.reshape(1, -1).repeat(micro_batch_size, 1)
+
+    def pad(self, tokens):
+        """tokens [b, s] as the forward's input: padded to micro_batch_size rows when in lockstep."""
+        b = tokens.shape[0]
+        if not self.on or b == self.size:
+            return tokens
+        return torch.cat([tokens, tokens[-1:].repeat(self.size - b, 1)])
+
+    def idle(self, teacher, done: int) -> None:
+        """The forwards this rank owes its peers after its own `done` micro-batches; outputs dropped."""
+        if self.on:
+            for _ in range(done, self.count):
+                teacher(self.filler)
+
+
+def _collective_device():
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def _queue_topk(out, teacher, tokens, k, temperature, chunk_size, tp_group, draws_of, to_host, shards):
@@ -276,24 +323,26 @@ def _build(writer, teacher, dataset, seq, top_k, temperature, chunk_size, micro_
             sink.commit(shard)
         bar.update(tokens.shape[0])
 
+    micro = [(j, a, min(stop, a + micro_batch_size)) for j in mine
+             for first, stop in [writer.shard_range(j)] for a in range(first, stop, micro_batch_size)]
+    lockstep = _Lockstep(teacher, len(micro), micro_batch_size, _tokens(dataset, 0))
     try:
-        for j in mine:
+        for j, a, b in micro:
             first, stop = writer.shard_range(j)
-            for a in range(first, stop, micro_batch_size):
-                idx = range(a, min(stop, a + micro_batch_size))
-                tokens = torch.stack([_tokens(dataset, i) for i in idx])
-                if tokens.shape[1] != seq:
-                    raise CacheError(f"sample {a} has {tokens.shape[1]} tokens, sample 0 has {seq}: the cache needs "
-                                     "a dataset of fixed sequence length")
-                draws_of = None if draw_seed is None else (idx, draw_seed)
-                cur = (_start_teacher_topk(teacher, tokens, top_k, temperature, chunk_size, tp_group, draws_of,
-                                           to_host=sink is not None, shards=layouts), tokens, j, a == first,
-                       idx.stop == stop)
-                if prev is not None:
-                    hand_off(prev)
-                prev = cur
+            tokens = torch.stack([_tokens(dataset, i) for i in range(a, b)])
+            if tokens.shape[1] != seq:
+                raise CacheError(f"sample {a} has {tokens.shape[1]} tokens, sample 0 has {seq}: the cache needs "
+                                 "a dataset of fixed sequence length")
+            draws_of = None if draw_seed is None else (range(a, b), draw_seed)
+            cur = (_start_teacher_topk(teacher, lockstep.pad(tokens), top_k, temperature, chunk_size, tp_group,
+                                       draws_of, to_host=sink is not None, shards=layouts, rows=b - a), tokens, j,
+                   a == first, b == stop)
+            if prev is not None:
+                hand_off(prev)
+            prev = cur
         if prev is not None:
             hand_off(prev)
+        lockstep.idle(teacher, len(micro))
         if sink is not None:
             sink.close()
     except BaseException:

@@ -6,6 +6,7 @@ are the same numbers up to the cache's log-prob encoding.
 """
 import contextlib
 import hashlib
+import re
 
 import torch
 
@@ -113,26 +114,37 @@ def _plain(v):
 
 
 def megatron_weights_hash(model, tp_group, pp_group=None) -> str:
-    """A TP/PP-layout-invariant fingerprint: exact int64 sums of each tensor's bit patterns (and their squares).
+    """A TP/PP/EP-layout-invariant fingerprint: exact int64 sums of each tensor's bit patterns (and their squares).
 
     Integer sums do not depend on summation order, so TP shards summed over the TP group give the TP=1 value.
     Zero padding rows of the vocabulary add nothing. Under PP each stage's tensors are named by global layer
     number and the stages' entries are gathered, so PP=2 gives the PP=1 value; the last stage's copy of tied
-    embeddings is left out (the first stage holds the original). Not cryptographic: it tells checkpoints apart.
+    embeddings is left out (the first stage holds the original). MoE experts: shards summed over the expert
+    tensor-parallel group, each expert named by its global number and the expert-parallel ranks' entries gathered
+    (same-named entries, a grouped-GEMM's block of local experts, added), so EP=2 gives the EP=1 value.
+    Not cryptographic: it tells checkpoints apart.
     """
     names = global_layer_names(model) if hasattr(model, "decoder") else {}
     skip_tied_copy = (getattr(model, "share_embeddings_and_output_weights", False)
                       and not getattr(model, "pre_process", True))
-    entries = []
+    experts = _ExpertLayout(model)
+    entries, expert_entries = [], {}
     for name, p in model.named_parameters():
         if skip_tied_copy and name.endswith("output_layer.weight"):
             continue
         t = p.detach()
         bits = t.view(torch.int16 if t.element_size() == 2 else torch.int32).to(torch.int64).reshape(-1)
         sums = torch.stack([bits.sum(), (bits * bits).sum()])
+        expert = experts.is_expert(name)
         if getattr(p, "tensor_model_parallel", False):
-            sums = all_reduce_sum(sums, tp_group)
-        entries.append((names.get(name, name), str(t.dtype), int(sums[0].item()), int(sums[1].item())))
+            sums = all_reduce_sum(sums, experts.tp_group if expert else tp_group)
+        key = (names.get(name, name), str(t.dtype))
+        if expert:
+            key = (experts.global_name(key[0]), key[1])
+            expert_entries[key] = (int(sums[0].item()), int(sums[1].item()))
+        else:
+            entries.append((*key, int(sums[0].item()), int(sums[1].item())))
+    entries += experts.gather(expert_entries)
     if group_size(pp_group) > 1:
         gathered = [None] * group_size(pp_group)
         torch.distributed.all_gather_object(gathered, entries, group=pp_group)
@@ -141,6 +153,51 @@ def megatron_weights_hash(model, tp_group, pp_group=None) -> str:
     for name, dtype, s1, s2 in sorted(entries, key=lambda e: e[0]):
         h.update(f"{name}:{dtype}:{s1}:{s2};".encode())
     return h.hexdigest()[:16]
+
+
+class _ExpertLayout:
+    """Where a model's MoE experts live: their tensor-parallel group and, under expert parallelism, this rank's
+    share of them (megatron-core numbers a rank's experts from 0: `local_experts.<i>.` in SequentialMLP,
+    `weight<i>` / `bias<i>` in TEGroupedMLP; GroupedMLP holds them in one tensor)."""
+    _SEQUENTIAL = re.compile(r"(\.experts\.local_experts\.)(\d+)(\.)")
+    _TE_GROUPED = re.compile(r"(\.experts\.linear_fc\d\.(?:weight|bias))(\d+)$")
+
+    def __init__(self, model):
+        self.tp_group, self.ep_group, self.first, self.spread = None, None, 0, False
+        n = getattr(getattr(model, "config", None), "num_moe_experts", None)
+        if not n:
+            return
+        from megatron.core import parallel_state as ps
+        if not ps.model_parallel_is_initialized():
+            return
+        self.tp_group = ps.get_expert_tensor_parallel_group(check_initialized=False)
+        ep = ps.get_expert_model_parallel_world_size()
+        if ep > 1:
+            self.spread, self.ep_group = True, ps.get_expert_model_parallel_group()
+            self.first = ps.get_expert_model_parallel_rank() * (n // ep)
+
+    @staticmethod
+    def is_expert(name: str) -> bool:
+        return ".experts." in name
+
+    def global_name(self, name: str) -> str:
+        if not self.first:
+            return name
+        name = self._SEQUENTIAL.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + self.first}{m.group(3)}", name)
+        return self._TE_GROUPED.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + self.first}", name)
+
+    def gather(self, entries: dict) -> list:
+        """[(name, dtype, s1, s2)] of every expert of the model: this rank's entries, with those of the other
+        expert-parallel ranks when the experts are spread."""
+        if self.spread:
+            parts = [None] * group_size(self.ep_group)
+            torch.distributed.all_gather_object(parts, entries, group=self.ep_group)
+            entries = {}
+            for part in parts:
+                for key, (s1, s2) in part.items():
+                    a, b = entries.get(key, (0, 0))
+                    entries[key] = (a + s1, b + s2)
+        return [(*key, s1, s2) for key, (s1, s2) in entries.items()]
 
 
 def _megatron_tp_group():
@@ -152,6 +209,13 @@ def _megatron_tp_group():
     except (ImportError, AssertionError, RuntimeError):
         pass
     return None
+
+
+def _expert_parallel_size() -> int:
+    from megatron.core import parallel_state as ps
+    if not ps.model_parallel_is_initialized():
+        return 1
+    return ps.get_expert_model_parallel_world_size()
 
 
 class MegatronTeacher:
@@ -192,6 +256,8 @@ class MegatronTeacher:
         from megatron.core.transformer.dot_product_attention import DotProductAttention
         self._needs_mask = any(isinstance(mod, DotProductAttention) for mod in model.modules())
         self.is_last_stage = self.pipeline is None or self.pipeline.is_last
+        # experts spread over ranks: each forward is a collective across data-parallel ranks (build.py's _Lockstep)
+        self.expert_parallel = bool(getattr(model.config, "num_moe_experts", None)) and _expert_parallel_size() > 1
         # The forward runs with models/fusions.py's kernels where they give eager's bits (SwiGLU, RoPE, RMSNorm):
         # the same hidden states in fewer passes over memory. False runs megatron-core's modules as they are.
         self.exact_fusions = exact_fusions

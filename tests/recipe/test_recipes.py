@@ -77,6 +77,11 @@ def test_world_size_not_fitting_the_layout(tmp_path):
     fails(tmp_path, r"1 processes do not divide into parallel\.tp x parallel\.pp x parallel\.cp = 2", "parallel.tp=2")
 
 
+def test_a_moe_student_under_tp_needs_sequence_parallel(tmp_path):
+    fails(tmp_path, r"model\.num_moe_experts=4 with parallel\.tp=2: .*set parallel\.sequence_parallel=true",
+          "parallel.tp=2", "model.num_moe_experts=4")
+
+
 def test_offline_without_cache(tmp_path):
     fails(tmp_path, r"kd\.cache is required in offline mode", "kd=offline", "kd.cache=null")
 

@@ -199,3 +199,15 @@ def test_a_broken_path_and_a_broken_command_fail(tmp_path, monkeypatch):
     assert "--no-such-flag" in results["megatron-kd cache build --out c --no-such-flag"]
     assert "no_such_key" in results["megatron-kd train --config-name tiny_cpu kd.no_such_key=1"]
     assert results["megatron-kd train --config-name tiny_cpu kd.top_k=4"] is None
+
+
+def test_readme_test_section_has_the_pytest_commands_ci_runs():
+    """Each pytest invocation of .ci/run (its arguments from `-m pytest` on) is in README's "Test" section."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    runs = [line.split("-m pytest", 1)[1].strip() for line in ci.splitlines()
+            if "-m pytest" in line and not line.lstrip().startswith("#")]
+    assert runs, ".ci/run runs no pytest command"
+    section = (ROOT / "README.md").read_text().split("\n## Test", 1)[1].split("\n## ", 1)[0]
+    shown = [line.split("-m pytest", 1)[1].strip() for line in section.splitlines() if "-m pytest" in line]
+    missing = [r for r in runs if r not in shown]
+    assert not missing, f"README's Test section lacks the pytest command(s) .ci/run runs: {missing}"

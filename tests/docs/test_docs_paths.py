@@ -58,9 +58,17 @@ def path_exists(p: str, doc: Path) -> bool:
 
 
 def _logical_lines(text: str):
-    """Code lines with their backslash continuations joined, and inline `...` spans."""
-    lines, buf = [], ""
+    """(command text, shown in part) of code lines with their backslash continuations joined, the first lines of
+    fenced synopses, and inline `...` spans."""
+    lines, buf, fenced = [], "", False
     for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+            continue
+        if fenced:  # a synopsis block: its first line of each command, its flags checked (an excerpt)
+            if line.startswith("megatron-kd "):
+                lines.append((line.split("  #")[0], True))
+            continue
         if line.startswith("    ") or line.startswith("\t"):
             s = line.strip()
             if s.endswith("\\"):

@@ -146,15 +146,16 @@ def _build(args) -> int:
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise SystemExit(f"error: --out {args.out} is a file, not a cache directory; give a directory (made when "
                          "missing)")
+    if args.dry_run:
+        return _dry_run(args, encoding, top_p, min_k, top_k)
+    if args.vocab_size is not None:
+        raise SystemExit("error: --vocab-size only sizes a --dry-run (a build takes the teacher's own vocabulary): "
+                         "add --dry-run, or drop --vocab-size")
     init_process_group(torch.cuda.is_available(), launched_only=True)
     # the dataset's arguments first: loading a teacher is the slow part, and the one that may need a package
     dataset, dataset_id = _dataset(args)
     teacher = _teacher(args)
-    from ..rules import top_k_fits
-    if top_k is not None and not top_k_fits(top_k, teacher.vocab_size):
-        raise SystemExit(f"error: --top-k {top_k} exceeds the teacher's vocabulary ({teacher.vocab_size} ids); "
-                         f"give --top-k <= {teacher.vocab_size}")
-    _check_ids(dataset if args.tokens else None, teacher.vocab_size, f"--tokens {args.tokens}")
+    _check_vocab(args, dataset, top_k, teacher.vocab_size)
     m = build_cache(teacher, dataset, args.out, top_k=top_k, encoding=encoding, top_p=top_p, min_k=min_k,
                     samples=args.samples, sample_seed=args.sample_seed,
                     temperature=args.temperature, num_samples=args.num_samples,
@@ -171,6 +172,69 @@ def _build(args) -> int:
                     "distinct ids on average)")
         print(f"cache complete: {args.out}: {m['num_samples']} samples x {m['seq_length']} positions x "
               f"K={m['top_k']}, {m['encoding']}, {written:.1f} bytes/token{kept}")
+    return 0
+
+
+def _check_vocab(args, dataset, top_k, vocab_size: int) -> None:
+    """--top-k and --tokens against the teacher's vocabulary."""
+    from ..rules import top_k_fits
+    if top_k is not None and not top_k_fits(top_k, vocab_size):
+        raise SystemExit(f"error: --top-k {top_k} exceeds the teacher's vocabulary ({vocab_size} ids); "
+                         f"give --top-k <= {vocab_size}")
+    _check_ids(dataset if args.tokens else None, vocab_size, f"--tokens {args.tokens}")
+
+
+def _existing_dir(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.isdir(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def _dry_run(args, encoding, top_p, min_k, top_k) -> int:
+    """The settings the build would write and the disk they take, after the build's checks of its arguments, the
+    samples and the recipe's teacher; the teacher is not built or run."""
+    from ..cache.space import estimate_bytes
+    from ..rules import free_space
+    from ..teacher.build import cache_settings
+    dataset, dataset_id = _dataset(args)
+    if args.teacher is None:
+        from ..teacher.factories import checked_recipe_teacher
+        if args.vocab_size is not None:
+            raise SystemExit("error: --vocab-size: the recipe's teacher has its tokenizer's vocabulary; drop "
+                             "--vocab-size (it sizes a --dry-run of --teacher SPEC)")
+        try:
+            _, vocab_size = checked_recipe_teacher(args.recipe, _recipe_overrides(args))
+        except ValueError as e:
+            raise SystemExit(f"error: --recipe {args.recipe}: {e}") from None
+    elif args.vocab_size is None:
+        raise SystemExit(f"error: --dry-run does not load --teacher {args.teacher}: give its vocabulary size with "
+                         "--vocab-size V (the number of ids its output layer scores)")
+    elif args.vocab_size < 1:
+        raise SystemExit(f"error: --vocab-size {args.vocab_size} must be >= 1")
+    else:
+        vocab_size = args.vocab_size
+    _check_vocab(args, dataset, top_k, vocab_size)
+    settings = cache_settings(vocab_size, dataset, top_k=top_k, encoding=encoding, temperature=args.temperature,
+                              num_samples=args.num_samples, samples_per_shard=args.samples_per_shard,
+                              micro_batch_size=args.micro_batch_size, top_p=top_p, min_k=min_k,
+                              samples=args.samples, sample_seed=args.sample_seed,
+                              dataset_id=dataset_id or "not hashed by --dry-run")
+    est = estimate_bytes(settings)
+    what = {"topp": f", top-P {settings.get('top_p')}", "sampled": f", {settings.get('samples')} draws"}
+    print(f"cache build --dry-run: {settings['num_samples']} samples x {settings['seq_length']} positions = "
+          f"{est['tokens']:,} tokens; K={settings['top_k']}, encoding {settings['encoding']}"
+          f"{what.get(settings['encoding'], '')}, vocabulary {vocab_size}")
+    if est["variable"]:
+        size = (f"between {est['low']:,} and {est['high']:,} bytes ({est['bytes_per_token_low']:.2f} to "
+                f"{est['bytes_per_token_high']:.2f} bytes/token; the ids kept per position decide where)")
+    else:
+        size = f"{est['high']:,} bytes ({est['high'] / 2**30:.3f} GiB, {est['bytes_per_token_high']:.2f} bytes/token)"
+    print(f"disk            {size} in {est['shards']} shard(s) and samples.idx, plus a few KiB of JSON per shard")
+    where = _existing_dir(args.out)
+    free, fits = free_space(where, est["high"])
+    print(f"free space      {free / 2**30:.2f} GiB at {where}: " + ("fits" if fits else "does NOT fit"))
+    print("nothing was built; drop --dry-run to run the teacher")
     return 0
 
 
@@ -331,6 +395,11 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--dataset-id", help="dataset identity to record (default: the dataset's description hash)")
     b.add_argument("--overwrite", action="store_true", help="delete a cache built with different settings")
     b.add_argument("--no-progress", action="store_true")
+    b.add_argument("--dry-run", action="store_true",
+                   help="check the arguments, the samples and the recipe's teacher settings, print the cache's size "
+                        "on disk and the free space at --out; build nothing (docs/choosing-a-cache.md)")
+    b.add_argument("--vocab-size", type=int, default=None, metavar="V",
+                   help="with --dry-run and --teacher SPEC: the teacher's vocabulary size (not loaded)")
     b.set_defaults(fn=cmd_build)
     v = sub.add_parser("verify", help="check completeness and checksums; exit 1 and name the bad shard on failure")
     v.add_argument("dir")

@@ -67,13 +67,29 @@ def build_parser():
     return p
 
 
+def cache_disk(r) -> dict | None:
+    """The disk the cache kd.build_cache writes (cache/space.py's estimate of the settings the build makes for the
+    run's training samples); None for a mixture, whose sources each get a cache of their own samples."""
+    from ..cache.space import estimate_bytes
+    from ..data.datasets import mixture_sources, samples_needed
+    from ..plan.recipe import vocab_size
+    from ..teacher.build import recipe_cache_args, settings_for
+    if mixture_sources(r.data):
+        return None
+    settings = settings_for(vocab_size(r), r.data.seq_length, samples_needed(r.train, r.data)[0],
+                            **recipe_cache_args(r.kd))
+    return {"path": r.kd.cache, "encoding": settings["encoding"], "top_k": settings["top_k"], **estimate_bytes(settings)}
+
+
 def resolve(a):
     """(shape, layout, training) from the target and flags; recipe notes go to stderr."""
     rp = None
     if recipe_path(a.recipe) is not None:
-        rp = from_recipe(load_recipe(a.recipe, a.overrides))
+        r = load_recipe(a.recipe, a.overrides)
+        rp = from_recipe(r)
         shape, layout, tr, teacher = rp.shape, rp.layout, rp.training, rp.teacher
         a.cache_teacher = rp.cache_teacher
+        a.cache_disk = cache_disk(r) if rp.cache_teacher is not None else None
         for n in rp.notes:
             print(f"megatron-kd plan: note: {n}", file=sys.stderr)
     else:
@@ -266,7 +282,8 @@ def main(argv=None) -> int:
         build = {k: v / GIB for k, v in cache_build_peak(a.cache_teacher, layout, p.training,
                                                          p.training.seq_len * p.training.micro_batch).items()}
     if a.json:
-        print(json.dumps(p.as_dict() | dict(fits=fits, refusal=why, cache_build_gib=build), indent=1))
+        print(json.dumps(p.as_dict() | dict(fits=fits, refusal=why, cache_build_gib=build,
+                                            cache_disk_bytes=getattr(a, "cache_disk", None)), indent=1))
     else:
         print(format_plan(p, a.gpu_gib, a.reserve_gib))
         if why:
@@ -274,6 +291,12 @@ def main(argv=None) -> int:
         if build:
             print(f"cache build first (kd.build_cache): {build['total']:.2f} GiB per GPU = {a.cache_teacher.name} "
                   f"weights {build['weights']:.2f} + one micro-batch's forward and top-K {build['forward']:.2f}")
+        disk = getattr(a, "cache_disk", None)
+        if disk:
+            size = (f"{disk['high'] / 2**30:.3f} GiB" if disk["low"] == disk["high"] else
+                    f"{disk['low'] / 2**30:.3f} to {disk['high'] / 2**30:.3f} GiB")
+            print(f"cache on disk (kd.cache={disk['path']}): {size} for {disk['tokens']:,} tokens, K={disk['top_k']}, "
+                  f"{disk['encoding']} (docs/choosing-a-cache.md)")
     return 0
 
 

@@ -235,32 +235,17 @@ def build_cache(teacher, dataset, out_dir, *, top_k: int | None = None, encoding
     the temperature (parallel/sample.py), stored as the distinct ids and their counts; top_k is then samples.
     settings_fix: the fix named when out_dir holds a cache of other settings (default: `cache build`'s flags).
     """
-    encoding = cache_encoding(encoding, top_p, samples)
-    if encoding == "sampled" and samples is not None:
-        if top_k is not None and top_k != samples:
-            raise CacheError(f"a sampled cache holds at most samples={samples} ids per position; top_k={top_k} "
-                             "cannot differ (drop top_k / --top-k)")
-        top_k = samples
-    top_k = DEFAULT_TOP_K if top_k is None else top_k
     tp_group = tp_group if tp_group is not None else getattr(teacher, "tp_group", None)
     pp_group = getattr(teacher, "pp_group", None)
     dp_rank, dp_size = _data_parallel(tp_group, pp_group, dp_rank, dp_size)
     writes = group_rank(tp_group) == 0 and getattr(teacher, "is_last_stage", True)
     is_root = not _dist_on() or dist.get_rank() == 0
-    n = len(dataset) if num_samples is None else int(num_samples)
-    if n > len(dataset):
-        raise CacheError(f"num_samples={n} but the dataset has only {len(dataset)} samples; lower --num-samples")
-    if micro_batch_size < 1:
-        raise CacheError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-    seq = int(_tokens(dataset, 0).numel())
-    if not dataset_id:
-        dataset_id = str(getattr(dataset, "unique_description_hash", "") or "")
-    if not dataset_id:  # nothing names the data: name it by its content, so other data is never taken for it
-        dataset_id = content_id(dataset, n)
-    settings = make_settings(encoding=encoding, top_k=top_k, vocab_size=teacher.vocab_size, temperature=temperature,
-                             seq_length=seq, num_samples=n, teacher=_teacher_identity(teacher, teacher_id),
-                             tokenizer=tokenizer_id, dataset=dataset_id, samples_per_shard=samples_per_shard,
-                             top_p=top_p, min_k=min_k, samples=samples, sample_seed=sample_seed)
+    settings = cache_settings(teacher.vocab_size, dataset, top_k=top_k, encoding=encoding, temperature=temperature,
+                              num_samples=num_samples, samples_per_shard=samples_per_shard,
+                              micro_batch_size=micro_batch_size, top_p=top_p, min_k=min_k, samples=samples,
+                              sample_seed=sample_seed, teacher=_teacher_identity(teacher, teacher_id),
+                              tokenizer_id=tokenizer_id, dataset_id=dataset_id)
+    encoding, top_k, seq = settings["encoding"], settings["top_k"], settings["seq_length"]
     draw_seed = settings.get("sample_seed") if encoding == "sampled" else None
 
     writer = None
@@ -282,6 +267,54 @@ def build_cache(teacher, dataset, out_dir, *, top_k: int | None = None, encoding
         if writer is not None:
             writer.close()
     return load_manifest(writer.path)
+
+
+def cache_settings(vocab_size: int, dataset, *, top_k=None, encoding=None, temperature=1.0, num_samples=None,
+                   samples_per_shard=None, micro_batch_size=1, top_p=None, min_k=None, samples=None, sample_seed=None,
+                   teacher=None, tokenizer_id="", dataset_id=None) -> dict:
+    """The settings (format.make_settings) of the cache build_cache writes for a teacher of vocab_size ids over
+    dataset: every check of the arguments, nothing run. `cache build --dry-run` sizes the cache from these.
+    dataset_id None: the dataset's own description hash, else a hash of its first num_samples samples' tokens."""
+    n = len(dataset) if num_samples is None else int(num_samples)
+    if n > len(dataset):
+        raise CacheError(f"num_samples={n} but the dataset has only {len(dataset)} samples; lower --num-samples")
+    if micro_batch_size < 1:
+        raise CacheError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    seq = int(_tokens(dataset, 0).numel())
+    if not dataset_id:
+        dataset_id = str(getattr(dataset, "unique_description_hash", "") or "")
+    if not dataset_id:  # nothing names the data: name it by its content, so other data is never taken for it
+        dataset_id = content_id(dataset, n)
+    return settings_for(vocab_size, seq, n, top_k=top_k, encoding=encoding, temperature=temperature,
+                        samples_per_shard=samples_per_shard, top_p=top_p, min_k=min_k, samples=samples,
+                        sample_seed=sample_seed, teacher=teacher, tokenizer_id=tokenizer_id, dataset_id=dataset_id)
+
+
+def settings_for(vocab_size: int, seq_length: int, num_samples: int, *, top_k=None, encoding=None, temperature=1.0,
+                 samples_per_shard=None, top_p=None, min_k=None, samples=None, sample_seed=None, teacher=None,
+                 tokenizer_id="", dataset_id="") -> dict:
+    """make_settings after build_cache's defaults: the encoding --top-p / --samples imply, K = the draws of a
+    sampled cache, else DEFAULT_TOP_K."""
+    encoding = cache_encoding(encoding, top_p, samples)
+    if encoding == "sampled" and samples is not None:
+        if top_k is not None and top_k != samples:
+            raise CacheError(f"a sampled cache holds at most samples={samples} ids per position; top_k={top_k} "
+                             "cannot differ (drop top_k / --top-k)")
+        top_k = samples
+    top_k = DEFAULT_TOP_K if top_k is None else top_k
+    return make_settings(encoding=encoding, top_k=top_k, vocab_size=vocab_size, temperature=temperature,
+                         seq_length=seq_length, num_samples=num_samples, teacher=teacher, tokenizer=tokenizer_id,
+                         dataset=dataset_id, samples_per_shard=samples_per_shard, top_p=top_p, min_k=min_k,
+                         samples=samples, sample_seed=sample_seed)
+
+
+def recipe_cache_args(kd) -> dict:
+    """build_cache's settings keywords for a recipe's kd section: what kd.build_cache builds, and what
+    `megatron-kd plan` sizes on disk."""
+    samples = kd.cache_samples
+    return dict(top_k=samples or kd.top_k, encoding=kd.cache_encoding, top_p=kd.cache_top_p, min_k=kd.cache_min_k,
+                samples=samples, sample_seed=kd.cache_sample_seed if samples else None,
+                temperature=kd.capture_temperature)
 
 
 def content_id(dataset, n: int) -> str:
@@ -369,11 +402,7 @@ def build_teacher_cache(r: Recipe, tok, train_ds, num_samples: int) -> dict:
         print("note: teacher.load is null: the cache comes from a randomly initialized teacher (a pipeline "
               "check, not a distillation); set teacher.load to a trained teacher's save dir", flush=True)
     teacher = cache_teacher(r, tok.vocab_size)
-    samples = r.kd.cache_samples
-    manifest = build_cache(teacher, train_ds, r.kd.cache, top_k=samples or r.kd.top_k,
-                           encoding=r.kd.cache_encoding, top_p=r.kd.cache_top_p, min_k=r.kd.cache_min_k,
-                           samples=samples, sample_seed=r.kd.cache_sample_seed if samples else None,
-                           temperature=r.kd.capture_temperature,
+    manifest = build_cache(teacher, train_ds, r.kd.cache, **recipe_cache_args(r.kd),
                            num_samples=num_samples,
                            micro_batch_size=r.train.micro_batch_size, chunk_size=r.kd.chunk_size,
                            tokenizer_id=getattr(tok, "sha", ""), dataset_id=dataset_id(train_ds),

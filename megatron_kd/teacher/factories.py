@@ -30,6 +30,13 @@ def recipe_dataset(recipe: str = "tiny_cpu", overrides=None):
 def recipe_teacher(recipe: str = "tiny_cpu", overrides=None):
     """The recipe's teacher (weights from teacher.load) as a cache-builder teacher, on this rank's TP shard."""
     from .megatron import start_cache_teacher
+    r, vocab_size = checked_recipe_teacher(recipe, overrides)
+    return start_cache_teacher(r, vocab_size)
+
+
+def checked_recipe_teacher(recipe: str = "tiny_cpu", overrides=None):
+    """(recipe, the teacher's vocabulary size: its tokenizer's) after every check recipe_teacher makes before it
+    builds the teacher; `cache build --dry-run` stops here."""
     r = _recipe(recipe, overrides)
     if r.teacher.hf_path:  # checked, architecture from config.json
         from ..recipe.hf import resolve_hf
@@ -41,4 +48,4 @@ def recipe_teacher(recipe: str = "tiny_cpu", overrides=None):
     if not (r.teacher.load or r.teacher.hf_path):
         raise ValueError(f"recipe {recipe}: teacher.load is not set; point it at the teacher's checkpoint directory "
                          "(or teacher.hf_path at a Hugging Face checkpoint)")
-    return start_cache_teacher(r, tok.vocab_size)
+    return r, tok.vocab_size

@@ -37,3 +37,26 @@ def test_only_a_bias_free_dense_swiglu_counts_the_fused_mlp():
     fused = cache_build_peak(t, Layout(), Training(seq_len=32768), 32768)["forward"]
     biased = cache_build_peak(replace(t, add_bias_linear=True), Layout(), Training(seq_len=32768), 32768)["forward"]
     assert biased > 1.5 * fused
+
+
+def test_plan_sizes_the_cache_on_disk_as_the_recipe_builds_it(tmp_path, capsys):
+    """`megatron-kd plan` of a kd.build_cache recipe prints the cache's bytes on disk; a real CPU build of that
+    recipe's cache (tiny_cpu: its random teacher over its mock samples) writes exactly those binary bytes."""
+    import os
+    from megatron_kd.recipe.compose import compose
+    from megatron_kd.recipe.schema import to_recipe
+    from megatron_kd.teacher.build import build_cache_only
+    for enc in ("fp16", "compact"):
+        cache = tmp_path / enc
+        ov = ["train.iters=2", "kd.build_cache=true", f"kd.cache={cache}", "kd.top_k=8", f"kd.cache_encoding={enc}",
+              f"train.save={tmp_path}/run_{enc}"]
+        assert main(["tiny_cpu", *ov, "--json"]) == 0
+        disk = json.loads(capsys.readouterr().out)["cache_disk_bytes"]
+        assert disk["encoding"] == enc and disk["top_k"] == 8 and disk["low"] == disk["high"]
+        build_cache_only(to_recipe(compose("tiny_cpu", ov, save=str(tmp_path / f"run_{enc}"))))
+        capsys.readouterr()  # the build's own notes
+        binary = os.path.getsize(cache / "samples.idx") + sum(
+            os.path.getsize(cache / "shards" / f) for f in os.listdir(cache / "shards") if f.endswith(".bin"))
+        assert binary == disk["high"], (enc, binary, disk)
+    assert main(["tiny_cpu", *ov]) == 0
+    assert f"cache on disk (kd.cache={cache}): " in capsys.readouterr().out

@@ -108,7 +108,7 @@ def test_cache_of_another_tokenizer(tmp_path):
 def test_without_bridge_the_error_names_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "megatron.bridge", None)  # import fails as when not installed
     with pytest.raises(HFCheckpointError, match=r"model.hf_path needs Megatron-Bridge 0.6.2 .*pip install "
-                                                r"megatron-bridge==0.6.2"):
+                                                r"'megatron-kd\[bridge\]'"):
         require_bridge("model.hf_path")
 
 

@@ -17,6 +17,10 @@ statistics (top-1 probability, entropy, top-100 mass) say how peaked it is: a ra
 
 --trained: the same arms on a small teacher (22 layers x 2048, the te_stack FP8 student's shape) first trained
 --teacher-iters steps with CE on real text (--data PREFIX, tokenizer.json beside it), over held-out windows of it.
+The corpus of the H100 run, made on a CPU and carried: CPython's pydoc topics and its stdlib's top-level *.py files,
+one JSON line each ({"text": ...}) in .kd_data/corpus.jsonl, then
+  megatron-kd data prepare --input .kd_data/corpus.jsonl --output-prefix .kd_data/text_document --vocab-size 8192
+  cp .kd_data/text_document.tokenizer.json .kd_data/tokenizer.json
 
   source .whlte/device_install.sh && python3 benchmarks/teacher_fp8.py --arms bf16:te fp8:tensorwise \
       --samples 8 --out $OUT/teacher_fp8_h100.json

@@ -7,12 +7,14 @@
     megatron-kd plan gpt_oss_20b_32k_8xh200 parallel.ep=4       # a shipped recipe, Hydra overrides
     megatron-kd plan --config-name gpt_oss_20b_32k_4node_online --gpus 32    # as `megatron-kd train` names it
     megatron-kd plan my_recipes/my_recipe.yaml --top-k 64
+    megatron-kd plan llama31_8b_to_3b_32k_1xh200 --gpu h100     # another GPU kind: fits? which recipe is for it
 
 A recipe is composed as `megatron-kd train` composes it and read as training reads it (megatron_kd.plan.recipe).
 The world size is not a recipe key: --gpus gives it (default: the smallest world the layout runs on), and the
 micro-batches per step are train.global_batch_size / (micro_batch_size x dp) at that size.
 Flags override the recipe. The table is one rank of the worst pipeline stage; `fits` leaves RESERVE_GIB for
-the CUDA context and allocator slack (torch.cuda.max_memory_allocated excludes them).
+the CUDA context and allocator slack (torch.cuda.max_memory_allocated excludes them), on the GPU kind --gpu names
+(default: the kind a recipe's name ends with, else the H200), and a line per known kind says where it fits.
 """
 import argparse
 import itertools

@@ -256,12 +256,6 @@ RECIPES = {  # what each file says (recipe file over its group files); world = t
     "llama31_8b_to_3b_32k_1xh200_fp8": dict(shape="llama-3.2-3b", tp=1, pp=1, cp=1, ep=1, etp=1, dp=1, sp=False,
                                             recompute="full", layers=2, seq=32768, mbs=1, micro_batches=32,
                                             mode="offline", topk=100),
-    "llama31_8b_to_3b_32k_1xh100": dict(shape="llama-3.2-3b", tp=1, pp=1, cp=1, ep=1, etp=1, dp=1, sp=False,
-                                        recompute="full", layers=21, seq=32768, mbs=1, micro_batches=32,
-                                        mode="offline", topk=100),
-    "llama31_8b_to_3b_32k_1xh100_fp8": dict(shape="llama-3.2-3b", tp=1, pp=1, cp=1, ep=1, etp=1, dp=1, sp=False,
-                                            recompute="full", layers=21, seq=32768, mbs=1, micro_batches=32,
-                                            mode="offline", topk=100),
     # gpt-oss: CP=1 (its sink / window core attention refuses CP, under TE's layers too), so DP=8
     "gpt_oss_20b_32k_8xh200": dict(shape="gpt-oss-20b", tp=1, pp=1, cp=1, ep=8, etp=1, dp=8, sp=False,
                                    recompute="full", layers=16, seq=32768, mbs=1, micro_batches=8,
@@ -270,6 +264,10 @@ RECIPES = {  # what each file says (recipe file over its group files); world = t
                                          recompute="full", layers=16, seq=32768, mbs=1, micro_batches=8,
                                          mode="online", topk=100),
 }
+
+# the H100 recipes: the H200 recipe's layout with 21 layers recomputed
+RECIPES.update({n: dict(RECIPES["llama31_8b_to_3b_32k_1xh200"], layers=21)
+                for n in ("llama31_8b_to_3b_32k_1xh100", "llama31_8b_to_3b_32k_1xh100_fp8")})
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))

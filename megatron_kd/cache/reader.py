@@ -36,6 +36,32 @@ def teacher_mismatch(cached: dict, expected) -> str | None:
             f"{', '.join(wrong)})")
 
 
+def fp8_precision(fp8, recipe) -> str:
+    """The identity's record of a teacher that ran in FP8: 'FORMAT/RECIPE' (e.g. 'hybrid/tensorwise')."""
+    recipe = getattr(recipe, "value", recipe)  # megatron-core's Fp8Recipe enum, or the recipe's string
+    return f"{fp8}/{recipe}" if recipe else str(fp8)
+
+
+def teacher_precision(ident) -> str:
+    """'bf16' or 'fp8 (FORMAT/RECIPE)' of a cache's teacher identity; caches from before the identity's fp8 entry
+    say FP8 only through their backend ('te+fp8...')."""
+    ident = ident if isinstance(ident, dict) else {}
+    if ident.get("fp8"):
+        return f"fp8 ({ident['fp8']})"
+    return "fp8" if "+fp8" in str(ident.get("backend", "")) else "bf16"
+
+
+def mixed_precision_note(teachers: dict) -> str | None:
+    """One sentence when the caches a run reads ({name: teacher identity}) come from teachers run at different
+    precisions (bf16, FP8), else None."""
+    prec = {name: teacher_precision(t) for name, t in teachers.items()}
+    if len(set(prec.values())) < 2:
+        return None
+    return ("the caches this run reads come from teachers run at different precisions ("
+            + ", ".join(f"{n}: {p}" for n, p in prec.items()) + "), so the sources' targets differ by the FP8 "
+            "teacher's rounding as well; rebuild them with one teacher.fp8 setting for like targets")
+
+
 def _who(ident: dict) -> str:
     return " ".join(f"{k}={ident[k]!r}" for k in ("name", "weights_hash", "config_hash") if k in ident) or repr(ident)
 

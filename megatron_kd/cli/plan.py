@@ -7,20 +7,23 @@
     megatron-kd plan gpt_oss_20b_32k_8xh200 parallel.ep=4       # a shipped recipe, Hydra overrides
     megatron-kd plan --config-name gpt_oss_20b_32k_4node_online --gpus 32    # as `megatron-kd train` names it
     megatron-kd plan my_recipes/my_recipe.yaml --top-k 64
+    megatron-kd plan llama31_8b_to_3b_32k_1xh200 --gpu h100     # another GPU kind: fits? which recipe is for it
 
 A recipe is composed as `megatron-kd train` composes it and read as training reads it (megatron_kd.plan.recipe).
 The world size is not a recipe key: --gpus gives it (default: the smallest world the layout runs on), and the
 micro-batches per step are train.global_batch_size / (micro_batch_size x dp) at that size.
 Flags override the recipe. The table is one rank of the worst pipeline stage; `fits` leaves RESERVE_GIB for
-the CUDA context and allocator slack (torch.cuda.max_memory_allocated excludes them).
+the CUDA context and allocator slack (torch.cuda.max_memory_allocated excludes them), on the GPU kind --gpu names
+(default: the kind a recipe's name ends with, else the H200), and a line per known kind says where it fits.
 """
 import argparse
 import itertools
 import json
+import os
 import sys
 from dataclasses import replace
 
-from ..plan.memory import GIB, H200_GIB, RESERVE_GIB, Training, plan_memory
+from ..plan.memory import GIB, GPU_KINDS, H200_GIB, RESERVE_GIB, Training, plan_memory
 from ..plan.recipe import from_recipe, load_recipe, recipe_path
 from ..recipe.compose import add_recipe_arguments, named_recipe
 from ..plan.shapes import Layout, ModelShape, PRESETS, active_params, preset, total_params
@@ -58,7 +61,12 @@ def build_parser():
     m = p.add_argument_group("model")
     m.add_argument("--layers", type=int, help="override the student's depth")
     o = p.add_argument_group("output")
-    o.add_argument("--gpu-gib", type=float, default=H200_GIB, help="usable memory per GPU (default: H200, %(default)s)")
+    o.add_argument("--gpu", choices=sorted(GPU_KINDS), type=str.lower,
+                   help="the GPU kind to fit: " + ", ".join(f"{k} ({n}, {g:g} GiB usable)" for k, (n, g) in
+                                                             GPU_KINDS.items())
+                   + "; default: the kind a recipe's name ends with (..._1xh100), else h200")
+    o.add_argument("--gpu-gib", type=float, default=None,
+                   help="usable memory per GPU (default: the --gpu kind's); for a GPU plan does not know")
     o.add_argument("--reserve-gib", type=float, default=RESERVE_GIB,
                    help="left for CUDA context and allocator slack (default %(default)s)")
     o.add_argument("--stage", type=int, help="pipeline stage (default: the worst)")
@@ -177,6 +185,32 @@ def format_plan(p, gpu_gib=H200_GIB, reserve_gib=RESERVE_GIB) -> str:
     return "\n".join(lines)
 
 
+def recipe_gpu(recipe) -> str | None:
+    """The GPU kind a recipe's name ends with (llama31_8b_to_3b_32k_1xh100[_fp8] -> h100), or None."""
+    import re
+    stem = os.path.splitext(os.path.basename(str(recipe or "")))[0]
+    m = re.search(r"_\d+x(" + "|".join(GPU_KINDS) + r")(?:_|$)", stem)
+    return m.group(1) if m else None
+
+
+def sibling_recipe(recipe, kind: str) -> str | None:
+    """The shipped recipe of the same family made for GPU kind `kind` (the name with its _NxKIND part swapped),
+    or None."""
+    import re
+    from ..recipe.compose import recipe_file
+    stem = os.path.splitext(os.path.basename(str(recipe or "")))[0]
+    other = re.sub(r"_(\d+)x(" + "|".join(GPU_KINDS) + r")(?=_|$)", lambda m: f"_{m.group(1)}x{kind}", stem)
+    if other != stem and recipe_file(other) is not None:
+        return other
+    return None
+
+
+def gpu_lines(p, reserve_gib) -> list:
+    """Whether the plan fits each GPU kind plan knows, one line each."""
+    return [f"  {name} ({gib:g} GiB): {'fits' if p.fits(gib, reserve_gib) else 'does not fit'}"
+            for name, gib in GPU_KINDS.values()]
+
+
 def layouts(shape: ModelShape, gpus: int, allow_cp: bool = False):
     """Every (tp, pp, ep, cp, dp) of `gpus` GPUs valid for `shape` (tp within a node of 8)."""
     divs = [d for d in range(1, gpus + 1) if gpus % d == 0]
@@ -240,6 +274,10 @@ def main(argv=None) -> int:
     parser = build_parser()
     a = parser.parse_intermixed_args(argv)
     named_recipe(parser, a)
+    if a.gpu is None:
+        a.gpu = recipe_gpu(a.recipe) if a.gpu_gib is None else None
+    if a.gpu_gib is None:
+        a.gpu_gib = GPU_KINDS[a.gpu or "h200"][1]
     problem = count_problem(a)
     if problem:
         print(f"megatron-kd plan: {problem}", file=sys.stderr)
@@ -281,13 +319,24 @@ def main(argv=None) -> int:
         from ..plan.memory import GIB, cache_build_peak
         build = {k: v / GIB for k, v in cache_build_peak(a.cache_teacher, layout, p.training,
                                                          p.training.seq_len * p.training.micro_batch).items()}
+    kind = a.gpu or ("h200" if a.gpu_gib == H200_GIB else None)
+    other = None
+    if not fits and kind and recipe_gpu(a.recipe) not in (None, kind):
+        other = sibling_recipe(a.recipe, kind)
     if a.json:
         print(json.dumps(p.as_dict() | dict(fits=fits, refusal=why, cache_build_gib=build,
-                                            cache_disk_bytes=getattr(a, "cache_disk", None)), indent=1))
+                                            cache_disk_bytes=getattr(a, "cache_disk", None), gpu=kind,
+                                            gpu_gib=a.gpu_gib, recipe_for_gpu=other,
+                                            fits_by_gpu={k: p.fits(g, a.reserve_gib) for k, (_, g) in
+                                                         GPU_KINDS.items()}), indent=1))
     else:
         print(format_plan(p, a.gpu_gib, a.reserve_gib))
+        print("GPU kinds:")
+        print("\n".join(gpu_lines(p, a.reserve_gib)))
         if why:
             print(f"megatron-kd plan: {why}")
+        if other:
+            print(f"megatron-kd plan: the recipe {other} is this one made for the {GPU_KINDS[kind][0]}")
         if build:
             print(f"cache build first (kd.build_cache): {build['total']:.2f} GiB per GPU = {a.cache_teacher.name} "
                   f"weights {build['weights']:.2f} + one micro-batch's forward and top-K {build['forward']:.2f}")

@@ -6,9 +6,9 @@
 
 `megatron-kd plan RECIPE_OR_SHAPE [--tp --ep --pp --cp --dp --seq --recompute --online ...]` prints it.
 """
-from .memory import GIB, H200_GIB, RESERVE_GIB, Plan, Training, layer_activations, loss_buffers, plan_memory
+from .memory import GIB, GPU_KINDS, H100_GIB, H200_GIB, RESERVE_GIB, Plan, Training, layer_activations, loss_buffers, plan_memory
 from .shapes import PRESETS, Layout, ModelShape, active_params, param_counts, preset, total_params
 
-__all__ = ["GIB", "H200_GIB", "RESERVE_GIB", "Plan", "Training", "layer_activations", "loss_buffers", "plan_memory",
+__all__ = ["GIB", "GPU_KINDS", "H100_GIB", "H200_GIB", "RESERVE_GIB", "Plan", "Training", "layer_activations", "loss_buffers", "plan_memory",
            "PRESETS", "Layout", "ModelShape", "active_params", "param_counts", "preset",
            "total_params"]

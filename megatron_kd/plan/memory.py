@@ -33,6 +33,10 @@ from .shapes import Layout, ModelShape, param_counts
 GIB = float(1 << 30)
 RESERVE_GIB = 3.0          # CUDA context, NCCL buffers, allocator rounding: not in max_memory_allocated
 H200_GIB = 139.8           # usable HBM of one H200 (torch.cuda.mem_get_info total)
+H100_GIB = 79.1            # usable HBM of one H100 80GB (torch.cuda.mem_get_info total)
+# The GPU kinds `megatron-kd plan --gpu` knows: name, usable GiB. A recipe made for one says so in its name
+# (..._1xh100, ..._8xh200), and plan checks it against that kind unless told another.
+GPU_KINDS = {"h100": ("H100 80GB", H100_GIB), "h200": ("H200 141GB", H200_GIB)}
 
 RECOMPUTE = ("full", "selective", "none")
 SPECS = ("sdpa", "te")     # megatron-core's local layers with torch SDPA | Transformer Engine's layers

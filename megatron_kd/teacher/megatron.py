@@ -11,6 +11,7 @@ import re
 import torch
 
 from ..cache.hashing import config_hash
+from ..cache.reader import fp8_precision
 from .pipeline import PipelineStage, global_layer_names
 from .protocol import TeacherOutput, tokens_to
 from ..parallel.comm import all_reduce_sum, group_rank, group_size
@@ -267,9 +268,13 @@ class MegatronTeacher:
         cfg = {k: _plain(getattr(self.model.config, k, None)) for k in _CONFIG_FIELDS}
         cfg["position_embedding_type"] = getattr(self.model, "position_embedding_type", None)
         cfg["share_embeddings_and_output_weights"] = getattr(self.model, "share_embeddings_and_output_weights", None)
-        return {"name": self.name, "config_hash": config_hash(cfg),
-                "weights_hash": megatron_weights_hash(self.model, self.tp_group, self.pp_group),
-                "backend": layer_backend(self.model)}
+        ident = {"name": self.name, "config_hash": config_hash(cfg),
+                 "weights_hash": megatron_weights_hash(self.model, self.tp_group, self.pp_group),
+                 "backend": layer_backend(self.model)}
+        fp8 = getattr(self.model.config, "fp8", None)
+        if fp8 and "+fp8" in ident["backend"]:  # only then: a bf16 teacher's identity (and cache) stays as it was
+            ident["fp8"] = fp8_precision(fp8, getattr(self.model.config, "fp8_recipe", None))
+        return ident
 
     def flush(self) -> None:
         """Wait for this stage's outstanding sends (the builder calls it after its last micro-batch)."""

@@ -123,9 +123,11 @@ class Trainer:
         """A blend of sources: each source has its own cache (kd.cache/<source name>) over its own samples, built
         (kd.build_cache) or checked like a single dataset's; the mixture reads sample i's rows from its source's."""
         from ..cache import CacheError, CacheReader
+        from ..cache.reader import mixed_precision_note
         from megatron.core import parallel_state as ps
         r, mix, sets = self.r, self.train_ds, []
-        for kd, source in zip(source_caches(r.kd, mix), mix.sources):
+        teachers = {}
+        for kd, source, name in zip(source_caches(r.kd, mix), mix.sources, mix.names):
             try:
                 if TargetSource.of(kd).builds_cache:
                     build_teacher_cache(dataclasses.replace(r, kd=kd), self.tok, source, self.train_n)
@@ -135,6 +137,9 @@ class Trainer:
                                   f"cache): {e}") from None
             self.notes += check_cache(reader, kd, r.data, source, self.vocab, self.train_n)
             sets.append(with_cache(source, reader, kd))
+            teachers[name] = reader.manifest.get("teacher")
+        note = mixed_precision_note(teachers)
+        self.notes += [note] if note else []
         if not ps.is_pipeline_last_stage(ignore_virtual=True):
             return self.train_ds
         return mix.with_sources(sets)

@@ -109,3 +109,33 @@ def test_each_mixture_sample_carries_its_source_samples_cache_rows(sources, coun
     share = {w: sum(j == 0 for j, _ in p) / len(p) for w, p in pairs.items()}
     assert share[0.5] == pytest.approx(0.5, abs=0.13) and share[0.8] == pytest.approx(0.8, abs=0.13)
     assert pairs[0.5] != pairs[0.8]
+
+
+def test_a_mixture_of_bf16_and_fp8_teachers_caches_is_told_so(sources, tmp_path, monkeypatch, capsys):
+    """The second source's cache built by a teacher whose identity records FP8 (as a TE teacher under teacher.fp8
+    records it; no TE on a CPU): the run names both precisions in one note; the same-precision runs above print
+    none."""
+    from megatron_kd.teacher.megatron import MegatronTeacher
+    d, a, b = sources
+    real, calls = MegatronTeacher.identity, []
+
+    def identity(self):
+        ident = real(self)
+        calls.append(1)
+        if len(calls) == 2:  # beta's build (alpha is built first)
+            ident.update(backend="te+fp8", fp8="hybrid/tensorwise")
+        return ident
+    monkeypatch.setattr(MegatronTeacher, "identity", identity)
+    caches = tmp_path / "caches"
+    over = [o for o in mixture(d, a, b, 0.5, 0.5) if not o.startswith("kd.cache=")] + [f"kd.cache={caches}"]
+    summary = train(tmp_path / "run", *over)
+    assert summary["iteration"] == ITERS and len(calls) == 2
+    notes = [ln for ln in capsys.readouterr().out.splitlines() if "different precisions" in ln]
+    assert len(notes) == 1, notes
+    assert "alpha: bf16" in notes[0] and "beta: fp8 (hybrid/tensorwise)" in notes[0]
+    assert json.loads((caches / "beta" / "manifest.json").read_text())["teacher"]["fp8"] == "hybrid/tensorwise"
+    # both caches of one precision: no note
+    monkeypatch.setattr(MegatronTeacher, "identity", real)
+    summary = train(tmp_path / "run2", *[o for o in over if not o.startswith("kd.cache=")],
+                    f"kd.cache={tmp_path / 'caches2'}")
+    assert not [ln for ln in capsys.readouterr().out.splitlines() if "different precisions" in ln]

@@ -265,6 +265,10 @@ RECIPES = {  # what each file says (recipe file over its group files); world = t
                                          mode="online", topk=100),
 }
 
+# the H100 recipes: the H200 recipe's layout with 21 layers recomputed
+RECIPES.update({n: dict(RECIPES["llama31_8b_to_3b_32k_1xh200"], layers=21)
+                for n in ("llama31_8b_to_3b_32k_1xh100", "llama31_8b_to_3b_32k_1xh100_fp8")})
+
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_real_recipes_are_read_as_training_reads_them(name):

@@ -33,7 +33,7 @@ def load_state(r, load: str, chunks, optimizer, scheduler, rank0: bool) -> tuple
     it, fallback = ckpt_integrity.newest_intact(load)
     if it is None:
         if r.train.pretrained:
-            layer_spec.load_weights(r.train.pretrained, chunks, f"train.pretrained={r.train.pretrained}",
+            ckpt.load_spec_weights(r.train.pretrained, chunks, f"train.pretrained={r.train.pretrained}",
                                     "model.attention_backend={}")
             optimizer.reload_model_params()
         return 0, 0, []

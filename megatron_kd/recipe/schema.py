@@ -20,10 +20,6 @@ GATED_ACTIVATIONS = ("swiglu", "quick_geglu")     # gated MLPs (fc1 is 2 x ffn w
 # onto the schema's defaults, and a merge keeps a default over `???`; so a recipe's own `???` (a value the user
 # must give) survives composition only where the schema node holds `???` too (recipe/compose.py).
 RECIPE_SETS = {"recipe_sets": True}
-# quant.format: ModelOpt's fake-quantized formats (models/quant.py maps each to its config); w4a16_awq is int4_awq's
-# other name (4-bit weights, 16-bit activations)
-QUANT_FORMATS = ("none", "fp8", "int8", "int4_awq", "w4a16_awq", "w4a8_awq", "nvfp4")
-QUANT_CUDA_ONLY = ("nvfp4",)                      # ModelOpt fake-quantizes these on CUDA tensors only
 
 
 @dataclass
@@ -195,8 +191,8 @@ class TrainConfig:
 class QuantConfig:
     """The student quantized with NVIDIA ModelOpt (fake quantization: the weights stay in train.precision, each
     linear layer's weights and inputs pass through quantizers) and then trained: QAT in kd=ce, QAD otherwise."""
-    # none | fp8 | int8 | int4_awq | w4a16_awq | w4a8_awq | nvfp4 (GPU). Free on resume: a student restored
-    # quantized keeps its quantizers, and the trainer refuses another format
+    # a name of megatron_kd/quant_formats.py: none | fp8 | int8 | int4_awq | w4a16_awq | w4a8_awq | nvfp4 (GPU).
+    # Free on resume: a student restored quantized keeps its quantizers, and the trainer refuses another format
     format: str = free("none")
     calib_samples: int = free(64)                # training samples the quantizers are calibrated on (amax, AWQ)
 

@@ -262,9 +262,10 @@ def _check_cache_encoding(kd) -> None:
         from ..parallel.sample import check_draws
         problem = check_draws(kd.cache_samples)
         _need(problem is None, f"kd.cache_{problem}" if problem else "")
-        _need(kd.top_k is None or kd.top_k == kd.cache_samples, f"kd.top_k={kd.top_k}: a sampled cache holds the "
-              f"distinct ids of its kd.cache_samples={kd.cache_samples} draws, all of them read: set kd.top_k=null "
-              f"or {kd.cache_samples}")
+        from ..cache.encoding import forced_top_k
+        _need(kd.top_k in (None, forced_top_k(kd.cache_encoding, kd.cache_samples)), f"kd.top_k={kd.top_k}: a "
+              f"sampled cache holds the distinct ids of its kd.cache_samples={kd.cache_samples} draws, all of them "
+              f"read: set kd.top_k=null or {kd.cache_samples}")
     if kd.cache_encoding == "topp":
         problem = check_top_p(kd.cache_top_p, 1 if kd.cache_min_k is None else kd.cache_min_k,
                               kd.top_k if kd.top_k is not None else 1 << 30)

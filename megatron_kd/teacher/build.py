@@ -24,6 +24,7 @@ from ..parallel.comm import group_rank, group_size
 from ..parallel.sample import start_sample, start_sample_from_hidden
 from ..parallel.topk import start_topk, start_topk_from_hidden
 from ..cache.dataset import split_sample
+from ..cache.encoding import forced_top_k
 from ..cache.errors import CacheError
 from ..cache.format import is_finished, make_settings
 from ..cache.hashing import token_hash
@@ -189,11 +190,12 @@ def build_cache(teacher, dataset, out_dir, *, top_k: int | None = None, encoding
     settings_fix: the fix named when out_dir holds a cache of other settings (default: `cache build`'s flags).
     """
     encoding = cache_encoding(encoding, top_p, samples)
-    if encoding == "sampled" and samples is not None:
-        if top_k is not None and top_k != samples:
+    forced = forced_top_k(encoding, samples)
+    if forced is not None:
+        if top_k is not None and top_k != forced:
             raise CacheError(f"a sampled cache holds at most samples={samples} ids per position; top_k={top_k} "
                              "cannot differ (drop top_k / --top-k)")
-        top_k = samples
+        top_k = forced
     top_k = DEFAULT_TOP_K if top_k is None else top_k
     tp_group = tp_group if tp_group is not None else getattr(teacher, "tp_group", None)
     pp_group = getattr(teacher, "pp_group", None)

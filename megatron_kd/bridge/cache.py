@@ -92,6 +92,7 @@ def build(a) -> dict:
 
 
 def parser() -> argparse.ArgumentParser:
+    from ..cache.encoding import add_flags
     p = argparse.ArgumentParser(prog="python -m megatron_kd.bridge.cache", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="run a teacher over the recipe's train samples and write (or resume) a cache")
@@ -101,14 +102,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--teacher-args", default="{}", help='JSON keyword arguments, e.g. \'{"dtype": "bfloat16"}\'')
     b.add_argument("--out", default=None, help="cache directory (default: kd.cache)")
     b.add_argument("--top-k", type=int, default=None, help=f"default: kd.top_k, else {DEFAULT_TOP_K}")
-    b.add_argument("--encoding", choices=["fp16", "fp32", "compact", "topp", "sampled"], default=None,
-                   help="default fp16; topp when --top-p is given, sampled when --samples is")
-    b.add_argument("--samples", type=int, default=None, metavar="N", help="N draws per position from the teacher's "
-                   "whole distribution, stored as ids and counts (encoding sampled; docs/cache-format.md)")
-    b.add_argument("--sample-seed", type=int, default=None, help="with --samples: the draws' seed (default 0)")
-    b.add_argument("--top-p", type=float, default=None, metavar="P", help="keep per position the fewest ids (at "
-                   "most --top-k) whose teacher mass reaches P (encoding topp; docs/cache-format.md)")
-    b.add_argument("--min-k", type=int, default=None, help="with --top-p: keep at least this many ids (default 1)")
+    add_flags(b)  # --encoding and each encoding's own (cache/encoding.py)
     b.add_argument("--micro-batch-size", type=int, default=1)
     b.add_argument("--overwrite", action="store_true", help="delete a cache built with different settings")
     b.add_argument("--no-progress", action="store_true")

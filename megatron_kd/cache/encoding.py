@@ -17,6 +17,11 @@ Each field is a stream over the S positions, so positions [a, b) decode without 
   Unused slots read as id -1 / log-prob -inf.
 - "sampled" (unbiased, variable size): per position the distinct ids of N draws from the teacher's full
   distribution (parallel/sample.py) and their counts; the reader returns log(count / N).
+
+Each encoding is one class registered under its name (@register): get_encoding looks it up, its `make` checks the
+settings it takes, `settings_extra` is what it adds to a cache's settings, `flags` its own command-line flags
+(add_flags: `megatron-kd cache build` and Bridge's cache command), and `draws_are_k` says that K is its number of
+draws (forced_top_k). A new encoding is a new registered class; the commands offer it from the registry.
 """
 import numpy as np
 
@@ -25,7 +30,30 @@ from .bits import (EliasFano, pack_bool, pack_uint, pack_var, packed_bytes, unpa
                    unpack_var)
 from .topp import check_top_p, select_top_p
 
-ENCODINGS = ("fp16", "fp32", "compact", "topp", "sampled")
+# name -> encoding class, in the order they are offered; each class registers itself (@register) and declares
+# what it takes (make), checks, and writes to a cache's settings (settings_extra). ENCODINGS: the names.
+REGISTRY: dict = {}
+
+
+def register(cls):
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def add_flags(parser) -> None:
+    """--encoding (the registered names) and each encoding's own flags, for a command that builds a cache."""
+    parser.add_argument("--encoding", choices=ENCODINGS, default=None,
+                        help="default fp16; topp when --top-p is given, sampled when --samples is")
+    for cls in REGISTRY.values():
+        for flag, kw in cls.__dict__.get("flags", ()):
+            parser.add_argument(flag, **kw)
+
+
+def forced_top_k(name: str, samples) -> int | None:
+    """The K a cache of encoding `name` must have where the encoding decides it: a sampled cache's K equals its
+    number of draws. None: K is the build's own setting (or `name` is not registered: refused elsewhere)."""
+    cls = REGISTRY.get(name)
+    return int(samples) if cls is not None and cls.draws_are_k and samples is not None else None
 
 
 def id_bits(vocab_size: int) -> int:
@@ -33,24 +61,11 @@ def id_bits(vocab_size: int) -> int:
 
 
 def get_encoding(name: str, vocab_size: int, top_k: int, seq_length: int, top_p=None, min_k=None):
-    if name == "sampled":  # top_k: the draws per position, the most distinct ids a position can hold
-        if top_p is not None or min_k is not None:
-            raise ValueError("top_p / min_k select among the top-K; the encoding 'sampled' stores draws from the whole "
-                             "distribution: drop them")
-        return SampledEncoding(vocab_size, top_k, seq_length)
-    problem = encoding_problem(name, top_p, None)  # min_k alone is the settings' check (it has a default here)
-    if problem:
-        raise ValueError("the topp encoding needs top_p, and only it takes one" if problem == "needs_top_p" else
-                         f"top_p={top_p} needs the encoding 'topp' (the encoding {name!r} stores K entries per position)")
-    if name == "topp":
-        return TopPEncoding(vocab_size, top_k, seq_length, top_p, 1 if min_k is None else min_k)
-    if name == "fp16":
-        return Fp16Encoding(vocab_size, top_k, seq_length)
-    if name == "fp32":
-        return Fp32Encoding(vocab_size, top_k, seq_length)
-    if name == "compact":
-        return CompactEncoding(vocab_size, top_k, seq_length)
-    raise ValueError(f"unknown cache encoding {name!r}; use one of {', '.join(ENCODINGS)}")
+    cls = REGISTRY.get(name)
+    if cls is None:
+        _Base.check_fixed_k(name, top_p)  # a P given to an unknown name is named first
+        raise ValueError(f"unknown cache encoding {name!r}; use one of {', '.join(ENCODINGS)}")
+    return cls.make(vocab_size, top_k, seq_length, top_p, min_k)
 
 
 class _Fields:
@@ -78,6 +93,31 @@ class _Base:
     name = ""
     variable = False  # True: a sample's byte size depends on its content (sample_bytes is then the largest)
     select = None     # the entries a sample keeps, when it keeps fewer than K (TopPEncoding.select)
+
+    @staticmethod
+    def check_fixed_k(name: str, top_p) -> None:
+        """A P given to an encoding that keeps K entries, or none given to topp (min_k alone is the settings'
+        check: it has a default here)."""
+        problem = encoding_problem(name, top_p, None)
+        if problem:
+            raise ValueError("the topp encoding needs top_p, and only it takes one" if problem == "needs_top_p" else
+                             f"top_p={top_p} needs the encoding 'topp' (the encoding {name!r} stores K entries per "
+                             "position)")
+
+    # the command-line flags of its own settings (cache build, Bridge's cache build): (flag, argparse keywords)
+    flags = ()
+    # True: K is the number of draws per position (the most distinct ids a position can hold), not a setting
+    draws_are_k = False
+
+    @classmethod
+    def make(cls, vocab_size, top_k, seq_length, top_p=None, min_k=None):
+        """The encoding of these settings (ValueError naming what does not fit it)."""
+        cls.check_fixed_k(cls.name, top_p)
+        return cls(vocab_size, top_k, seq_length)
+
+    def settings_extra(self, samples=None, sample_seed=None) -> dict:
+        """What this encoding adds to a cache's settings beside the fields every cache records."""
+        return {}
 
     def __init__(self, vocab_size: int, top_k: int, seq_length: int):
         self.vocab_size, self.k, self.seq = int(vocab_size), int(top_k), int(seq_length)
@@ -109,6 +149,7 @@ class _Base:
         return ids.astype(np.int64), logp
 
 
+@register
 class Fp16Encoding(_Base):
     name = "fp16"
     dtype = np.float16
@@ -139,6 +180,7 @@ class Fp16Encoding(_Base):
         return ids, lp
 
 
+@register
 class Fp32Encoding(Fp16Encoding):
     """The fp16 layout with the log-probs as float32: lossless for an fp32 teacher's log-probs, for a student as
     close to its teacher as a quantized copy (its KL to the teacher of the order of fp16's rounding)."""
@@ -146,6 +188,7 @@ class Fp32Encoding(Fp16Encoding):
     dtype = np.float32
 
 
+@register
 class CompactEncoding(_Base):
     name = "compact"
     coarse_bits, refine_bits, refine_every = 5, 7, 5
@@ -245,6 +288,7 @@ def _pad8(nbytes):
     return (nbytes + 7) // 8 * 8
 
 
+@register
 class TopPEncoding(CompactEncoding):
     """compact's codes for the kept entries of each position (cache/topp.py) plus their count.
 
@@ -256,6 +300,17 @@ class TopPEncoding(CompactEncoding):
     """
     name = "topp"
     variable = True
+    flags = (("--top-p", dict(type=float, default=None, metavar="P", help="keep per position the fewest ids (at most "
+                              "--top-k) whose teacher mass reaches P (encoding topp; docs/cache-format.md)")),
+             ("--min-k", dict(type=int, default=None, help="with --top-p: keep at least this many ids (default 1)")))
+
+    @classmethod
+    def make(cls, vocab_size, top_k, seq_length, top_p=None, min_k=None):
+        cls.check_fixed_k(cls.name, top_p)
+        return cls(vocab_size, top_k, seq_length, top_p, 1 if min_k is None else min_k)
+
+    def settings_extra(self, samples=None, sample_seed=None) -> dict:
+        return {"top_p": self.top_p, "min_k": self.min_k}
 
     def __init__(self, vocab_size, top_k, seq_length, top_p, min_k=1):
         _Base.__init__(self, vocab_size, top_k, seq_length)
@@ -409,6 +464,7 @@ class TopPEncoding(CompactEncoding):
         return np.take_along_axis(ids, order, 1), np.take_along_axis(x, order, 1).astype(np.float32)
 
 
+@register
 class SampledEncoding(TopPEncoding):
     """N draws per position from the teacher's full distribution (parallel/sample.py), as the distinct ids drawn and
     how often each was drawn; the reader returns log(count / N), so the targets sum to 1 exactly.
@@ -421,6 +477,22 @@ class SampledEncoding(TopPEncoding):
     """
     name = "sampled"
     top_p = None
+    draws_are_k = True
+    flags = (("--samples", dict(type=int, default=None, metavar="N", help="N draws per position from the teacher's "
+                                "whole distribution, stored as the distinct ids and their counts (encoding sampled: "
+                                "unbiased targets; docs/cache-format.md)")),
+             ("--sample-seed", dict(type=int, default=None, help="with --samples: the draws' seed (default 0)")))
+
+    @classmethod
+    def make(cls, vocab_size, top_k, seq_length, top_p=None, min_k=None):
+        """top_k: the draws per position, the most distinct ids a position can hold."""
+        if top_p is not None or min_k is not None:
+            raise ValueError("top_p / min_k select among the top-K; the encoding 'sampled' stores draws from the whole "
+                             "distribution: drop them")
+        return cls(vocab_size, top_k, seq_length)
+
+    def settings_extra(self, samples=None, sample_seed=None) -> dict:
+        return {"samples": int(samples), "sample_seed": int(sample_seed or 0)}
 
     def __init__(self, vocab_size, draws, seq_length):
         from ..parallel.sample import check_draws
@@ -511,3 +583,6 @@ class SampledEncoding(TopPEncoding):
         order = np.argsort(-np.where(valid, counts * big + (big - 1 - ids), -1), axis=1, kind="stable")
         counts = np.take_along_axis(counts, order, 1)  # by count descending, ties by smaller id, unused last
         return np.take_along_axis(ids, order, 1), self.log_frequencies(counts)
+
+
+ENCODINGS = tuple(REGISTRY)  # fp16, fp32, compact, topp, sampled

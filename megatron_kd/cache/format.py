@@ -15,7 +15,7 @@ import os
 import numpy as np
 
 from ..rules import encoding_problem, temperature_problem
-from .encoding import ENCODINGS, get_encoding
+from .encoding import ENCODINGS, forced_top_k, get_encoding
 from .errors import CacheError
 from .hashing import config_hash
 
@@ -81,7 +81,7 @@ def make_settings(*, encoding, top_k, vocab_size, temperature, seq_length, num_s
     if problem == "not_sampled":
         raise CacheError(f"samples / sample_seed draw ids from the teacher's distribution, which the encoding "
                          f"{encoding!r} does not store: use encoding 'sampled' (--encoding sampled), or drop them")
-    if encoding == "sampled" and top_k != samples:
+    if forced_top_k(encoding, samples) not in (None, top_k):
         raise CacheError(f"a sampled cache holds at most samples={samples} ids per position; top_k={top_k} "
                          "cannot differ (drop --top-k)")
     if sample_seed is not None and (isinstance(sample_seed, bool) or not isinstance(sample_seed, int)
@@ -107,9 +107,7 @@ def make_settings(*, encoding, top_k, vocab_size, temperature, seq_length, num_s
         samples_per_shard = max(1, min(num_samples, DEFAULT_SHARD_BYTES // enc.sample_bytes))
     if samples_per_shard < 1:
         raise CacheError(f"samples_per_shard must be >= 1, got {samples_per_shard}")
-    extra = {"top_p": enc.top_p, "min_k": enc.min_k} if enc.variable and enc.top_p is not None else {}
-    if encoding == "sampled":
-        extra = {"samples": int(samples), "sample_seed": int(sample_seed or 0)}
+    extra = enc.settings_extra(samples, sample_seed)
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION, "encoding": encoding, "top_k": int(top_k), **extra,
         "vocab_size": int(vocab_size), "temperature": float(temperature), "seq_length": int(seq_length),

@@ -15,8 +15,7 @@ the weight the load missed is one of the names the specs disagree on; otherwise 
 """
 import re
 
-from ..errors import RecipeError, RunError
-from ..runtime.interrupt import is_interrupt
+from ..errors import RunError
 
 SPEC_KEY = "layer_spec"
 
@@ -109,30 +108,6 @@ def build_as_saved(common: dict, m, chosen: str | None, what: str, setting: str)
                        "where Transformer Engine imports (a NeMo or Megatron-Bridge container)")
 
 
-def _common_at(path: str) -> dict:
-    """The common state of the checkpoint at `path` (a save dir or iter_* dir); empty where it cannot be read: that
-    is left to the load, whose failure names it (load_weights)."""
-    from . import store
-    try:
-        return store.read_common(path)
-    except BaseException as e:  # torch's CheckpointException derives from BaseException
-        if is_interrupt(e):
-            raise
-        return {}
-
-
-def check(path: str, m, what: str, setting: str) -> None:
-    """refusal for the checkpoint at `path` (a save dir or iter_* dir), raised as RunError."""
-    why = refusal(_common_at(path), m, what, setting)
-    if why:
-        raise RunError(why)
-
-
-def build_as_saved_at(path: str, m, chosen: str | None, what: str, setting: str) -> None:
-    """build_as_saved for the checkpoint at `path` (a save dir or iter_* dir)."""
-    build_as_saved(_common_at(path), m, chosen, what, setting)
-
-
 # Weight names that one spec saves and the other does not: the norms TE fuses into its linears (saved as
 # linear_qkv / linear_fc1's layer_norm_weight) and the ones it keeps as modules of their own (an MoE layer's
 # pre_mlp_layernorm, where the local spec maps its pre-MLP norm to linear_fc1's name).
@@ -177,18 +152,3 @@ def spec_hint(e: BaseException, chunks, what: str, setting: str) -> str | None:
             "asks for; checkpoints of older runs do not record their spec)"
     return (f"{what} holds no {key}, which {NAMES[built]} built here asks for: it was likely saved on {NAMES[other]} "
             f"(checkpoints of older runs do not record their spec); set {setting.format(other)} to load it")
-
-
-def load_weights(path: str, chunks, what: str, setting: str) -> int:
-    """store.load_weights with a failure as one sentence (RunError): the spec hint for a checkpoint of another spec
-    that records none, else a damaged or incomplete checkpoint. Our own errors (the intact check's refusal) and
-    interrupts pass as they are."""
-    from . import store
-    try:
-        return store.load_weights(path, chunks)
-    except BaseException as e:  # torch's CheckpointException derives from BaseException
-        if is_interrupt(e) or isinstance(e, RecipeError):
-            raise
-        hint = spec_hint(e, chunks, what, setting)
-        raise RunError(hint or f"{what} cannot be loaded ({summary(e)}): the checkpoint is damaged or incomplete; "
-                       "load an intact one instead (another iter_* directory of that run, or a fresh save)") from None

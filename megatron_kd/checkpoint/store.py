@@ -15,7 +15,9 @@ import warnings
 
 import torch
 
+from ..errors import RecipeError, RunError
 from ..runtime.dist import barrier, is_rank0
+from ..runtime.interrupt import is_interrupt
 from ..models.builder import unwrap
 
 from . import spec as layer_spec
@@ -250,3 +252,44 @@ def load_weights(path: str, chunks) -> int:
 def read_common(path: str) -> dict:
     from megatron.core import dist_checkpointing
     return dist_checkpointing.load_common_state_dict(resolve(path))
+
+
+# The checkpoint at a path against the layer spec a model is built on here (checkpoint/spec.py holds the rules and
+# the sentences; these read the checkpoint they apply to).
+
+def _common_at(path: str) -> dict:
+    """The common state of the checkpoint at `path` (a save dir or iter_* dir); empty where it cannot be read: that
+    is left to the load, whose failure names it (load_spec_weights)."""
+    try:
+        return read_common(path)
+    except BaseException as e:  # torch's CheckpointException derives from BaseException
+        if is_interrupt(e):
+            raise
+        return {}
+
+
+def check_spec(path: str, m, what: str, setting: str) -> None:
+    """layer_spec.refusal for the checkpoint at `path` (a save dir or iter_* dir), raised as RunError."""
+    why = layer_spec.refusal(_common_at(path), m, what, setting)
+    if why:
+        raise RunError(why)
+
+
+def build_as_saved_at(path: str, m, chosen: str | None, what: str, setting: str) -> None:
+    """layer_spec.build_as_saved for the checkpoint at `path` (a save dir or iter_* dir)."""
+    layer_spec.build_as_saved(_common_at(path), m, chosen, what, setting)
+
+
+def load_spec_weights(path: str, chunks, what: str, setting: str) -> int:
+    """load_weights with a failure as one sentence (RunError): the spec hint for a checkpoint of another spec that
+    records none, else a damaged or incomplete checkpoint. Our own errors (the intact check's refusal) and
+    interrupts pass as they are."""
+    try:
+        return load_weights(path, chunks)
+    except BaseException as e:  # torch's CheckpointException derives from BaseException
+        if is_interrupt(e) or isinstance(e, RecipeError):
+            raise
+        hint = layer_spec.spec_hint(e, chunks, what, setting)
+        raise RunError(hint or f"{what} cannot be loaded ({layer_spec.summary(e)}): the checkpoint is damaged or "
+                       "incomplete; load an intact one instead (another iter_* directory of that run, or a fresh "
+                       "save)") from None

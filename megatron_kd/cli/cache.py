@@ -258,7 +258,8 @@ def _encoding_args(args):
 
 def _top_k_arg(args, encoding):
     """--top-k (default DEFAULT_TOP_K); a sampled cache holds at most --samples ids per position, so it takes no --top-k."""
-    if encoding == "sampled":
+    from ..cache.encoding import forced_top_k
+    if forced_top_k(encoding, args.samples) is not None:
         if args.top_k is not None:
             raise SystemExit("error: --top-k does not apply to --samples (a sampled cache holds the distinct ids of N "
                              "draws per position, at most N): drop --top-k")
@@ -360,6 +361,7 @@ def cmd_inspect(args) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
+    from ..cache.encoding import add_flags
     p = argparse.ArgumentParser(prog="megatron-kd cache", description="offline teacher top-K cache")
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="run a teacher over a dataset and write (or resume) a cache")
@@ -375,16 +377,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--dataset", help="module:function returning a token dataset (len and [i])")
     b.add_argument("--dataset-args", default="{}", help="JSON keyword arguments for the dataset factory")
     b.add_argument("--top-k", type=int, default=None, help=f"default {DEFAULT_TOP_K}")
-    b.add_argument("--encoding", choices=["fp16", "fp32", "compact", "topp", "sampled"], default=None,
-                   help="default fp16; topp when --top-p is given, sampled when --samples is")
-    b.add_argument("--samples", type=int, default=None, metavar="N",
-                   help="N draws per position from the teacher's whole distribution at --temperature, stored as the "
-                        "distinct ids and their counts (encoding sampled: unbiased targets; docs/cache-format.md)")
-    b.add_argument("--sample-seed", type=int, default=None, help="with --samples: the draws' seed (default 0)")
-    b.add_argument("--top-p", type=float, default=None, metavar="P",
-                   help="keep per position the fewest ids (at most --top-k) whose teacher mass reaches P (encoding "
-                        "topp); `cache inspect --top-p P` on a K cache previews the size")
-    b.add_argument("--min-k", type=int, default=None, help="with --top-p: keep at least this many ids (default 1)")
+    add_flags(b)  # --encoding and each encoding's own (cache/encoding.py)
     b.add_argument("--temperature", type=float, default=1.0, help="capture temperature: softmax(logits / T)")
     b.add_argument("--num-samples", type=int, help="first N samples of the dataset (default: all)")
     b.add_argument("--samples-per-shard", type=int, help="default: about 256 MiB per shard")

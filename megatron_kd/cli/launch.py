@@ -85,13 +85,15 @@ def launch_script(name: str) -> Path:
 
 
 def composed(a):
-    """The recipe composed with the overrides and checked against the schema; a recipe that does not compose,
-    or a key the schema lacks, exits in one sentence before any command runs."""
+    """The recipe composed with the overrides and checked against the schema and the checks that hold on any
+    machine; a recipe that does not compose, a key the schema lacks or a quant.format that runs nowhere exits in
+    one sentence before any command runs."""
+    from ..recipe.checks import check_quant
     from ..recipe.compose import compose
     from ..recipe.schema import RecipeError, to_recipe
     try:
         cfg = compose(a.recipe, a.overrides, save="/dev/null")
-        to_recipe(cfg)
+        check_quant(to_recipe(cfg))  # the machine that runs it decides the rest (refusal_here, or the workers)
     except RecipeError as e:
         raise SystemExit(f"megatron-kd launch: {e}") from None
     return cfg

@@ -30,27 +30,13 @@ import os
 
 import torch
 
-GROUP = 128  # ModelOpt's INT4_AWQ_CFG block size along the input dimension
+from .. import quant_formats
 
-
-def _args(num_bits: int, kind: str, strategy: str, group_size=None) -> dict:
-    a = {"num_bits": num_bits, "type": kind, "symmetric": True, "strategy": strategy, "dynamic": False}
-    if group_size:
-        a["group_size"] = group_size
-    return a
-
-
-# quant.format -> the compressed-tensors scheme that holds it exactly: storage format, weights, input activations
-SCHEMES = {
-    "fp8": {"format": "float-quantized", "weights": _args(8, "float", "tensor"),
-            "input_activations": _args(8, "float", "tensor")},
-    "int8": {"format": "int-quantized", "weights": _args(8, "int", "channel"),
-             "input_activations": _args(8, "int", "tensor")},
-    "int4_awq": {"format": "pack-quantized", "weights": _args(4, "int", "group", GROUP), "input_activations": None},
-}
-SCHEMES["w4a16_awq"] = SCHEMES["int4_awq"]
-# ModelOpt's quantizer settings each format must have here (num_bits, and the amax layout checked in _weight_codes)
-_BITS = {"fp8": (4, 3), "int8": 8, "int4_awq": 4, "w4a16_awq": 4}
+GROUP = quant_formats.AWQ_BLOCK
+# quant.format -> the compressed-tensors scheme that holds it exactly (storage format, weights, input activations)
+# and ModelOpt's num_bits of its weight quantizer (checked in _weight_codes): quant_formats.py's records
+SCHEMES = {n: f.export for n, f in quant_formats.FORMATS.items() if f.export is not None}
+_BITS = {n: quant_formats.get(n).weight_bits for n in SCHEMES}
 _RANGE = {8: (-128, 127), 4: (-8, 7)}
 _TINY = 1.0 / (1 << 24)  # ModelOpt: an amax at or below this quantizes to zero
 

@@ -71,7 +71,7 @@ def export(checkpoint: str, out: str, *, hf_path=None, dtype: str = "auto", devi
     with written_beside(out) as tmp, distributed(single, r.train.seed, device):
         try:
             chunks, _ = build_hf_chunks(r.model, single, r.data.seq_length, r.train.precision, load_weights=False)
-            iteration = layer_spec.load_weights(checkpoint, chunks, *names)
+            iteration = ckpt.load_spec_weights(checkpoint, chunks, *names)
             torch_dtype = None if dtype == "auto" else TORCH_DTYPES[dtype]
             hf = open_hf(src, "model.hf_path")
             fmt = _quant_format(chunks)

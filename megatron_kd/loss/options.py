@@ -4,6 +4,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Optional
 
+from ..field_policy import free, targets
 from ..rules import same_temperature, temperature_problem
 
 TAILS = ("none", "renormalize", "bucket")
@@ -28,15 +29,15 @@ def _as_float(key: str, value) -> float:
 class KDLoss:
     """The loss keys of a KD run's `kd` section, one schema: megatron_kd.recipe.schema.KDConfig (recipes) and
     megatron_kd.bridge.OfflineKDConfig (Bridge YAMLs) extend it; loss_options() is the topk_kl_loss call's."""
-    kl_weight: float = 1.0                       # ce mode trains on CE alone (weight 1)
-    ce_weight: float = 0.0                       # adds this x CE on the labels
-    temperature: float = 1.0
-    tail: str = "none"                           # none | renormalize | bucket (see topk_kl_loss)
-    impl: str = "auto"                           # auto | dense | chunked | forward_chunked | fused
-    chunk_size: Optional[int] = None
-    divergence: str = "forward_kl"               # forward_kl | reverse_kl | jsd (docs/loss.md)
-    jsd_beta: float = 0.5                        # jsd: the teacher's weight beta in (0, 1) (Liger's convention)
-    cache_temperature: Optional[float] = None    # the T the cache was captured at, to re-temper it to temperature
+    kl_weight: float = targets(1.0)              # ce mode trains on CE alone (weight 1)
+    ce_weight: float = targets(0.0)              # adds this x CE on the labels
+    temperature: float = targets(1.0)
+    tail: str = targets("none")                  # none | renormalize | bucket (see topk_kl_loss)
+    impl: str = free("auto")                     # auto | dense | chunked | forward_chunked | fused
+    chunk_size: Optional[int] = free(None)
+    divergence: str = targets("forward_kl")      # forward_kl | reverse_kl | jsd (docs/loss.md)
+    jsd_beta: float = targets(0.5)               # jsd: the teacher's weight beta in (0, 1) (Liger's convention)
+    cache_temperature: Optional[float] = targets(None)  # the T the cache was captured at (re-tempered to temperature)
 
     @property
     def capture_temperature(self) -> float:

@@ -14,20 +14,16 @@ import sys
 
 import torch
 
-from ..recipe.schema import QUANT_FORMATS
-
-# quant.format -> ModelOpt's config of that name (modelopt.torch.quantization)
-CONFIGS = {"fp8": "FP8_DEFAULT_CFG", "int8": "INT8_DEFAULT_CFG", "int4_awq": "INT4_AWQ_CFG",
-           "w4a16_awq": "INT4_AWQ_CFG", "w4a8_awq": "W4A8_AWQ_BETA_CFG", "nvfp4": "NVFP4_DEFAULT_CFG"}
-assert set(CONFIGS) == set(QUANT_FORMATS) - {"none"}
+from .. import quant_formats
 OUTPUT_LAYERS = ("output_layer", "lm_head")
 STATE_KEY = "modelopt_state"  # the checkpoint's common-state key of the quantizers' structure
 FORMAT_KEY = "quant_format"    # ... and of the format (also kept on the quantized module under this name)
 
 
 def quant_config(fmt: str) -> dict:
+    """A copy of ModelOpt's config of quant.format `fmt` (quant_formats.py names it)."""
     import modelopt.torch.quantization as mtq
-    return copy.deepcopy(getattr(mtq, CONFIGS[fmt]))
+    return copy.deepcopy(getattr(mtq, quant_formats.get(fmt).modelopt_config))
 
 
 def quantize(model: torch.nn.Module, fmt: str, forward_loop) -> torch.nn.Module:

@@ -24,6 +24,7 @@ on CPU; TE runs on GPUs only, and tests/plan/test_plan_vs_measured.py checks its
 """
 from dataclasses import dataclass, field, replace
 
+from .. import quant_formats
 from ..parallel.limits import LOGITS_PER_CHUNK
 from .attention_bytes import attention_activation_bytes
 from ..recipe.targets import MODES, TargetSource
@@ -70,7 +71,8 @@ class Training:
     cache_buffers: int = 2             # top-K batches resident on the GPU (current + prefetched)
     swiglu_fusion: bool = False        # Megatron's bias_activation_fusion (torch.compile'd SwiGLU)
     fused_norm: bool = True            # CUDA's fused RMSNorm (False: torch's composite CPU path, for CPU checks)
-    quant: str = "none"                # quant.format: ModelOpt's quantizers on every linear but the output layer
+    quant: str = "none"                # quant.format (quant_formats.py): ModelOpt's quantizers on every linear but the
+                                       # output layer
     spec: str = "sdpa"                 # the layers: sdpa (local spec, torch SDPA) | te (Transformer Engine's spec)
     fp8: str | None = None             # te: FP8 scaling recipe of TE's linears (model.fp8_recipe); None: bf16
     fp8_attention: bool = False        # te + fp8: TE's FP8 core attention too (model.fp8_attention)
@@ -96,6 +98,8 @@ class Training:
             raise ValueError("seq_len, micro_batch and num_microbatches must be >= 1")
         if self.spec not in SPECS:
             raise ValueError(f"spec={self.spec!r}; use one of {SPECS}")
+        if quant_formats.unknown_problem(self.quant, "quant"):
+            raise ValueError(quant_formats.unknown_problem(self.quant, "quant"))
         if self.fp8 is not None:
             from ..recipe.schema import FP8_RECIPES  # here: the schema imports torch, `plan --help` does not
             if self.spec != "te":
@@ -516,22 +520,10 @@ def _linears(shape: ModelShape, lay: Layout, moe: bool) -> list:
 
 
 def quantizer_bytes(fmt: str, linears) -> int:
-    """fp32 buffers of ModelOpt's quantizers over `linears` ((in, out, count) each): per-tensor amax (fp8, nvfp4:
-    its block scales are computed on the fly), per-output-channel weight amax (int8), per-128-block weight amax plus
-    the AWQ pre-quant scale per input channel (int4_awq / w4a16_awq / w4a8_awq; w4a8's weights pass a second, fp8
-    per-tensor stage); activations' amax per tensor."""
-    total = 0
-    for i, o, n in linears:
-        if fmt in ("fp8", "nvfp4"):
-            e = 2
-        elif fmt == "int8":
-            e = o + 1
-        elif fmt in ("int4_awq", "w4a16_awq", "w4a8_awq"):
-            e = o * -(-i // 128) + i + 2 * (fmt == "w4a8_awq")  # w4a8: fp8 weight stage + activations
-        else:
-            e = 0
-        total += 4 * e * n
-    return total
+    """fp32 buffers of ModelOpt's quantizers over `linears` ((in, out, count) each): what quant_formats.py says
+    format `fmt` keeps per linear layer (amax, AWQ scales)."""
+    floats = quant_formats.get(fmt).buffer_floats
+    return sum(4 * floats(i, o) * n for i, o, n in linears)
 
 
 def _stage_layers(p: Plan, pc) -> tuple[list, list]:

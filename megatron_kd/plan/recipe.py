@@ -271,10 +271,10 @@ def from_recipe(r) -> RecipePlan:
                      "and no separate main params)")
     if p.vpp:
         notes.append(f"parallel.vpp={p.vpp}: interleaved pipeline stages are not modelled (1F1B counted)")
-    from ..recipe.checks import check_layer_settings, check_quant_fp8
+    from ..recipe.checks import check_layer_settings, check_quant
     if targets.needs_teacher:  # the teacher training (online) or the cache build (kd.build_cache) runs
         check_layer_settings(r.teacher, "teacher")
-    check_quant_fp8(r)
+    check_quant(r)
     spec, spec_notes = layer_spec(m, shape)
     tr.update(spec)
     notes += spec_notes

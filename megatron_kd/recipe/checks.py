@@ -16,7 +16,8 @@ from ..runtime import features  # looked up at call time: the one place a test f
 from ..runtime.te_compat import own_attention_cp_refusal, te_attention_refusal, te_attention_unverified
 from .fp8 import fp8_fields, fp8_keys
 from .resume_keys import resume_keys_all
-from .schema import (ATTENTION_BACKENDS, FP8_FORMATS, FP8_RECIPES, PRECISIONS, QUANT_CUDA_ONLY, QUANT_FORMATS,
+from .. import quant_formats
+from .schema import (ATTENTION_BACKENDS, FP8_FORMATS, FP8_RECIPES, PRECISIONS,
                      ModelConfig, Recipe, RecipeError)
 from .targets import MODES, TargetSource
 
@@ -72,6 +73,20 @@ def check_layer_settings(m: ModelConfig, section: str) -> None:
     _need(m.attention_backend in ATTENTION_BACKENDS,
           f"{section}.attention_backend={m.attention_backend!r}: use one of {ATTENTION_BACKENDS}")
     check_fp8_settings(m, section)
+
+
+def check_quant(r: Recipe, cuda: bool | None = None) -> None:
+    """The quant section. cuda=None (`megatron-kd plan`, `launch --dry-run`: the machine that runs it is not this
+    one): what is refused anywhere; else also what this machine lacks (quant_problem: its GPU, ModelOpt)."""
+    _need(r.quant.calib_samples >= 1, f"quant.calib_samples={r.quant.calib_samples} must be >= 1")
+    fmt = r.quant.format
+    problem = quant_formats.unknown_problem(fmt) if cuda is None else quant_problem(fmt, cuda)
+    _need(problem is None, problem)
+    p = r.parallel
+    _need(r.quant.format == "none" or (p.pp == 1 and not p.vpp), f"quant.format={r.quant.format} with parallel.pp="
+          f"{p.pp}: a quantized student trains under TP and DP, not pipeline stages (each stage's quantizers would "
+          "need their own state); set parallel.pp=1")
+    check_quant_fp8(r)
 
 
 def check_quant_fp8(r: Recipe) -> None:
@@ -174,13 +189,7 @@ def check_recipe(r: Recipe, world_size: int | None = 1, cuda: bool = False) -> N
     _check_data(r)
     _check_train(r)
     _check_fused(r, cuda)
-    _need(r.quant.calib_samples >= 1, f"quant.calib_samples={r.quant.calib_samples} must be >= 1")
-    problem = quant_problem(r.quant.format, cuda)
-    _need(problem is None, problem)
-    _need(r.quant.format == "none" or (p.pp == 1 and not p.vpp), f"quant.format={r.quant.format} with parallel.pp="
-          f"{p.pp}: a quantized student trains under TP and DP, not pipeline stages (each stage's quantizers would "
-          "need their own state); set parallel.pp=1")
-    check_quant_fp8(r)
+    check_quant(r, cuda)
     if not cuda:
         _check_cpu(r)
     if world_size is not None:
@@ -189,12 +198,13 @@ def check_recipe(r: Recipe, world_size: int | None = 1, cuda: bool = False) -> N
 
 def quant_problem(fmt: str, cuda: bool, key: str = "quant.format") -> str | None:
     """Why the student cannot be quantized as `fmt` here (one sentence naming `key`), or None."""
-    if fmt not in QUANT_FORMATS:
-        return f"{key}={fmt!r}: use one of {', '.join(QUANT_FORMATS)}"
+    unknown = quant_formats.unknown_problem(fmt, key)
+    if unknown:
+        return unknown
     if fmt == "none":
         return None
-    if fmt in QUANT_CUDA_ONLY and not cuda:
-        runs = ", ".join(f for f in QUANT_FORMATS if f not in QUANT_CUDA_ONLY and f != "none")
+    if quant_formats.get(fmt).cuda_only and not cuda:
+        runs = ", ".join(n for n, f in quant_formats.FORMATS.items() if not f.cuda_only and n != "none")
         return (f"{key}={fmt} needs a CUDA GPU (ModelOpt fake-quantizes {fmt} on CUDA tensors only); on this "
                 f"machine use one of {runs}")
     from ..runtime.extras import missing
@@ -255,9 +265,10 @@ def _check_cache_encoding(kd) -> None:
         from ..parallel.sample import check_draws
         problem = check_draws(kd.cache_samples)
         _need(problem is None, f"kd.cache_{problem}" if problem else "")
-        _need(kd.top_k is None or kd.top_k == kd.cache_samples, f"kd.top_k={kd.top_k}: a sampled cache holds the "
-              f"distinct ids of its kd.cache_samples={kd.cache_samples} draws, all of them read: set kd.top_k=null "
-              f"or {kd.cache_samples}")
+        from ..cache.encoding import forced_top_k
+        _need(kd.top_k in (None, forced_top_k(kd.cache_encoding, kd.cache_samples)), f"kd.top_k={kd.top_k}: a "
+              f"sampled cache holds the distinct ids of its kd.cache_samples={kd.cache_samples} draws, all of them "
+              f"read: set kd.top_k=null or {kd.cache_samples}")
     if kd.cache_encoding == "topp":
         problem = check_top_p(kd.cache_top_p, 1 if kd.cache_min_k is None else kd.cache_min_k,
                               kd.top_k if kd.top_k is not None else 1 << 30)

@@ -1,36 +1,23 @@
-"""The recipe keys a resumed run compares with its checkpoint's (a change is refused unless
-train.resume_changes names it)."""
+"""The recipe keys a resumed run compares with its checkpoint's (a change is refused unless train.resume_changes
+names it; the student's architecture never changes): a view derived from the policy each schema field declares
+(field_policy.py), never a list kept by hand. Paths may move with a copied run, and the cache's teacher is compared
+by the identity its manifest records, not by its path."""
+from dataclasses import fields
 
+from .. import field_policy as fp
+from .schema import ModelConfig, Recipe, TeacherConfig, TrainConfig
 
-# The keys a resumed run must share with its checkpoint for the continuation to be the run it claims to be.
-# The architecture is compared always; paths (train.save, kd.cache) may move with a copied run, and the cache's
-# teacher is compared by the identity its manifest records, not by its path.
-ARCH_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-             "kv_channels", "normalization", "activation", "position_embedding_type", "tie_embeddings",
-             "num_moe_experts", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "rope_scaling",
-             "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-             "rope_original_max_position_embeddings")
-
-# Architecture keys newer than some checkpoints: a checkpoint whose recipe lacks one was made at the key's schema
-# default (plain RoPE), so it is compared at that default instead of being skipped.
-DEFAULTED_ARCH_KEYS = ("rope_scaling", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-                       "rope_original_max_position_embeddings")
-
-
-SCHEDULE_KEYS = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_style", "lr_decay_iters")
-
-
-RESUME_KEYS = {
-    "train": (*SCHEDULE_KEYS, "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
-              "global_batch_size", "optimizer", "precision"),
-    "kd": ("mode", "top_k", "divergence", "jsd_beta", "temperature", "cache_temperature", "kl_weight", "ce_weight",
-           "tail", "teacher_id"),
-    "data": ("kind", "path", "tokenizer", "vocab_size", "seq_length", "split", "seed", "eod_id", "eod_mask_loss"),
-}
-
-
-TEACHER_KEYS = (*ARCH_KEYS, "load", "hf_path")
-
+# the student's: its architecture (its weights come from the checkpoint)
+ARCH_KEYS = fp.keys_of(ModelConfig, fp.ARCHITECTURE)
+# architecture keys newer than some checkpoints: a checkpoint whose recipe lacks one was made at the key's schema
+# default, so it is compared at that default instead of being skipped
+ARCH_DEFAULTS = fp.absent_defaults(ModelConfig)
+SCHEDULE_KEYS = fp.keys_of(TrainConfig, fp.SCHEDULE)
+# the teacher's: its architecture and where its weights come from (its outputs are the targets)
+TEACHER_KEYS = fp.keys_of(TeacherConfig, fp.ARCHITECTURE, fp.WEIGHTS)
+# every other section: each field that is not free
+RESUME_KEYS = {s.name: keys for s in fields(Recipe) if s.name not in ("model", "teacher")
+               for keys in [tuple(f.name for f in fields(s.default_factory) if fp.policy(f) != fp.FREE)] if keys}
 
 CACHE_TEACHER = "kd.cache teacher"
 

@@ -25,6 +25,7 @@ from ..parallel.comm import group_rank, group_size
 from ..parallel.sample import start_sample, start_sample_from_hidden
 from ..parallel.topk import start_topk, start_topk_from_hidden
 from ..cache.dataset import split_sample
+from ..cache.encoding import forced_top_k
 from ..cache.errors import CacheError
 from ..cache.format import is_finished, make_settings
 from ..cache.hashing import token_hash
@@ -296,11 +297,12 @@ def settings_for(vocab_size: int, seq_length: int, num_samples: int, *, top_k=No
     """make_settings after build_cache's defaults: the encoding --top-p / --samples imply, K = the draws of a
     sampled cache, else DEFAULT_TOP_K."""
     encoding = cache_encoding(encoding, top_p, samples)
-    if encoding == "sampled" and samples is not None:
-        if top_k is not None and top_k != samples:
+    forced = forced_top_k(encoding, samples)
+    if forced is not None:
+        if top_k is not None and top_k != forced:
             raise CacheError(f"a sampled cache holds at most samples={samples} ids per position; top_k={top_k} "
                              "cannot differ (drop top_k / --top-k)")
-        top_k = samples
+        top_k = forced
     top_k = DEFAULT_TOP_K if top_k is None else top_k
     return make_settings(encoding=encoding, top_k=top_k, vocab_size=vocab_size, temperature=temperature,
                          seq_length=seq_length, num_samples=num_samples, teacher=teacher, tokenizer=tokenizer_id,

@@ -17,7 +17,7 @@ from .protocol import TeacherOutput, tokens_to
 from ..parallel.comm import all_reduce_sum, group_rank, group_size
 from ..parallel.sequence import gather_sequence
 from ..parallel.topk import topk_from_hidden
-from ..checkpoint import spec as layer_spec
+from ..checkpoint import store as ckpt
 from ..models.hook import forward_with_head, output_layer_replaced, output_layout
 from ..models.builder import build_gpt, layer_backend, unwrap  # noqa: F401  (layer_backend re-exported)
 from ..models.fusions import exact_fusions
@@ -68,10 +68,10 @@ def build_teacher(r, vocab_size: int, parallel=None, names=None):
     else:
         what, setting = names or (f"teacher.load={r.teacher.load}", "teacher.attention_backend={}")
         if r.teacher.load:  # before the build: a checkpoint of another layer spec cannot load into it
-            layer_spec.check(r.teacher.load, r.teacher, what, setting)
+            ckpt.check_spec(r.teacher.load, r.teacher, what, setting)
         m = build_gpt(r.teacher, p, vocab_size, r.data.seq_length, r.train.precision)
         if r.teacher.load:
-            layer_spec.load_weights(r.teacher.load, [m], what, setting)
+            ckpt.load_spec_weights(r.teacher.load, [m], what, setting)
     freeze(m)
     return m
 

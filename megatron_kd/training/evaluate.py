@@ -12,7 +12,7 @@ import dataclasses
 import torch
 
 from ..loss import LossOptions, VocabLayout, kd_loss
-from ..checkpoint import spec as layer_spec
+from ..checkpoint import store as ckpt
 from ..recipe.schema import ModelConfig, Recipe
 from ..data.datasets import build_datasets, load_tokenizer, loader, samples_needed
 from ..runtime.dist import distributed
@@ -62,9 +62,9 @@ def _load(m: ModelConfig, path: str, r: Recipe, vocab: int, attention_backend: s
     (the value as {}), the setting that chooses the spec."""
     what = f"the checkpoint {path}"
     m = dataclasses.replace(m)
-    layer_spec.build_as_saved_at(path, m, attention_backend, what, setting)  # before the model is built
+    ckpt.build_as_saved_at(path, m, attention_backend, what, setting)  # before the model is built
     model = build_gpt(m, r.parallel, vocab, r.data.seq_length, "fp32")
-    layer_spec.load_weights(path, [model], what, setting)
+    ckpt.load_spec_weights(path, [model], what, setting)
     freeze(model)
     return model
 

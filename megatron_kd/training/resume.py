@@ -5,15 +5,14 @@ spec the checkpoint records: checkpoint/spec.py), checkpoints loaded as weights 
 of this architecture and spec (check_checkpoint_model), and after the load the recipe's schedule and Adam settings
 where they were changed on purpose.
 
-The keys compared are recipe/resume_keys.py's (the recipe's checks name them too); checkpoint/integrity.py decides
-which checkpoint is intact.
+The keys compared are those the schema's fields declare (recipe/resume_keys.py derives them; the recipe's checks
+name them too); checkpoint/integrity.py decides which checkpoint is intact.
 """
 import os
 
 from ..checkpoint import integrity as ckpt_integrity, spec as layer_spec, store as ckpt
 from ..errors import RecipeError, RunError
-from ..recipe.resume_keys import (ARCH_KEYS, CACHE_TEACHER, DEFAULTED_ARCH_KEYS, RESUME_KEYS, SCHEDULE_KEYS,
-                                  TEACHER_KEYS)
+from ..recipe.resume_keys import ARCH_DEFAULTS, ARCH_KEYS, CACHE_TEACHER, RESUME_KEYS, SCHEDULE_KEYS, TEACHER_KEYS
 from ..recipe.targets import TargetSource
 from ..runtime.interrupt import is_interrupt
 
@@ -34,7 +33,7 @@ def load_state(r, load: str, chunks, optimizer, scheduler, rank0: bool) -> tuple
     it, fallback = ckpt_integrity.newest_intact(load)
     if it is None:
         if r.train.pretrained:
-            layer_spec.load_weights(r.train.pretrained, chunks, f"train.pretrained={r.train.pretrained}",
+            ckpt.load_spec_weights(r.train.pretrained, chunks, f"train.pretrained={r.train.pretrained}",
                                     "model.attention_backend={}")
             optimizer.reload_model_params()
         return 0, 0, []
@@ -70,13 +69,10 @@ def _fmt(v) -> str:
 
 
 def _with_defaults(saved_model: dict) -> dict:
-    """A checkpoint's model section with DEFAULTED_ARCH_KEYS it lacks set to their schema defaults."""
-    import dataclasses
-    from ..recipe.schema import ModelConfig
+    """A checkpoint's model section with the ARCH_DEFAULTS keys it lacks set to their schema defaults."""
     if not saved_model:
         return saved_model
-    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
-    return {**{k: defaults[k] for k in DEFAULTED_ARCH_KEYS}, **saved_model}
+    return {**ARCH_DEFAULTS, **saved_model}
 
 
 def resume_differences(saved: dict, r, saved_cache_teacher=None) -> list:

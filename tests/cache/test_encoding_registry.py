@@ -1,0 +1,58 @@
+"""Cache encodings register themselves (cache/encoding.py): get_encoding looks the name up, each encoding says what
+it adds to a cache's settings, and the command line and Bridge's cache command take their encoding flags from the
+registry; a new encoding registered in one place is offered everywhere."""
+import numpy as np
+import pytest
+
+from megatron_kd.cache import encoding as enc
+
+
+def _build_flags(parser):
+    build = parser._subparsers._group_actions[0].choices["build"]
+    return {a.option_strings[0]: a for a in build._actions if a.option_strings}
+
+
+@pytest.fixture
+def parsers():
+    from megatron_kd.bridge.cache import parser as bridge_parser
+    from megatron_kd.cli.cache import parser as cli_parser
+    return {"cli": cli_parser, "bridge": bridge_parser}
+
+
+def test_the_commands_offer_what_the_registry_holds(parsers):
+    for name, make in parsers.items():
+        flags = _build_flags(make())
+        assert tuple(flags["--encoding"].choices) == enc.ENCODINGS, name
+        for cls in enc.REGISTRY.values():
+            for flag, _ in cls.__dict__.get("flags", ()):
+                assert flag in flags, (name, flag)
+
+
+def test_each_encoding_writes_its_own_settings():
+    from megatron_kd.cache.format import make_settings
+    base = dict(vocab_size=50, temperature=1.0, seq_length=4, num_samples=2, teacher="t")
+    assert "top_p" not in make_settings(encoding="fp16", top_k=4, **base)
+    s = make_settings(encoding="topp", top_k=4, top_p=0.5, **base)
+    assert (s["top_p"], s["min_k"]) == (0.5, 1)
+    s = make_settings(encoding="sampled", top_k=3, samples=3, **base)
+    assert (s["samples"], s["sample_seed"]) == (3, 0)
+    assert enc.forced_top_k("sampled", 3) == 3 and enc.forced_top_k("fp16", 3) is None
+
+
+def test_a_new_encoding_is_one_class_and_one_registration(monkeypatch, parsers):
+    """A registered class is found by name, offered by both commands, and round-trips a sample."""
+    monkeypatch.setattr(enc, "REGISTRY", dict(enc.REGISTRY))
+
+    class Fp32Again(enc.Fp32Encoding):
+        name = "fp32_again"
+    enc.register(Fp32Again)
+    monkeypatch.setattr(enc, "ENCODINGS", tuple(enc.REGISTRY))
+    e = enc.get_encoding("fp32_again", 50, 4, 3)
+    assert isinstance(e, Fp32Again)
+    ids = np.array([[1, 2, 3, 4]] * 3)
+    logp = np.log(np.full((3, 4), 0.25, dtype=np.float32))
+    back_ids, back_logp = e.decode(e.encode(ids, logp))
+    np.testing.assert_array_equal(back_ids, ids)
+    np.testing.assert_array_equal(back_logp, logp)
+    for name, make in parsers.items():
+        assert "fp32_again" in _build_flags(make())["--encoding"].choices, name

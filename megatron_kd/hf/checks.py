@@ -4,6 +4,7 @@ Bridge). Every error names the recipe key and the fix."""
 import json
 import os
 
+from .. import families
 from ..errors import HFCheckpointError
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
@@ -45,6 +46,7 @@ def check_hf_dir(path, key: str) -> None:
     if not c.get("architectures"):
         raise HFCheckpointError(f"{key}={path!r}: config.json names no `architectures` (e.g. "
                                 "[\"LlamaForCausalLM\"]); save the model with transformers' save_pretrained")
+    families.for_config(c, f"{key}={path!r}")  # a registered family, or refused by name
     if not any(f.endswith(WEIGHT_SUFFIXES) for f in os.listdir(path)):
         raise HFCheckpointError(f"{key}={path!r} holds no weights (*.safetensors / *.bin): a config-only "
                                 "directory; download the weights too")

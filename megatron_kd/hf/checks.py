@@ -46,7 +46,8 @@ def check_hf_dir(path, key: str) -> None:
     if not c.get("architectures"):
         raise HFCheckpointError(f"{key}={path!r}: config.json names no `architectures` (e.g. "
                                 "[\"LlamaForCausalLM\"]); save the model with transformers' save_pretrained")
-    families.for_config(c, f"{key}={path!r}")  # a registered family, or refused by name
+    # a registered family (else refused by name), whose rules map each config.json field exactly or refuse it
+    families.for_config(c, f"{key}={path!r}").check_config(c, f"{key}={path!r}")
     if not any(f.endswith(WEIGHT_SUFFIXES) for f in os.listdir(path)):
         raise HFCheckpointError(f"{key}={path!r} holds no weights (*.safetensors / *.bin): a config-only "
                                 "directory; download the weights too")

@@ -123,12 +123,11 @@ def every_layer_window(hf_config, where: str) -> dict:
     return dict(window_size=(int(window) - 1, 0), window_attn_skip_freq=None)
 
 
-def settings(hf_config, where: str, raw: dict | None = None) -> dict:
+def settings(hf_config, where: str) -> dict:
     """Everything to carry for this config: {"provider": {field: value}, "model": {...}}; refuses first. The
-    family (megatron_kd/families, by config.json's model_type; an unregistered one is refused by name) checks
-    config.json's fields (`raw`, the file's dict; default: the config's own) and adds what its bridge drops."""
+    family (megatron_kd/families, by config.json's model_type; an unregistered one is refused by name) adds what
+    its bridge drops; its config.json field rules ran in hf/checks.check_hf_dir, before Bridge is imported."""
     fam = families.for_model_type(getattr(hf_config, "model_type", None), where)
-    fam.check_config(hf_config.to_dict() if raw is None else raw, where)
     fields, model = rope_settings(hf_config, where)
     fields.update(window_settings(hf_config, where))
     fields.update(fam.provider_extra(hf_config, where))

@@ -12,8 +12,7 @@ import os
 import torch
 
 from . import exact
-from .checks import (HFCheckpointError, check_architecture, check_hf_dir, check_layout, read_hf_config,
-                     require_bridge)
+from .checks import HFCheckpointError, check_architecture, check_hf_dir, check_layout, require_bridge
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Fusions Bridge's providers turn on that need TE / apex / CUDA kernels; the caller's `fused=True` keeps them.
@@ -98,7 +97,7 @@ class HFModel:
         self.bridge = AutoBridge.from_hf_pretrained(self.path)  # lazy: tensors are read when loaded
         self.hf_config = self.bridge.hf_pretrained.config
         # config.json's fields Bridge drops or hard-codes: read (or refused) now, set on every provider and model
-        self.exact = exact.settings(self.hf_config, f"{key}={self.path!r}", read_hf_config(self.path, key))
+        self.exact = exact.settings(self.hf_config, f"{key}={self.path!r}")
 
     @property
     def vocab_size(self) -> int:

@@ -64,6 +64,19 @@ def read_hf_config(path, key: str = "hf_path") -> dict:
         if isinstance(text, dict) and "num_hidden_layers" not in c else c
 
 
+def quantization_note(path, key: str = "hf_path"):
+    """What megatron-kd reads and writes of a quantized checkpoint (config.json's quantization_config), in its
+    family's words (GPT-OSS's MXFP4: read dequantized, exported unquantized); None for an unquantized one.
+    Methods the family does not read were refused by check_hf_dir."""
+    c = read_hf_config(path, key)
+    q = c.get("quantization_config")
+    if not isinstance(q, dict):
+        return None
+    fam = families.for_config(c, f"{key}={path!r}")
+    method = q.get("quant_method")
+    return f"{path} stores its {fam.name} weights in {method}: {fam.quantized.get(method, 'not read')}"
+
+
 def check_architecture(path, key: str) -> None:
     """Bridge maps this architecture (a registered model bridge), else name the ones it maps."""
     AutoBridge = require_bridge(key)

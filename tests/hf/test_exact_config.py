@@ -177,6 +177,9 @@ REFUSALS = {
     "mistral_hidden_act": ("mistral", {"hidden_act": "gelu"}, ["hidden_act='gelu'", "silu"]),
     "mistral_attention_dropout": ("mistral", {"attention_dropout": 0.1}, ["attention_dropout=0.1", "0.0"]),
     "mistral_layer_types": ("mistral", {"layer_types": [SLIDING, FULL]}, ["layer_types=", "Ministral"]),
+    "mistral_yarn": ("mistral", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                                     "original_max_position_embeddings": 128}},
+                     ["rope_parameters=", "yarn", "Megatron-Bridge 0.6.2"]),
     "mistral_unknown_field": ("mistral", {"attention_bias": True}, ["attention_bias=True", "families/mistral.py"]),
 }
 

@@ -220,3 +220,25 @@ def test_transformers_loads_the_pruned_model_and_computes_the_pruned_architectur
     assert narrow.config.intermediate_size == 112
     with torch.no_grad():
         assert torch.allclose(narrow(tokens).logits, w(tokens).logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.bridge
+@pytest.mark.parametrize("arch", ["llama", "gptoss", "qwen2", "qwen3", "qwen3_moe", "mistral"])
+def test_depth_for_every_registered_family_loads_in_transformers(tmp_path, arch):
+    """Every registered family prunes by depth: transformers loads the result with no missing or unexpected
+    tensor, each kept layer's tensors are the parent's, and layer_types follows the kept layers."""
+    import tiny
+    from transformers import AutoModelForCausalLM
+    config = {"layer_types": ["sliding_attention", "full_attention"] * 2} if arch == "gptoss" else {}
+    parent = tiny.make_hf(str(tmp_path / "t"), arch, layers=4, seed=2, config=config)
+    assert main(["prune", "--hf", str(tmp_path / "t"), "--out", str(tmp_path / "d"), "--keep-layers", "0,3"]) == 0
+    pruned, info = AutoModelForCausalLM.from_pretrained(tmp_path / "d", dtype=torch.float32,
+                                                        output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert pruned.config.num_hidden_layers == 2
+    if arch == "gptoss":
+        assert pruned.config.layer_types == ["sliding_attention", "full_attention"]
+    want, got = parent.state_dict(), pruned.state_dict()
+    for name, t in got.items():
+        old = name.replace("layers.1.", "layers.3.") if ".layers.1." in name else name
+        assert torch.equal(t, want[old]), name

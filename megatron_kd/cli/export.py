@@ -58,6 +58,8 @@ def main(argv=None) -> int:
         return 2
     print(f"wrote {s['out']}: the student of iteration {s['iteration']} as a Hugging Face checkpoint "
           f"({', '.join(s['files'])}) in {s['seconds']:.1f} s")
+    if s.get("source_quantization"):  # e.g. GPT-OSS as published (MXFP4 experts): written dequantized
+        print(s["source_quantization"])
     q = s.get("quantized")
     if q and q["export"] == "compressed-tensors":
         print(f"quantized as {q['format']}: a compressed-tensors checkpoint ({q['compressed_tensors_format']}: "

@@ -28,6 +28,6 @@ def main(argv=None) -> int:
     except PruneError as e:
         print(f"megatron-kd prune: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {s['out']}: layers {s['layers']}, intermediate_size {s['intermediate_size']}")
+    print(f"wrote {s['out']} ({s['family']}): layers {s['layers']}, intermediate_size {s['intermediate_size']}")
     print(f"next: train it as the student, e.g. model.hf_path={args.out}")
     return 0

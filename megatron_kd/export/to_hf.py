@@ -101,8 +101,9 @@ def export(checkpoint: str, out: str, *, hf_path=None, dtype: str = "auto", devi
             raise ValueError(f"--checkpoint {checkpoint} could not be exported with --hf-path {src} "
                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); {out} is left as "
                              "it was") from None
+    from ..hf.checks import quantization_note
     return {"out": out, "iteration": iteration, "source": src, "seconds": time.perf_counter() - t0,
-            "files": sorted(os.listdir(out)), "quantized": summary}
+            "files": sorted(os.listdir(out)), "quantized": summary, "source_quantization": quantization_note(src)}
 
 
 def _quant_format(chunks):

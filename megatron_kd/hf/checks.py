@@ -4,6 +4,7 @@ Bridge). Every error names the recipe key and the fix."""
 import json
 import os
 
+from .. import families
 from ..errors import HFCheckpointError
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
@@ -45,6 +46,8 @@ def check_hf_dir(path, key: str) -> None:
     if not c.get("architectures"):
         raise HFCheckpointError(f"{key}={path!r}: config.json names no `architectures` (e.g. "
                                 "[\"LlamaForCausalLM\"]); save the model with transformers' save_pretrained")
+    # a registered family (else refused by name), whose rules map each config.json field exactly or refuse it
+    families.for_config(c, f"{key}={path!r}").check_config(c, f"{key}={path!r}")
     if not any(f.endswith(WEIGHT_SUFFIXES) for f in os.listdir(path)):
         raise HFCheckpointError(f"{key}={path!r} holds no weights (*.safetensors / *.bin): a config-only "
                                 "directory; download the weights too")
@@ -59,6 +62,19 @@ def read_hf_config(path, key: str = "hf_path") -> dict:
     text = c.get("text_config")  # multimodal wrappers keep the language model's fields here
     return {**text, "architectures": c.get("architectures"), "model_type": c.get("model_type")} \
         if isinstance(text, dict) and "num_hidden_layers" not in c else c
+
+
+def quantization_note(path, key: str = "hf_path"):
+    """What megatron-kd reads and writes of a quantized checkpoint (config.json's quantization_config), in its
+    family's words (GPT-OSS's MXFP4: read dequantized, exported unquantized); None for an unquantized one.
+    Methods the family does not read were refused by check_hf_dir."""
+    c = read_hf_config(path, key)
+    q = c.get("quantization_config")
+    if not isinstance(q, dict):
+        return None
+    fam = families.for_config(c, f"{key}={path!r}")
+    method = q.get("quant_method")
+    return f"{path} stores its {fam.name} weights in {method}: {fam.quantized.get(method, 'not read')}"
 
 
 def check_architecture(path, key: str) -> None:

@@ -6,13 +6,15 @@ layer whatever config.json says, and Llama 3 RoPE scaling with megatron-core's f
 factors (1, 4) and original length (8192). A model built that way runs without error and gives other logits
 than transformers (a depth-pruned GPT-OSS keeps its parent's layer_types, e.g. full / sliding / full). So:
 - `settings(hf_config, where)` reads the fields the way transformers' forward uses them, before any work, and
-  raises HFCheckpointError naming the field, its value and what is supported when megatron-core cannot run it;
+  raises HFCheckpointError naming the field, its value and what is supported when megatron-core cannot run it
+  (the family's record, megatron_kd/families, lists its fields and adds what its bridge drops);
 - `apply(prov, s)` sets them on Bridge's provider after Bridge made it (before finalize);
 - `fix_model(chunk, s)` sets the values megatron-core's RoPE module takes no field for (Llama 3 scaling).
 """
 import copy
 import math
 
+from .. import families
 from .checks import HFCheckpointError
 
 # megatron-core's RotaryEmbedding._apply_scaling defaults: the only Llama 3 values its config can express
@@ -20,8 +22,6 @@ MCORE_LLAMA3 = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_max_posi
 MCORE_LLAMA3_FACTOR = 8.0  # RotaryEmbedding's rope_scaling_factor default
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
-# the architectures whose fields these rules read (each tested: tests/hf/test_exact_config.py)
-MODEL_TYPES = ("llama", "gpt_oss", "qwen2")
 
 
 def _rope_parameters(hf_config) -> dict:
@@ -114,23 +114,23 @@ def window_settings(hf_config, where: str) -> dict:
                 window_attn_skip_freq=None if all(sliding) else [int(s) for s in sliding])
 
 
-def gpt_oss_settings(hf_config, where: str) -> dict:
-    if getattr(hf_config, "model_type", None) != "gpt_oss":
-        return {}
-    if not getattr(hf_config, "attention_bias", True):  # Bridge builds (and loads) q/k/v/o biases
-        _refuse(where, "attention_bias", False, "true (GPT-OSS's attention has biases; Bridge maps them)")
-    return {}
+def every_layer_window(hf_config, where: str) -> dict:
+    """Provider fields for a config.json whose sliding_window applies to every layer (Mistral, Qwen3-MoE: no
+    layer_types); no window when it is null."""
+    window = getattr(hf_config, "sliding_window", None)
+    if window is None:
+        return dict(window_size=None, window_attn_skip_freq=None)
+    return dict(window_size=(int(window) - 1, 0), window_attn_skip_freq=None)
 
 
 def settings(hf_config, where: str) -> dict:
-    """Everything to carry for this config: {"provider": {field: value}, "model": {...}}; refuses first. Other
-    architectures keep their bridge's mapping (their RoPE and layer types follow other rules, e.g. one RoPE per
-    layer type)."""
-    if getattr(hf_config, "model_type", None) not in MODEL_TYPES:
-        return {"provider": {}, "model": {}}
+    """Everything to carry for this config: {"provider": {field: value}, "model": {...}}; refuses first. The
+    family (megatron_kd/families, by config.json's model_type; an unregistered one is refused by name) adds what
+    its bridge drops; its config.json field rules ran in hf/checks.check_hf_dir, before Bridge is imported."""
+    fam = families.for_model_type(getattr(hf_config, "model_type", None), where)
     fields, model = rope_settings(hf_config, where)
     fields.update(window_settings(hf_config, where))
-    fields.update(gpt_oss_settings(hf_config, where))
+    fields.update(fam.provider_extra(hf_config, where))
     return {"provider": fields, "model": model}
 
 

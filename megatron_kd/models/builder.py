@@ -7,6 +7,7 @@ sinks or sliding windows (GPT-OSS) keep megatron-kd's core attention in either s
 import torch
 import torch.nn.functional as F
 
+from .. import families
 from ..rules import padded_vocab_size
 from ..recipe.fp8 import fp8_kwargs
 from ..recipe.schema import ModelConfig, ParallelConfig
@@ -16,9 +17,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _activation(name: str):
-    from . import gpt_oss  # gpt-oss: quick_geglu
-    if gpt_oss.activation(name):
-        return gpt_oss.activation(name)
+    for hooks in families.hooks():  # a family's own activations (GPT-OSS: quick_geglu)
+        if hooks.activation(name):
+            return hooks.activation(name)
     if name == "swiglu":
         return F.silu, True
     if name == "gelu":
@@ -64,15 +65,16 @@ def transformer_config(m: ModelConfig, p: ParallelConfig, precision: str = "fp32
         persist_layer_norm=False,
     )
     kw.update(fp8_kwargs(m))
-    from . import gpt_oss  # gpt-oss: sinks, window, clamped GLU, YaRN
-    kw.update(gpt_oss.config_kwargs(m))
+    for hooks in families.hooks():  # each family's features the recipe turns on (GPT-OSS: sinks, window, GLU)
+        kw.update(hooks.config_kwargs(m))
     kw.update(m.megatron or {})
     if "bias_activation_fusion" not in (m.megatron or {}):  # decided on the final fields (megatron: may set a clamp)
         from types import SimpleNamespace
         exact = bias_activation_fusion_exact(SimpleNamespace(**kw))
         kw["bias_activation_fusion"] = kw["bias_activation_fusion"] and exact
     config = TransformerConfig(**kw)
-    gpt_oss.apply_yarn(config, m)
+    for hooks in families.hooks():  # YaRN (GPT-OSS's): attributes TransformerConfig has no fields for
+        hooks.apply_yarn(config, m)
     return config
 
 
@@ -128,9 +130,15 @@ def layer_spec(m: ModelConfig):
     if backend == "sdpa":
         from .attention import SDPAttention
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
-    if m.num_moe_experts and m.add_bias_linear:  # gpt-oss: expert biases train at EP=1 / expert TP=1
-        from .gpt_oss import fix_local_moe_spec
+    if m.num_moe_experts and m.add_bias_linear:  # expert biases (GPT-OSS) train at EP=1 / expert TP=1
         fix_local_moe_spec(spec)
+    return spec
+
+
+def fix_local_moe_spec(spec):
+    """The families' fix-ups of a local MoE layer spec (in place), e.g. experts with biases at expert TP 1."""
+    for hooks in families.hooks():
+        spec = hooks.fix_local_moe_spec(spec)
     return spec
 
 
@@ -184,7 +192,6 @@ def build_hf_chunks(m: ModelConfig, p: ParallelConfig, seq_length: int, precisio
                            te_attention_unverified(config))
     else:
         from .attention import SDPAttention
-        from .gpt_oss import fix_local_moe_spec  # MoE experts with biases train at EP=1 (as layer_spec does)
         local = local_layer_spec(SDPAttention if backend == "sdpa" else None)
         spec = lambda config, vp_stage=None: fix_local_moe_spec(local(config, vp_stage))  # noqa: E731
     recompute = {k: getattr(m, k) for k in ("recompute_granularity", "recompute_method", "recompute_num_layers")}

@@ -12,7 +12,9 @@ same network:
   Bridge: factor 32, original 4096, beta fast 32 / slow 1);
 - router bias (add_bias_linear), softmax after top-k (megatron-core's default moe_router_pre_softmax=false),
   expert biases (add_bias_linear).
-models/builder.py calls `config_kwargs` and `apply_yarn`; recipe/checks.py checks these fields.
+This is the GPT-OSS family's `hooks` module (megatron_kd/families/gpt_oss.py): models/builder.py calls
+`activation`, `config_kwargs`, `apply_yarn` and `fix_local_moe_spec` of every family's hooks; the family's record
+checks these recipe fields.
 """
 # Bridge's GPTOSSBridge.provider_bridge (0.6.2) hard-codes these whatever the HF config says.
 BRIDGE_YARN = dict(rotary_scaling_factor=32.0, original_max_position_embeddings=4096, beta_fast=32.0,

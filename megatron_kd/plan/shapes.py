@@ -57,27 +57,23 @@ class ModelShape:
         return asdict(self)
 
 
-# Public architectures (shapes only: the benchmarks use random weights).
-PRESETS = {
-    "llama-3.2-1b": ModelShape("llama-3.2-1b", 16, 2048, 32, 8, 64, 8192, 128256, tie_embeddings=True),
-    "llama-3.2-3b": ModelShape("llama-3.2-3b", 28, 3072, 24, 8, 128, 8192, 128256, tie_embeddings=True),
-    "llama-3.1-8b": ModelShape("llama-3.1-8b", 32, 4096, 32, 8, 128, 14336, 128256),
-    "llama-3.1-70b": ModelShape("llama-3.1-70b", 80, 8192, 64, 8, 128, 28672, 128256),
-    # GPT-OSS: attention/router/expert biases, sink attention (its 64 sink parameters a layer are not counted)
-    "gpt-oss-20b": ModelShape("gpt-oss-20b", 24, 2880, 64, 8, 64, 2880, 201088, add_bias_linear=True, activation="quick_geglu",
-                              add_qkv_bias=True, num_moe_experts=32, moe_router_topk=4, moe_ffn_hidden_size=2880,
-                              attention_sinks=True),
-    "gpt-oss-120b": ModelShape("gpt-oss-120b", 36, 2880, 64, 8, 64, 2880, 201088, add_bias_linear=True, activation="quick_geglu",
-                               add_qkv_bias=True, num_moe_experts=128, moe_router_topk=4, moe_ffn_hidden_size=2880,
-                               attention_sinks=True),
-    "qwen3-30b-a3b": ModelShape("qwen3-30b-a3b", 48, 2048, 32, 4, 128, 6144, 151936, qk_layernorm=True,
-                                num_moe_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768),
-}
+def _presets() -> dict:
+    """The registered families' public architectures (shapes only: the benchmarks use random weights)."""
+    from .. import families
+    return {name: ModelShape(name, **kw) for f in families.all_families() for name, kw in f.shapes.items()}
+
+
+PRESETS = _presets()
 ALIASES = {k.replace("-", "").replace(".", ""): k for k in PRESETS}
 ALIASES.update({k.replace("-", "_").replace(".", ""): k for k in PRESETS})
-ALIASES.update({"llama32_3b": "llama-3.2-3b", "llama3.2-3b": "llama-3.2-3b", "llama31_8b": "llama-3.1-8b",
-                "llama3.1-8b": "llama-3.1-8b", "gpt_oss_20b": "gpt-oss-20b", "gptoss20b": "gpt-oss-20b",
-                "gpt_oss_120b": "gpt-oss-120b", "llama32_1b": "llama-3.2-1b", "llama31_70b": "llama-3.1-70b"})
+
+
+def _family_aliases() -> dict:
+    from .. import families
+    return {a: k for f in families.all_families() for a, k in f.aliases.items()}
+
+
+ALIASES.update(_family_aliases())
 
 
 def preset(name: str) -> ModelShape:

@@ -10,6 +10,7 @@ from dataclasses import fields
 import torch
 import torch.distributed as dist
 
+from .. import families
 from ..kernels import fused_unavailable
 from ..rules import encoding_problem, padded_vocab_size, same_temperature, top_k_fits
 from ..runtime import features  # looked up at call time: the one place a test fakes TE or apex importing
@@ -47,7 +48,7 @@ def check_model(m: ModelConfig, section: str, tp: int) -> None:
           f"{m.activation!r}: use swiglu, gelu, squared_relu or quick_geglu (GPT-OSS)")
     _need(m.position_embedding_type in ("rope", "yarn", "learned_absolute", "none"),
           f"{section}.position_embedding_type={m.position_embedding_type!r}: use rope, yarn, learned_absolute or none")
-    check_gpt_oss_fields(m, section)
+    families.recipe_checks(m, section)  # each family's own fields (GPT-OSS: sinks, window, YaRN)
     check_rope_scaling(m, section)
     check_layer_settings(m, section)
     _need(m.attention_backend != "te" or features.te_available(),
@@ -333,35 +334,6 @@ def _check_cpu(r: Recipe) -> None:
     _need(t.precision == "fp32" or t.optimizer == "lean_adam", f"train.precision={t.precision} needs GPUs "
           "(Megatron's mixed-precision optimizer is CUDA-only); use train.precision=fp32 on CPU, or "
           "train.precision=bf16 with train.optimizer=lean_adam")
-
-
-SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
-
-
-YARN_KEYS = ("rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
-             "mscale_all_dim", "correction_range_round_to_int")
-
-
-def check_gpt_oss_fields(m, section: str) -> None:
-    """The GPT-OSS fields: sinks, window, YaRN (models/gpt_oss.py maps them onto megatron-core)."""
-    if m.softmax_type not in SOFTMAX_TYPES:
-        raise RecipeError(f"{section}.softmax_type={m.softmax_type!r}: use one of {SOFTMAX_TYPES} (learnable: "
-                         "GPT-OSS's per-head attention sinks)")
-    if m.window_size is not None:
-        w = list(m.window_size)
-        if len(w) != 2 or int(w[1]) != 0 or int(w[0]) < 0:
-            raise RecipeError(f"{section}.window_size={w}: give [left, 0] (keys i - left .. i; Hugging Face's "
-                             "sliding_window W is [W - 1, 0]); causal layers see no future keys")
-    if m.window_attn_skip_freq is not None and int(m.window_attn_skip_freq) < 1:
-        raise RecipeError(f"{section}.window_attn_skip_freq={m.window_attn_skip_freq} must be >= 1 (2: every "
-                         "second layer full attention, as GPT-OSS), or null (every layer windowed)")
-    bad = sorted(set(m.yarn or {}) - set(YARN_KEYS))
-    if bad:
-        raise RecipeError(f"{section}.yarn has unknown key(s) {bad}; it takes {list(YARN_KEYS)}")
-    if m.position_embedding_type == "yarn" and not m.yarn:
-        raise RecipeError(f"{section}.position_embedding_type=yarn needs {section}.yarn (GPT-OSS: "
-                         "{rotary_scaling_factor: 32, original_max_position_embeddings: 4096, beta_fast: 32, "
-                         "beta_slow: 1})")
 
 
 ROPE_SCALING_KEYS = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from megatron_kd.cli.main import main
 
 
-def fake_llama(d, layers=4, hidden=16, ffn=32, shards=1):
+def fake_llama(d, layers=4, hidden=16, ffn=32, shards=1, **config):
     """A Llama-named safetensors checkpoint (no transformers needed), layer i's tensors filled with i."""
     os.makedirs(d, exist_ok=True)
     t = {"model.embed_tokens.weight": torch.randn(40, hidden), "model.norm.weight": torch.ones(hidden),
@@ -33,7 +33,7 @@ def fake_llama(d, layers=4, hidden=16, ffn=32, shards=1):
             wm.update({k: f for k in part})
         json.dump({"metadata": {}, "weight_map": wm}, open(os.path.join(d, "model.safetensors.index.json"), "w"))
     json.dump({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": layers, "hidden_size": hidden,
-               "intermediate_size": ffn, "layer_types": [f"t{i}" for i in range(layers)]},
+               "intermediate_size": ffn, "layer_types": [f"t{i}" for i in range(layers)], **config},
               open(os.path.join(d, "config.json"), "w"))
     open(os.path.join(d, "tokenizer.json"), "w").write("{}")
     return t
@@ -105,6 +105,92 @@ def test_an_existing_out_and_the_source_are_kept(tmp_path, capsys):
     assert json.load(open(tmp_path / "t/config.json"))["num_hidden_layers"] == 4
 
 
+def fake_opt(d, layers=4, hidden=16):
+    """OPT's names (model.decoder.layers.N, fc1 / fc2): a family megatron-kd does not register."""
+    os.makedirs(d, exist_ok=True)
+    t = {"model.decoder.embed_tokens.weight": torch.randn(40, hidden)}
+    for i in range(layers):
+        p = f"model.decoder.layers.{i}."
+        t.update({p + "fc1.weight": torch.randn(32, hidden), p + "fc2.weight": torch.randn(hidden, 32)})
+    save_file(t, os.path.join(d, "model.safetensors"))
+    json.dump({"architectures": ["OPTForCausalLM"], "model_type": "opt", "num_hidden_layers": layers,
+               "hidden_size": hidden, "ffn_dim": 32}, open(os.path.join(d, "config.json"), "w"))
+
+
+def _refused(capsys, argv, *needles):
+    assert main(["prune", *map(str, argv)]) == 2
+    err = capsys.readouterr().err
+    assert all(n in err for n in needles), err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+
+
+def test_an_unregistered_family_is_refused_by_name(tmp_path, capsys):
+    """OPT (model.decoder.layers.N): prune wrote config.json with 2 layers beside weights of 4 and exited 0."""
+    fake_opt(tmp_path / "t")
+    _refused(capsys, ["--hf", tmp_path / "t", "--out", tmp_path / "s", "--keep-layers", "0,2"],
+             "model_type='opt'", "llama", "qwen3_moe", "mistral")
+    assert sorted(os.listdir(tmp_path)) == ["t"]
+
+
+def test_weights_not_named_as_the_family_are_refused(tmp_path, capsys):
+    """config.json says llama, the tensors are OPT's: refused rather than written half-pruned."""
+    fake_opt(tmp_path / "t")
+    cfg = json.load(open(tmp_path / "t/config.json"))
+    json.dump({**cfg, "model_type": "llama", "architectures": ["LlamaForCausalLM"]},
+              open(tmp_path / "t/config.json", "w"))
+    _refused(capsys, ["--hf", tmp_path / "t", "--out", tmp_path / "s", "--keep-layers", "0,2"],
+             "config.json says 4 layers (llama)", "model.layers.N.")
+    assert sorted(os.listdir(tmp_path)) == ["t"]
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "qwen3_moe"])
+def test_expert_width_is_refused_by_name(tmp_path, capsys, model_type):
+    fake_llama(tmp_path / "t", model_type=model_type)
+    _refused(capsys, ["--hf", tmp_path / "t", "--out", tmp_path / "s", "--ffn-size", "16"],
+             f"{model_type} checkpoint", "mlp.experts.", "--keep-layers")
+
+
+def _truncate(path, keep=0.5):
+    b = open(path, "rb").read()
+    open(path, "wb").write(b[:int(len(b) * keep)])
+
+
+@pytest.mark.parametrize("damage,needles", [
+    ("config", ["config.json is not readable JSON", "JSONDecodeError"]),
+    ("safetensors", ["model.safetensors is not a complete safetensors file", "download it again"]),
+    ("missing_shard", ["names shard(s) ['model-00002-of-00003.safetensors']", "download the missing"]),
+])
+def test_a_damaged_checkpoint_is_refused_in_one_sentence(tmp_path, capsys, damage, needles):
+    fake_llama(tmp_path / "t", shards=3 if damage == "missing_shard" else 1)
+    if damage == "config":
+        _truncate(tmp_path / "t/config.json")
+    elif damage == "safetensors":
+        _truncate(tmp_path / "t/model.safetensors")
+    else:
+        os.remove(tmp_path / "t/model-00002-of-00003.safetensors")
+    _refused(capsys, ["--hf", tmp_path / "t", "--out", tmp_path / "s", "--keep-layers", "0,2"], *needles)
+    assert sorted(os.listdir(tmp_path)) == ["t"]
+
+
+def test_disk_full_during_the_write_keeps_the_previous_out(tmp_path, capsys, monkeypatch):
+    """The write goes beside --out and is swapped in at the end: a full disk leaves the previous --out as it was
+    and no partial folder."""
+    import errno
+    import safetensors.torch
+    fake_llama(tmp_path / "t")
+    assert main(["prune", "--hf", str(tmp_path / "t"), "--out", str(tmp_path / "s"), "--keep-layers", "0,1"]) == 0
+    before = {f: open(tmp_path / "s" / f, "rb").read() for f in os.listdir(tmp_path / "s")}
+
+    def full(tensors, path, metadata=None):
+        open(path, "wb").write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    _refused(capsys, ["--hf", tmp_path / "t", "--out", tmp_path / "s", "--keep-layers", "0", "--overwrite"],
+             "the disk is full", "nothing was changed at --out")
+    assert {f: open(tmp_path / "s" / f, "rb").read() for f in os.listdir(tmp_path / "s")} == before
+    assert sorted(os.listdir(tmp_path)) == ["s", "t"]
+
+
 @pytest.mark.bridge
 def test_transformers_loads_the_pruned_model_and_computes_the_pruned_architecture(tmp_path):
     """Depth: the layers deleted from the loaded teacher in transformers give the same logits; width: channels that
@@ -134,3 +220,25 @@ def test_transformers_loads_the_pruned_model_and_computes_the_pruned_architectur
     assert narrow.config.intermediate_size == 112
     with torch.no_grad():
         assert torch.allclose(narrow(tokens).logits, w(tokens).logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.bridge
+@pytest.mark.parametrize("arch", ["llama", "gptoss", "qwen2", "qwen3", "qwen3_moe", "mistral"])
+def test_depth_for_every_registered_family_loads_in_transformers(tmp_path, arch):
+    """Every registered family prunes by depth: transformers loads the result with no missing or unexpected
+    tensor, each kept layer's tensors are the parent's, and layer_types follows the kept layers."""
+    import tiny
+    from transformers import AutoModelForCausalLM
+    config = {"layer_types": ["sliding_attention", "full_attention"] * 2} if arch == "gptoss" else {}
+    parent = tiny.make_hf(str(tmp_path / "t"), arch, layers=4, seed=2, config=config)
+    assert main(["prune", "--hf", str(tmp_path / "t"), "--out", str(tmp_path / "d"), "--keep-layers", "0,3"]) == 0
+    pruned, info = AutoModelForCausalLM.from_pretrained(tmp_path / "d", dtype=torch.float32,
+                                                        output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert pruned.config.num_hidden_layers == 2
+    if arch == "gptoss":
+        assert pruned.config.layer_types == ["sliding_attention", "full_attention"]
+    want, got = parent.state_dict(), pruned.state_dict()
+    for name, t in got.items():
+        old = name.replace("layers.1.", "layers.3.") if ".layers.1." in name else name
+        assert torch.equal(t, want[old]), name

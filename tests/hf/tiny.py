@@ -23,10 +23,11 @@ def make_hf(out_dir, arch: str = "llama", *, seed: int = 0, vocab_size: int = 25
             hidden: int = 64, heads: int = 4, kv_heads: int = 2, ffn: int = 128, tied: bool = False,
             experts: int = 4, dtype: str = "float32", tokenizer: bool = True, tokenizer_size: int | None = None,
             config: dict | None = None, eod: str = EOD):
-    """A random tiny HF model of `arch` (llama | gptoss | qwen2) saved in out_dir; returns the model (eval, fp32).
+    """A random tiny HF model of `arch` (llama | gptoss | qwen2 | qwen3 | qwen3_moe | mistral) saved in out_dir; returns the model (eval, fp32).
     tokenizer_size < vocab_size: an embedding padded beyond its tokenizer, as Qwen's (151,936 or 152,064 rows for
     151,665 tokens). config: more (or other) config fields, e.g. rope_parameters, layer_types."""
-    from transformers import AutoModelForCausalLM, GptOssConfig, LlamaConfig, Qwen2Config
+    from transformers import (AutoModelForCausalLM, GptOssConfig, LlamaConfig, MistralConfig, Qwen2Config,
+                              Qwen3Config, Qwen3MoeConfig)
     torch.manual_seed(seed)
     kw = dict(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
               num_key_value_heads=kv_heads, intermediate_size=ffn, tie_word_embeddings=tied, dtype="float32",
@@ -37,8 +38,13 @@ def make_hf(out_dir, arch: str = "llama", *, seed: int = 0, vocab_size: int = 25
     elif arch == "gptoss":
         kw = dict(kw, head_dim=hidden // heads, num_local_experts=experts, num_experts_per_tok=2, sliding_window=8)
         cfg = GptOssConfig(**{**kw, **(config or {})})
-    elif arch == "qwen2":
-        cfg = Qwen2Config(**{**kw, **(config or {})})
+    elif arch in ("qwen2", "qwen3", "mistral"):
+        cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}[arch]
+        cfg = cls(**{**kw, **({} if arch == "qwen2" else {"head_dim": hidden // heads}), **(config or {})})
+    elif arch == "qwen3_moe":
+        kw = dict(kw, head_dim=hidden // heads, num_experts=experts, num_experts_per_tok=2,
+                  moe_intermediate_size=ffn // 2, norm_topk_prob=True)
+        cfg = Qwen3MoeConfig(**{**kw, **(config or {})})
     else:
         raise ValueError(arch)
     hf = AutoModelForCausalLM.from_config(cfg).float().eval()

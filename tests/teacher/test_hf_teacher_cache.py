@@ -80,20 +80,30 @@ def _worker(rank, world, cases, tp):
         ps.destroy_model_parallel()
 
 
-# untied / tied GQA Llama; GPT-OSS; a Llama whose embedding has 272 rows for a 250-id tokenizer (Qwen-style padding)
-ARCHS = [("llama", False, None), ("llama", True, None), ("gptoss", False, None), ("llama", False, (272, 250))]
+# untied / tied GQA Llama; GPT-OSS; a Llama whose embedding has 272 rows for a 250-id tokenizer (Qwen-style padding);
+# Qwen3 (GQA 4:1, head_dim 24 != 64 / 8, a window from layer 1), tied Qwen3-MoE (top-2 of 4, head_dim 24, Llama 3
+# RoPE scaling), Mistral (window 8, linear RoPE scaling): (arch, tied, (rows, tokenizer ids), config.json fields)
+ARCHS = [("llama", False, None, {}), ("llama", True, None, {}), ("gptoss", False, None, {}),
+         ("llama", False, (272, 250), {}),
+         ("qwen3", False, None, {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 24,
+                                 "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+         ("qwen3_moe", True, None, {"head_dim": 24, "rope_parameters": {
+             "rope_type": "llama3", "rope_theta": 1e4, "factor": 4.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0,
+             "original_max_position_embeddings": 64}}),
+         ("mistral", False, None, {"sliding_window": 8, "rope_parameters": {
+             "rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}})]
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_cache_from_hf_teacher_equals_transformers(tmp_path, tp):
-    """One gloo launch per TP size runs the three checkpoints (Bridge imports once per rank)."""
+    """One gloo launch per TP size runs the checkpoints of every family (Bridge imports once per rank)."""
     import tiny
     cases = []
-    for arch, tied, padded in ARCHS:
+    for arch, tied, padded, config in ARCHS:
         name = f"{arch}_{'tied' if tied else 'untied'}" + ("_padded" if padded else "")
         hf_dir = str(tmp_path / f"hf_{name}")
         rows, tok = padded or (256, 256)
-        tiny.make_hf(hf_dir, arch, tied=tied, seed=3, vocab_size=rows, tokenizer_size=tok)
+        tiny.make_hf(hf_dir, arch, tied=tied, seed=3, vocab_size=rows, tokenizer_size=tok, config=config)
         cases.append((hf_dir, str(tmp_path / f"run_{name}" / "cache"), str(tmp_path / f"err_{name}.txt"), tok))
     run_ranks(tp, _worker, cases, tp)
     errs = {os.path.basename(c[0]): float(open(c[2]).read()) for c in cases}

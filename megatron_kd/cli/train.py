@@ -42,6 +42,8 @@ def main(argv=None) -> int:
     problem = preflight(args.config_name or "tiny_cpu", args.config_path, args.overrides, checks=not args.cfg)
     if not problem and args.multirun and not args.cfg:  # before Hydra writes multirun.yaml and each run's .hydra/
         problem = sweep_problem(args.config_name or "tiny_cpu", args.config_path, args.overrides)
+    elif not problem and not args.cfg:  # before Hydra writes the run directory's .hydra/
+        problem = save_problem(args.config_name or "tiny_cpu", args.config_path, args.overrides)
     if problem:
         print(f"megatron-kd train: error: {problem}", file=sys.stderr)
         return USAGE_ERROR
@@ -89,8 +91,8 @@ def preflight(name: str, config_path, overrides: list, checks: bool = True) -> s
 
 
 def sweep_problem(name: str, config_path, overrides: list) -> str | None:
-    """-m: every run of the sweep checked as the run itself will check it (its recipe, and the sweep's one cache),
-    before any run starts; the first problem as one sentence naming the run, else None."""
+    """-m: every run of the sweep checked as the run itself will check it (its recipe, the sweep's one cache, the
+    checkpoints already in its directory), before any run starts; the first problem as one sentence naming the run, else None."""
     from pathlib import Path
     from ..recipe.checks import check_sweep_run, checked_recipe
     from ..recipe.compose import sweep_jobs
@@ -100,12 +102,35 @@ def sweep_problem(name: str, config_path, overrides: list) -> str | None:
     except Exception:  # noqa: BLE001  what does not compose, preflight (first values) or Hydra itself reports
         return None
     swept = [i for i in range(len(jobs[0][1])) if len({j[1][i] for j in jobs}) > 1] if jobs else []
+    from ..training.resume import check_against_save
     for num, job, cfg in jobs:
         try:
-            check_sweep_run(checked_recipe(cfg))
+            r = checked_recipe(cfg)
+            check_sweep_run(r)
+            check_against_save(r, r.train.save)
         except RecipeError as e:
             which = f" ({' '.join(job[i] for i in swept)})" if swept else ""
             return f"sweep run {num}{which}: {e}; no run of the sweep was started"
+    return None
+
+
+def save_problem(name: str, config_path, overrides: list) -> str | None:
+    """A single run checked against the checkpoints already in its train.save (training/resume.check_against_save)
+    before Hydra writes the run directory's records; the problem in one sentence, else None."""
+    from pathlib import Path
+    from ..recipe.checks import checked_recipe
+    from ..recipe.compose import run_job
+    from ..recipe.schema import RecipeError
+    from ..training.resume import check_against_save
+    try:
+        cfg = run_job(str(Path(config_path) / f"{name}.yaml") if config_path else name, overrides)
+    except Exception:  # noqa: BLE001  what does not compose, preflight or Hydra itself reports
+        return None
+    try:
+        r = checked_recipe(cfg)
+        check_against_save(r, r.train.save)
+    except RecipeError as e:
+        return str(e)
     return None
 
 

@@ -183,6 +183,25 @@ def _hydra_context(name: str, job_name: str | None = None):
     return name, initialize_config_module(config_module=RECIPES_PACKAGE, **kw)
 
 
+def run_job(name: str, overrides):
+    """The recipe config of a single `train` run (no -m), with train.save set as the app sets it (Hydra's run
+    directory where the recipe leaves it null), composed without running or writing anything."""
+    from hydra import compose as hydra_compose
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf, open_dict
+    cfg_name, context = _hydra_context(name, "megatron-kd train")
+    with context:
+        cfg = hydra_compose(config_name=cfg_name, overrides=list(overrides), return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    hc = cfg.hydra
+    job_cfg = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])
+    with open_dict(job_cfg):
+        if job_cfg.train.get("save") is None:
+            job_cfg.train.save = hc.run.dir
+    OmegaConf.resolve(job_cfg)
+    return job_cfg
+
+
 def sweep_jobs(name: str, overrides) -> list:
     """[(job number, its overrides, its recipe config with train.save set as the app sets it)] of a `train -m`
     sweep, composed as Hydra's basic sweeper will compose each run, without running or writing anything."""

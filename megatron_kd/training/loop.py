@@ -45,8 +45,7 @@ def run(r: Recipe, save: str) -> dict:
     tok = preflight(r, world, cuda)
     load = r.train.load or save
     safety.check_save_dir(save)  # where the run writes first, then what it would resume from
-    resume.check_save_and_load(save, load)
-    resume.check_resume_early(r, load)
+    resume.check_against_save(r, save)
     from ..cache import CacheError
     with safety.save_lock(save, is_rank0()), distributed(r.parallel, r.train.seed, r.train.device) as cuda:
         try:

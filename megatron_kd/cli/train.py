@@ -70,13 +70,12 @@ def preflight(name: str, config_path, overrides: list, checks: bool = True) -> s
     run directory's .hydra/ (a refused run would replace the record of the run already there); off for --cfg,
     which prints a recipe as it is. A model or teacher from a Hugging Face checkpoint is checked in the run, once
     its architecture is read from config.json."""
-    from pathlib import Path
     from ..recipe.checks import check_recipe, checked_recipe, recipe_file_error
-    from ..recipe.compose import compose, first_of_each_sweep, recipes_dir
+    from ..recipe.compose import compose, first_of_each_sweep, recipe_target, recipes_dir
     from ..recipe.schema import RecipeError, to_recipe
     from ..runtime.dist import use_cuda
-    target = str(Path(config_path) / f"{name}.yaml") if config_path else name
     try:
+        target = recipe_target(name, config_path)
         overrides = first_of_each_sweep(overrides)
         cfg = compose(target, overrides)
         r = checked_recipe(cfg) if checks else to_recipe(cfg)
@@ -93,12 +92,11 @@ def preflight(name: str, config_path, overrides: list, checks: bool = True) -> s
 def sweep_problem(name: str, config_path, overrides: list) -> str | None:
     """-m: every run of the sweep checked as the run itself will check it (its recipe, the sweep's one cache, the
     checkpoints already in its directory), before any run starts; the first problem as one sentence naming the run, else None."""
-    from pathlib import Path
     from ..recipe.checks import check_sweep_run, checked_recipe
-    from ..recipe.compose import sweep_jobs
+    from ..recipe.compose import recipe_target, sweep_jobs
     from ..recipe.schema import RecipeError
     try:
-        jobs = sweep_jobs(str(Path(config_path) / f"{name}.yaml") if config_path else name, overrides)
+        jobs = sweep_jobs(recipe_target(name, config_path), overrides)
     except Exception:  # noqa: BLE001  what does not compose, preflight (first values) or Hydra itself reports
         return None
     swept = [i for i in range(len(jobs[0][1])) if len({j[1][i] for j in jobs}) > 1] if jobs else []
@@ -117,13 +115,12 @@ def sweep_problem(name: str, config_path, overrides: list) -> str | None:
 def save_problem(name: str, config_path, overrides: list) -> str | None:
     """A single run checked against the checkpoints already in its train.save (training/resume.check_against_save)
     before Hydra writes the run directory's records; the problem in one sentence, else None."""
-    from pathlib import Path
     from ..recipe.checks import checked_recipe
-    from ..recipe.compose import run_job
+    from ..recipe.compose import recipe_target, run_job
     from ..recipe.schema import RecipeError
     from ..training.resume import check_against_save
     try:
-        cfg = run_job(str(Path(config_path) / f"{name}.yaml") if config_path else name, overrides)
+        cfg = run_job(recipe_target(name, config_path), overrides)
     except Exception:  # noqa: BLE001  what does not compose, preflight or Hydra itself reports
         return None
     try:

@@ -648,14 +648,16 @@ def recipe_file_error(name: str, config_path, overrides: list, recipes_dir) -> s
     directories) that is not valid YAML, as one sentence; None when composing works or fails for another reason
     (Hydra reports those itself)."""
     from pathlib import Path
-    from .compose import compose
-    target = str(Path(config_path) / f"{name}.yaml") if config_path else name
+    from .compose import compose, config_dir, recipe_target
     try:
-        compose(target, overrides)
+        compose(recipe_target(name, config_path), overrides)
         return None
     except Exception:  # noqa: BLE001  the reason is looked for below; Hydra reports any other one
         pass
-    roots = [Path(config_path)] if config_path else []
+    try:
+        roots = [config_dir(config_path)] if config_path else []
+    except RecipeError:
+        return None
     roots.append(Path(recipes_dir))
     first = [r / f"{name}.yaml" for r in roots]
     files = [p for p in first if p.is_file()]

@@ -20,6 +20,7 @@ kd.cache: it must lie outside the runs' directories (the first run builds it und
 others find it finished), and a run that would rebuild it is refused. `megatron-kd compare runs/<recipe>_sweep/*`
 tables and plots the runs.
 """
+import os
 import sys
 
 from ..recipe.targets import TargetSource
@@ -80,7 +81,7 @@ def preflight(name: str, config_path, overrides: list, checks: bool = True) -> s
         cfg = compose(target, overrides)
         r = checked_recipe(cfg) if checks else to_recipe(cfg)
         if checks and not (r.model.hf_path or r.teacher.hf_path):
-            check_recipe(r, None, use_cuda(r.train.device))
+            check_recipe(r, int(os.environ.get("WORLD_SIZE", "1")), use_cuda(r.train.device))
     except RecipeError as e:
         return recipe_file_error(name, config_path, overrides, recipes_dir()) or str(e)
     except Exception as e:  # noqa: BLE001  a recipe file that does not read, or an override Hydra's parser refuses

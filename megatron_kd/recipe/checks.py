@@ -281,6 +281,8 @@ def _check_data(r: Recipe) -> None:
 def _check_train(r: Recipe) -> None:
     t, p = r.train, r.parallel
     _need(t.iters >= 1, f"train.iters={t.iters} must be >= 1")
+    _need(t.save is None or str(t.save).strip() != "", "train.save is empty; give the run's directory, or leave "
+          "train.save out (the run directory runs/<recipe>)")
     check_train(t)  # the numbers and policies Megatron would take and fail on later
     _need(t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size} must be >= 1")
     _need(t.precision in PRECISIONS, f"train.precision={t.precision!r}: use one of {PRECISIONS}")

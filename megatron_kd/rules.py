@@ -63,14 +63,15 @@ def encoding_problem(encoding, top_p, min_k, samples=None, sample_seed=None) -> 
     """None when (encoding, top_p, min_k, samples, sample_seed) agree; else "needs_top_p" (topp without P),
     "fixed_k" (P or min_k given to an encoding other than topp), "needs_samples" (sampled without N) or
     "not_sampled" (N or a seed given to an encoding other than sampled). The caller names its own keys."""
-    if encoding == VARIABLE_ENCODING and top_p is None:
-        return "needs_top_p"
+    # a value given to the wrong encoding first: its fix is to drop it (or the encoding), not to add another
     if encoding != VARIABLE_ENCODING and (top_p is not None or min_k is not None):
         return "fixed_k"
-    if encoding == SAMPLED_ENCODING and samples is None:
-        return "needs_samples"
     if encoding != SAMPLED_ENCODING and (samples is not None or sample_seed is not None):
         return "not_sampled"
+    if encoding == VARIABLE_ENCODING and top_p is None:
+        return "needs_top_p"
+    if encoding == SAMPLED_ENCODING and samples is None:
+        return "needs_samples"
     return None
 
 

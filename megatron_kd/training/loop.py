@@ -304,8 +304,10 @@ class Trainer:
              "peak_mem_gib": peak_memory_gib(self.cuda), "world_size": self.world, "save": self.save,
              "device": "cuda" if self.cuda else "cpu"}
         if is_rank0() and sink is not None:
-            with open(os.path.join(self.save, "summary.json"), "w") as f:
+            path = os.path.join(self.save, "summary.json")
+            with open(path + ".tmp", "w") as f:  # beside, then swapped in: a kill leaves no half-written summary
                 json.dump(s, f, indent=2)
+            os.replace(path + ".tmp", path)
         barrier()
         return s
 

@@ -74,8 +74,6 @@ def resolve(a):
         rp = from_recipe(load_recipe(a.recipe, a.overrides))
         shape, layout, tr, teacher = rp.shape, rp.layout, rp.training, rp.teacher
         a.cache_teacher = rp.cache_teacher
-        for n in rp.notes:
-            print(f"megatron-kd plan: note: {n}", file=sys.stderr)
     else:
         if a.overrides:
             raise SystemExit(f"megatron-kd plan: overrides {a.overrides} need a recipe, not a shape")
@@ -124,6 +122,8 @@ def resolve(a):
         tk["distributed_optimizer"] = False
     if a.swiglu_fusion:
         tk["swiglu_fusion"] = True
+    for n in rp.notes if rp is not None else ():  # once nothing above refused the plan
+        print(f"megatron-kd plan: note: {n}", file=sys.stderr)
     return shape, layout, replace(tr, **tk)
 
 

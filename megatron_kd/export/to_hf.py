@@ -59,7 +59,7 @@ def export(checkpoint: str, out: str, *, hf_path=None, dtype: str = "auto", devi
                          "architecture whose config and tokenizer the export should carry")
     check_hf_dir(src, "--hf-path" if hf_path else "model.hf_path")
     inputs = {"the checkpoint of --checkpoint": checkpoint,
-              f"the save dir of --checkpoint {checkpoint}": ckpt_layout.run_root(checkpoint)}
+              "the run (save dir) of --checkpoint": ckpt_layout.run_root(checkpoint)}
     check_target(out, src, "--out ", None if overwrite else "pass --overwrite to replace it, or choose another "
                  "directory", keep=inputs)
     r.model.hf_path = src

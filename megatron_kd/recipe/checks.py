@@ -475,7 +475,7 @@ def check_target(out: str, src: str, key: str, fix: str | None, keep: dict | Non
         if _inside(path, out) or _inside(out, path):
             where = ("is" if os.path.realpath(out) == os.path.realpath(path)
                      else "holds" if _inside(path, out) else "lies inside")
-            raise ValueError(f"{key}{out} {where} {path} ({what}); write the export to a directory of its own, "
+            raise ValueError(f"{key}{out} {where} {what} {path}; write the export to a directory of its own, "
                              "outside it")
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"{key}{out} is a file, not a directory; give a directory for the Hugging Face checkpoint")

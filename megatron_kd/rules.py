@@ -1,11 +1,12 @@
 """The rules that several layers apply, each written once: usable temperatures and when two are the same, the
 teacher's K, the cache encoding a build defaults to, the padded vocabulary, when a cache's vocabulary fits a
-student, a file's sha256 and whether a directory has room for a write.
+student, a file's sha256, whether a directory has room for a write and whether a write failed for want of it.
 
 Plain numbers and functions over the standard library (no torch, nothing of the package), so every layer, the
 planner and the CLI import it without loading torch. Each rule answers a question; the caller words the message
 in its own keys (a recipe key, a command-line flag, a Bridge field), so users read the names they typed.
 """
+import errno
 import hashlib
 import math
 import shutil
@@ -62,14 +63,15 @@ def encoding_problem(encoding, top_p, min_k, samples=None, sample_seed=None) -> 
     """None when (encoding, top_p, min_k, samples, sample_seed) agree; else "needs_top_p" (topp without P),
     "fixed_k" (P or min_k given to an encoding other than topp), "needs_samples" (sampled without N) or
     "not_sampled" (N or a seed given to an encoding other than sampled). The caller names its own keys."""
-    if encoding == VARIABLE_ENCODING and top_p is None:
-        return "needs_top_p"
+    # a value given to the wrong encoding first: its fix is to drop it (or the encoding), not to add another
     if encoding != VARIABLE_ENCODING and (top_p is not None or min_k is not None):
         return "fixed_k"
-    if encoding == SAMPLED_ENCODING and samples is None:
-        return "needs_samples"
     if encoding != SAMPLED_ENCODING and (samples is not None or sample_seed is not None):
         return "not_sampled"
+    if encoding == VARIABLE_ENCODING and top_p is None:
+        return "needs_top_p"
+    if encoding == SAMPLED_ENCODING and samples is None:
+        return "needs_samples"
     return None
 
 
@@ -106,6 +108,16 @@ def file_sha256(path, block: int = 1 << 24) -> str:
                 break
             h.update(chunk)
     return h.hexdigest()
+
+
+# A write that failed for want of room: the disk full, the user's quota spent, or a file-size limit reached
+# (`ulimit -f`: "File too large"). Each means the same to the user: free space, or write somewhere else.
+NO_ROOM_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def out_of_room(e: BaseException) -> bool:
+    """True when `e` is a write that failed for want of room (NO_ROOM_ERRNOS)."""
+    return isinstance(e, OSError) and e.errno in NO_ROOM_ERRNOS
 
 
 def free_space(path, need: int) -> tuple[int, bool]:

@@ -167,6 +167,12 @@ class CacheWriter:
         self.path = os.fspath(path)
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise CacheError(f"{self.path} is a file, not a cache directory; give a directory (made when missing)")
+        if lock and os.path.isdir(self.path):
+            names = sorted(os.listdir(self.path))
+            if names and not set(names) & {SETTINGS, MANIFEST, SHARD_DIR, LOCK}:
+                raise CacheError(f"{self.path} holds files and no cache ({', '.join(names[:3])}"
+                                 f"{', ...' if len(names) > 3 else ''}), and a build writes its shards there and "
+                                 "deletes what looks like its leftovers; give an empty or new directory")
         self.settings, self.settings_fix = settings, settings_fix
         self.settings_hash = settings_hash(settings)
         self.encoding = encoding_of(settings)

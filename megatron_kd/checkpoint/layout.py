@@ -34,3 +34,13 @@ def resolve(path: str) -> str:
         return path
     raise FileNotFoundError(f"{path} is neither a checkpoint directory ({TRACKER}) nor a dist_checkpointing "
                             "iteration directory (metadata.json)")
+
+
+def run_root(path: str) -> str:
+    """The save dir a checkpoint belongs to: an iter_* (or release) directory's parent when that parent tracks
+    checkpoints, else `path` itself (a save dir, or an iteration directory copied out on its own)."""
+    p = os.path.abspath(path)
+    parent = os.path.dirname(p)
+    if os.path.basename(p).startswith(("iter_", "release")) and os.path.isfile(os.path.join(parent, TRACKER)):
+        return parent
+    return path

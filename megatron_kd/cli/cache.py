@@ -355,7 +355,15 @@ def cmd_inspect(args) -> int:
         raise SystemExit(f"error: --min-k {args.min_k} must be >= 1")
     if args.max_samples < 1:
         raise SystemExit(f"error: --max-samples {args.max_samples} must be >= 1 (samples read to time the reader)")
-    info = inspect_cache(args.dir, max_samples=args.max_samples, top_p=_top_ps(args.top_p or ""), min_k=args.min_k)
+    top_ps = _top_ps(args.top_p or "")
+    from ..cache.format import is_finished
+    if top_ps and is_finished(args.dir):  # a build in progress previews nothing
+        from ..cache.reader import load_manifest
+        k = load_manifest(args.dir)["top_k"]
+        if args.min_k > k:
+            raise SystemExit(f"error: --min-k {args.min_k} is above the K={k} ids per position {args.dir} holds, "
+                             f"so the preview cannot keep that many; give --min-k between 1 and {k}")
+    info = inspect_cache(args.dir, max_samples=args.max_samples, top_p=top_ps, min_k=args.min_k)
     print(json.dumps(info, indent=1, sort_keys=True) if args.json else _fmt(info))
     return 0
 

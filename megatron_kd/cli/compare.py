@@ -108,6 +108,13 @@ def compare(args) -> int:
                          "are written into it)")
     incomplete = []
     paths = run_dirs(args.runs, incomplete)
+    if args.out:
+        from ..recipe.checks import _inside
+        inside = [p for p in paths if _inside(args.out, p)]
+        if inside:
+            raise ValueError(f"--out {args.out} lies inside the run {inside[0]}, which compare reads; give a directory "
+                             "outside the runs for compare.md, compare.json and compare.png (default: the runs' "
+                             "common parent)")
     for p in paths:
         report.run_summary(p)
     recipes = [read_recipe(p) for p in paths]

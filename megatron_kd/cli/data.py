@@ -51,11 +51,16 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     from ..runtime.quiet import quiet_megatron_warnings
     quiet_megatron_warnings()
-    from ..data.corpus import prepare, pydoc_documents, read_documents
+    from ..data.corpus import prepare, pydoc_documents, read_documents, split_documents
     counts = {}
     try:
         if args.vocab_size < 2 and not args.tokenizer:
             raise ValueError(f"--vocab-size {args.vocab_size}: a trained tokenizer needs at least 2 ids, e.g. 4096")
+        try:
+            split_documents(1, args.split)  # before the inputs are read
+        except ValueError:
+            raise ValueError(f"--split {args.split}: give three non-negative weights (train, valid, test) with a "
+                             "positive sum, e.g. 95,5,0") from None
         docs = pydoc_documents() if args.pydoc else read_documents(args.input, args.json_key, args.text_documents,
                                                                     counts)
         s = prepare(docs, args.output_prefix, tokenizer=args.tokenizer, vocab_size=args.vocab_size,

@@ -98,8 +98,6 @@ def resolve(a):
         shape, layout, tr, teacher = rp.shape, rp.layout, rp.training, rp.teacher
         a.cache_teacher = rp.cache_teacher
         a.cache_disk = cache_disk(r) if rp.cache_teacher is not None else None
-        for n in rp.notes:
-            print(f"megatron-kd plan: note: {n}", file=sys.stderr)
     else:
         if a.overrides:
             raise SystemExit(f"megatron-kd plan: overrides {a.overrides} need a recipe, not a shape")
@@ -148,6 +146,8 @@ def resolve(a):
         tk["distributed_optimizer"] = False
     if a.swiglu_fusion:
         tk["swiglu_fusion"] = True
+    for n in rp.notes if rp is not None else ():  # once nothing above refused the plan
+        print(f"megatron-kd plan: note: {n}", file=sys.stderr)
     return shape, layout, replace(tr, **tk)
 
 

@@ -20,6 +20,7 @@ kd.cache: it must lie outside the runs' directories (the first run builds it und
 others find it finished), and a run that would rebuild it is refused. `megatron-kd compare runs/<recipe>_sweep/*`
 tables and plots the runs.
 """
+import os
 import sys
 
 from ..recipe.targets import TargetSource
@@ -42,6 +43,8 @@ def main(argv=None) -> int:
     problem = preflight(args.config_name or "tiny_cpu", args.config_path, args.overrides, checks=not args.cfg)
     if not problem and args.multirun and not args.cfg:  # before Hydra writes multirun.yaml and each run's .hydra/
         problem = sweep_problem(args.config_name or "tiny_cpu", args.config_path, args.overrides)
+    elif not problem and not args.cfg:  # before Hydra writes the run directory's .hydra/
+        problem = save_problem(args.config_name or "tiny_cpu", args.config_path, args.overrides)
     if problem:
         print(f"megatron-kd train: error: {problem}", file=sys.stderr)
         return USAGE_ERROR
@@ -68,18 +71,17 @@ def preflight(name: str, config_path, overrides: list, checks: bool = True) -> s
     run directory's .hydra/ (a refused run would replace the record of the run already there); off for --cfg,
     which prints a recipe as it is. A model or teacher from a Hugging Face checkpoint is checked in the run, once
     its architecture is read from config.json."""
-    from pathlib import Path
     from ..recipe.checks import check_recipe, checked_recipe, recipe_file_error
-    from ..recipe.compose import compose, first_of_each_sweep, recipes_dir
+    from ..recipe.compose import compose, first_of_each_sweep, recipe_target, recipes_dir
     from ..recipe.schema import RecipeError, to_recipe
     from ..runtime.dist import use_cuda
-    target = str(Path(config_path) / f"{name}.yaml") if config_path else name
     try:
+        target = recipe_target(name, config_path)
         overrides = first_of_each_sweep(overrides)
         cfg = compose(target, overrides)
         r = checked_recipe(cfg) if checks else to_recipe(cfg)
         if checks and not (r.model.hf_path or r.teacher.hf_path):
-            check_recipe(r, None, use_cuda(r.train.device))
+            check_recipe(r, int(os.environ.get("WORLD_SIZE", "1")), use_cuda(r.train.device))
     except RecipeError as e:
         return recipe_file_error(name, config_path, overrides, recipes_dir()) or str(e)
     except Exception as e:  # noqa: BLE001  a recipe file that does not read, or an override Hydra's parser refuses
@@ -89,23 +91,44 @@ def preflight(name: str, config_path, overrides: list, checks: bool = True) -> s
 
 
 def sweep_problem(name: str, config_path, overrides: list) -> str | None:
-    """-m: every run of the sweep checked as the run itself will check it (its recipe, and the sweep's one cache),
-    before any run starts; the first problem as one sentence naming the run, else None."""
-    from pathlib import Path
+    """-m: every run of the sweep checked as the run itself will check it (its recipe, the sweep's one cache, the
+    checkpoints already in its directory), before any run starts; the first problem as one sentence naming the run, else None."""
     from ..recipe.checks import check_sweep_run, checked_recipe
-    from ..recipe.compose import sweep_jobs
+    from ..recipe.compose import recipe_target, sweep_jobs
     from ..recipe.schema import RecipeError
     try:
-        jobs = sweep_jobs(str(Path(config_path) / f"{name}.yaml") if config_path else name, overrides)
+        jobs = sweep_jobs(recipe_target(name, config_path), overrides)
     except Exception:  # noqa: BLE001  what does not compose, preflight (first values) or Hydra itself reports
         return None
     swept = [i for i in range(len(jobs[0][1])) if len({j[1][i] for j in jobs}) > 1] if jobs else []
+    from ..training.resume import check_against_save
     for num, job, cfg in jobs:
         try:
-            check_sweep_run(checked_recipe(cfg))
+            r = checked_recipe(cfg)
+            check_sweep_run(r)
+            check_against_save(r, r.train.save)
         except RecipeError as e:
             which = f" ({' '.join(job[i] for i in swept)})" if swept else ""
             return f"sweep run {num}{which}: {e}; no run of the sweep was started"
+    return None
+
+
+def save_problem(name: str, config_path, overrides: list) -> str | None:
+    """A single run checked against the checkpoints already in its train.save (training/resume.check_against_save)
+    before Hydra writes the run directory's records; the problem in one sentence, else None."""
+    from ..recipe.checks import checked_recipe
+    from ..recipe.compose import recipe_target, run_job
+    from ..recipe.schema import RecipeError
+    from ..training.resume import check_against_save
+    try:
+        cfg = run_job(recipe_target(name, config_path), overrides)
+    except Exception:  # noqa: BLE001  what does not compose, preflight or Hydra itself reports
+        return None
+    try:
+        r = checked_recipe(cfg)
+        check_against_save(r, r.train.save)
+    except RecipeError as e:
+        return str(e)
     return None
 
 

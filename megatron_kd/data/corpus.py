@@ -17,6 +17,7 @@ import numpy as np
 
 from ..cache.fsio import try_lock
 from ..errors import CorpusError
+from ..rules import out_of_room
 from ..cache.hashing import tokenizer_id
 from .tokenizer import end_of_document, load
 
@@ -215,6 +216,17 @@ def write_indexed(docs, tokenizer_path: str, prefix: str, eod_token: str | None 
             "tokenizer": os.path.abspath(f), "tokenizer_sha256": tokenizer_id(f)}
 
 
+def _remove_leftovers(prefix: str) -> None:
+    """The temporary files of a prepare of `prefix` that was killed (SIGKILL, or SIGTERM, which runs no cleanup);
+    called under the prefix's lock, so no prepare is writing them."""
+    d, name = os.path.split(os.path.abspath(prefix))
+    for f in os.listdir(d):
+        rest = f[len(name) + 4:] if f.startswith(name + ".tmp") else ""
+        pid = rest.split(".", 1)[0]
+        if pid.isdigit() and rest[len(pid):] in (".bin", ".idx", ".json", ".tokenizer.json"):
+            os.remove(os.path.join(d, f))
+
+
 def outputs(prefix: str, tokenizer_out: str | None) -> list:
     out = [prefix + ".bin", prefix + ".idx", prefix + ".json"]
     return out + ([tokenizer_out] if tokenizer_out else [])
@@ -261,13 +273,13 @@ def prepare(docs, prefix: str, *, tokenizer: str | None = None, vocab_size: int 
             end_of_document(tok, f, eod_token)
         if split is not None:
             check_split(len(docs), split)
+        _remove_leftovers(prefix)
         tmp = f"{prefix}.tmp{os.getpid()}"
         tmp_tok = None if tokenizer else tmp + ".tokenizer.json"
         try:
             tok_path = tokenizer or train_tokenizer(docs, vocab_size, tmp_tok)
             summary = write_indexed(docs, tok_path, tmp, eod_token)
             if tmp_tok:
-                os.replace(tmp_tok, tok_out)
                 summary["tokenizer"] = os.path.abspath(tok_out)
             summary["characters"] = int(np.array([len(x) for x in docs]).sum())
             summary.update(bin=os.path.abspath(prefix + ".bin"), idx=os.path.abspath(prefix + ".idx"))
@@ -275,8 +287,17 @@ def prepare(docs, prefix: str, *, tokenizer: str | None = None, vocab_size: int 
                 summary["split"] = {"split": split, "documents": split_documents(len(docs), split)}
             with open(tmp + ".json", "w") as fh:
                 json.dump(summary, fh, indent=2)
+            # every file written before any is moved: a failed write leaves the previous outputs as they were
+            if tmp_tok:
+                os.replace(tmp_tok, tok_out)
             for ext in (".bin", ".idx", ".json"):
                 os.replace(tmp + ext, prefix + ext)
+        except OSError as e:
+            if not out_of_room(e):
+                raise
+            raise CorpusError(f"no room left to write {prefix}.bin / .idx ({e.strerror or e}: the disk is full, or a quota or "
+                              f"a file-size limit is reached) and nothing of {prefix} was changed; free space there "
+                              "or give an --output-prefix on a disk with room, then rerun") from None
         finally:
             for p in (tmp + ".bin", tmp + ".idx", tmp + ".json", tmp_tok):
                 if p and os.path.exists(p):

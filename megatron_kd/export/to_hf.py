@@ -34,6 +34,7 @@ def export(checkpoint: str, out: str, *, hf_path=None, dtype: str = "auto", devi
     if quantized not in QUANTIZED:
         raise ValueError(f"--quantized {quantized}: choose one of {', '.join(QUANTIZED)}")
     from ..hf import HFCheckpointError, check_hf_dir
+    from ..checkpoint import layout as ckpt_layout
     from ..checkpoint import store as ckpt
     from ..recipe.schema import ParallelConfig, to_recipe
     if not os.path.isdir(checkpoint):
@@ -57,8 +58,10 @@ def export(checkpoint: str, out: str, *, hf_path=None, dtype: str = "auto", devi
                          "(model.hf_path is null); pass --hf-path, a Hugging Face directory of the same "
                          "architecture whose config and tokenizer the export should carry")
     check_hf_dir(src, "--hf-path" if hf_path else "model.hf_path")
+    inputs = {"the checkpoint of --checkpoint": checkpoint,
+              "the run (save dir) of --checkpoint": ckpt_layout.run_root(checkpoint)}
     check_target(out, src, "--out ", None if overwrite else "pass --overwrite to replace it, or choose another "
-                 "directory", keep={"--checkpoint": checkpoint})
+                 "directory", keep=inputs)
     r.model.hf_path = src
     names = (f"--checkpoint {checkpoint}", "--attention-backend {}")
     layer_spec.build_as_saved(common, r.model, attention_backend, *names)

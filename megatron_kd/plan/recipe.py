@@ -238,6 +238,8 @@ class RecipePlan:
     def training_for(self, layout: Layout) -> Training:
         """The step at data-parallel size layout.dp: global_batch / (micro_batch x dp) micro-batches."""
         mbs, dp = self.training.micro_batch, layout.dp
+        if mbs < 1:
+            raise ValueError(f"train.micro_batch_size={mbs} must be >= 1")
         if self.global_batch_size % (mbs * dp):
             raise ValueError(f"train.global_batch_size={self.global_batch_size} must divide by "
                              f"train.micro_batch_size x data-parallel size = {mbs} x {dp}")

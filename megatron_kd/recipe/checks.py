@@ -296,6 +296,8 @@ def _check_data(r: Recipe) -> None:
 def _check_train(r: Recipe) -> None:
     t, p = r.train, r.parallel
     _need(t.iters >= 1, f"train.iters={t.iters} must be >= 1")
+    _need(t.save is None or str(t.save).strip() != "", "train.save is empty; give the run's directory, or leave "
+          "train.save out (the run directory runs/<recipe>)")
     check_train(t)  # the numbers and policies Megatron would take and fail on later
     _need(t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size} must be >= 1")
     _need(t.precision in PRECISIONS, f"train.precision={t.precision!r}: use one of {PRECISIONS}")
@@ -440,24 +442,27 @@ def check_export(r: Recipe) -> None:
         raise RecipeError(f"train.export_hf={out}: this run joins a process group made outside megatron-kd train, "
                           "which stays up after it (the export runs as one process on rank 0); leave "
                           "train.export_hf unset and run `megatron-kd export --checkpoint SAVE --out DIR` after")
-    pass
     try:
         check_target(out, r.model.hf_path, "train.export_hf=", "the export never replaces a directory; choose "
-                     "another train.export_hf or remove it")
+                     "another train.export_hf or remove it", keep={"the run's train.save": r.train.save})
     except ValueError as e:
         raise RecipeError(str(e)) from None
 
 
 def check_target(out: str, src: str, key: str, fix: str | None, keep: dict | None = None) -> bool:
-    """An export's target directory: never the student's source checkpoint nor a directory holding it, nor one
-    holding any of `keep` ({flag: path}: the checkpoint exported; checked first: --overwrite must not delete
-    them), never a file, and, when `fix` is given, holding nothing yet (else the error names `fix`). True when it
-    holds files. key: how the errors name it ("--out ", "train.export_hf=")."""
-    for what, path in [("the student's source checkpoint", src),
-                       *((f"the checkpoint of {flag}", p) for flag, p in (keep or {}).items())]:
-        if path and _inside(path, out):
-            where = "is" if os.path.realpath(out) == os.path.realpath(path) else "holds"
-            raise ValueError(f"{key}{out} {where} {what} {path}; write the export to a directory of its own")
+    """An export's target directory: never the student's source checkpoint, nor any of `keep` ({what it is: path}:
+    the checkpoint exported, its run's save dir), nor a directory holding one of them or lying inside one (checked first:
+    --overwrite must not delete them, and an export must not mix its files into them), never a file, and, when
+    `fix` is given, holding nothing yet (else the error names `fix`). True when it holds files. key: how the
+    errors name it ("--out ", "train.export_hf=")."""
+    for what, path in [("the student's source checkpoint", src), *(keep or {}).items()]:
+        if not path:
+            continue
+        if _inside(path, out) or _inside(out, path):
+            where = ("is" if os.path.realpath(out) == os.path.realpath(path)
+                     else "holds" if _inside(path, out) else "lies inside")
+            raise ValueError(f"{key}{out} {where} {what} {path}; write the export to a directory of its own, "
+                             "outside it")
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"{key}{out} is a file, not a directory; give a directory for the Hugging Face checkpoint")
     full = os.path.isdir(out) and bool(os.listdir(out))
@@ -634,14 +639,16 @@ def recipe_file_error(name: str, config_path, overrides: list, recipes_dir) -> s
     directories) that is not valid YAML, as one sentence; None when composing works or fails for another reason
     (Hydra reports those itself)."""
     from pathlib import Path
-    from .compose import compose
-    target = str(Path(config_path) / f"{name}.yaml") if config_path else name
+    from .compose import compose, config_dir, recipe_target
     try:
-        compose(target, overrides)
+        compose(recipe_target(name, config_path), overrides)
         return None
     except Exception:  # noqa: BLE001  the reason is looked for below; Hydra reports any other one
         pass
-    roots = [Path(config_path)] if config_path else []
+    try:
+        roots = [config_dir(config_path)] if config_path else []
+    except RecipeError:
+        return None
     roots.append(Path(recipes_dir))
     first = [r / f"{name}.yaml" for r in roots]
     files = [p for p in first if p.is_file()]

@@ -40,6 +40,38 @@ def search_path() -> str:
     return str(Path(env).resolve()) if env else f"pkg://{RECIPES_PACKAGE}"
 
 
+def config_dir(config_path: str) -> Path:
+    """--config-path as a directory; Hydra's pkg://PACKAGE form names the directory of an importable package."""
+    if not str(config_path).startswith("pkg://"):
+        return Path(config_path)
+    from importlib import util
+    from .schema import RecipeError
+    pkg = str(config_path)[len("pkg://"):].strip("/").replace("/", ".")
+    try:
+        spec = util.find_spec(pkg) if pkg else None
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise RecipeError(f"--config-path {config_path}: no package {pkg!r} imports here; give the directory that "
+                          "holds your recipe (--config-path DIR)")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def recipe_target(name: str, config_path) -> str:
+    """`--config-name NAME [--config-path DIR]` as compose() takes it: DIR/NAME.yaml, or NAME (a shipped recipe)."""
+    if not config_path:
+        return name
+    d = config_dir(config_path)
+    target = d / f"{name}.yaml"
+    if str(config_path).startswith("pkg://") and not target.is_file():
+        from .schema import RecipeError
+        raise RecipeError(f"--config-name {name}: the package of --config-path {config_path} ({d}) holds no "
+                          f"{name}.yaml (its recipes: {', '.join(known_recipes(d)) or 'none'}); a recipe of your "
+                          f"own lives in a directory of its own: --config-path DIR --config-name {name}, with "
+                          f"`hydra: {{searchpath: [{search_path()}]}}` in it to find the shipped group files")
+    return str(target)
+
+
 def recipe_file(name: str, directory: Path | None = None) -> Path | None:
     """The recipe a name refers to: the file itself for a path ending in .yaml/.yml, else DIRECTORY/NAME.yaml
     (DIRECTORY: recipes_dir()) for a bare name; None when there is none."""
@@ -160,13 +192,29 @@ def compose(name: str = "tiny_cpu", overrides=(), save: str | None = None):
         with context:
             cfg = hydra_compose(config_name=cfg_name, overrides=overrides)
     except (HydraException, OmegaConfBaseException, yaml.YAMLError) as e:
-        raise composition_error(e, overrides) from None
+        err = composition_error(e, overrides)
+        raise RecipeError(f"{err}{search_path_hint(name, str(e))}") from None
     if "train" in cfg and (save is not None or not any(o.split("=", 1)[0].lstrip("+") == "train.save"
                                                       for o in overrides)):
         with open_dict(cfg):
             cfg.train.save = save or f"runs/{cfg_name}"
     OmegaConf.resolve(cfg)
     return cfg
+
+
+def search_path_hint(name: str, error: str) -> str:
+    """A recipe file outside the recipes' directory that names a shipped group option Hydra could not find (its
+    `hydra.searchpath` line is missing): the line to add, as a clause; '' otherwise."""
+    import re
+    found = re.search(r"Could not find '([\w-]+)/([\w.-]+)'", error)
+    path = Path(name)
+    if not found or path.suffix not in (".yaml", ".yml") or path.resolve().parent == recipes_dir():
+        return ""
+    group, option = found.groups()
+    if not (recipes_dir() / group / f"{option}.yaml").is_file():
+        return ""
+    return (f"; {group}/{option} is a group file of the shipped recipes, which a recipe elsewhere finds through "
+            f"Hydra's search path: add `hydra: {{searchpath: [{search_path()}]}}` to {name}")
 
 
 def _hydra_context(name: str, job_name: str | None = None):
@@ -181,6 +229,25 @@ def _hydra_context(name: str, job_name: str | None = None):
     if os.environ.get("MEGATRON_KD_RECIPES"):
         return name, initialize_config_dir(config_dir=str(recipes_dir()), **kw)
     return name, initialize_config_module(config_module=RECIPES_PACKAGE, **kw)
+
+
+def run_job(name: str, overrides):
+    """The recipe config of a single `train` run (no -m), with train.save set as the app sets it (Hydra's run
+    directory where the recipe leaves it null), composed without running or writing anything."""
+    from hydra import compose as hydra_compose
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf, open_dict
+    cfg_name, context = _hydra_context(name, "megatron-kd train")
+    with context:
+        cfg = hydra_compose(config_name=cfg_name, overrides=list(overrides), return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    hc = cfg.hydra
+    job_cfg = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])
+    with open_dict(job_cfg):
+        if job_cfg.train.get("save") is None:
+            job_cfg.train.save = hc.run.dir
+    OmegaConf.resolve(job_cfg)
+    return job_cfg
 
 
 def sweep_jobs(name: str, overrides) -> list:
@@ -224,6 +291,10 @@ def named_recipe(parser, a) -> None:
     if a.config_name:
         if a.recipe is not None:
             a.overrides.insert(0, a.recipe)
-        a.recipe = str(Path(a.config_path) / f"{a.config_name}.yaml") if a.config_path else a.config_name
+        from .schema import RecipeError
+        try:
+            a.recipe = recipe_target(a.config_name, a.config_path)
+        except RecipeError as e:
+            parser.error(str(e))
     elif a.recipe is None or a.config_path:
         parser.error("name the recipe: RECIPE (a name or a .yaml path), or --config-name NAME [--config-path DIR]")

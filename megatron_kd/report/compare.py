@@ -41,8 +41,13 @@ def run_summary(path: str) -> dict:
     if not os.path.isfile(p):
         raise ValueError(f"{path} holds no summary.json: not a finished `megatron-kd train` run directory (a sweep's "
                          "runs are its numbered subdirectories, e.g. runs/tiny_cpu_sweep/*)")
-    with open(p) as f:
-        return json.load(f)
+    try:
+        with open(p, encoding="utf-8") as f:
+            return json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError: a run killed while writing it, or edited
+        raise ValueError(f"{p} is not valid JSON ({str(e).splitlines()[0]}): the run was killed while writing it, "
+                         f"or it was edited; rerun that run to rewrite it (it resumes from its last checkpoint), or "
+                         f"leave {path} out of the comparison") from None
 
 
 def short_names(paths: list) -> list:

@@ -20,10 +20,23 @@ def machine() -> str:
 def read_metrics(path: str) -> dict:
     """{kind: {iteration: record}} from metrics.jsonl; a resumed run's later record for an iteration wins."""
     out = {}
-    if os.path.exists(path):
-        for line in open(path):
+    if not os.path.exists(path):
+        return out
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.read().split("\n")
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
             rec = json.loads(line)
-            out.setdefault(rec.get("kind"), {})[rec.get("iteration")] = rec
+        except ValueError:
+            if n == len(lines):  # unterminated: a record cut off by a kill (the resume drops it too)
+                continue
+            raise ValueError(f"{path} line {n} is not a JSON record (edited, or two writers?); fix or delete that "
+                             "line") from None
+        if not isinstance(rec, dict):
+            raise ValueError(f"{path} line {n} is not a JSON object; fix or delete that line")
+        out.setdefault(rec.get("kind"), {})[rec.get("iteration")] = rec
     return out
 
 

@@ -36,7 +36,7 @@ from ..data.datasets import build_datasets, dataset_id, load_tokenizer, samples_
 from ..recipe.checks import check_model, check_recipe, check_vocab
 from ..recipe.hf import resolve_hf
 from ..recipe.schema import Recipe, RecipeError
-from ..rules import DEFAULT_TOP_K, cache_encoding
+from ..rules import DEFAULT_TOP_K, cache_encoding, out_of_room
 from ..runtime.dist import distributed, is_rank0, use_cuda
 from ..runtime.features import release_memory
 from .megatron import cache_teacher
@@ -260,7 +260,7 @@ def build_cache(teacher, dataset, out_dir, *, top_k: int | None = None, encoding
         _build(writer, teacher, dataset, seq, top_k, temperature, chunk_size, micro_batch_size, tp_group, pp_group,
                dp_rank, dp_size, writes, is_root, progress, draw_seed)
     except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if not out_of_room(e):
             raise
         raise CacheError(f"no space left on the device of {out_dir} while writing the cache (finished shards are "
                          "kept); free space there, then rerun the same command: the build resumes") from None

@@ -45,8 +45,7 @@ def run(r: Recipe, save: str) -> dict:
     tok = preflight(r, world, cuda)
     load = r.train.load or save
     safety.check_save_dir(save)  # where the run writes first, then what it would resume from
-    resume.check_save_and_load(save, load)
-    resume.check_resume_early(r, load)
+    resume.check_against_save(r, save)
     from ..cache import CacheError
     with safety.save_lock(save, is_rank0()), distributed(r.parallel, r.train.seed, r.train.device) as cuda:
         try:
@@ -310,8 +309,10 @@ class Trainer:
              "peak_mem_gib": peak_memory_gib(self.cuda), "world_size": self.world, "save": self.save,
              "device": "cuda" if self.cuda else "cpu"}
         if is_rank0() and sink is not None:
-            with open(os.path.join(self.save, "summary.json"), "w") as f:
+            path = os.path.join(self.save, "summary.json")
+            with open(path + ".tmp", "w") as f:  # beside, then swapped in: a kill leaves no half-written summary
                 json.dump(s, f, indent=2)
+            os.replace(path + ".tmp", path)
         barrier()
         return s
 

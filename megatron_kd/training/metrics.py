@@ -47,6 +47,26 @@ def peak_memory_gib(device_cuda: bool) -> float:
     return kib / 2 ** 20
 
 
+def drop_partial_line(path: str) -> None:
+    """A run killed while appending a record leaves its last line unfinished; a resume appending after it would
+    join its first record to that line. The unfinished line (never a whole record) is cut off."""
+    try:
+        with open(path, "rb+") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            if size == 0:
+                return
+            f.seek(size - 1)
+            if f.read(1) == b"\n":
+                return
+            f.seek(max(0, size - (1 << 20)))
+            tail = f.read()
+            cut = tail.rfind(b"\n")
+            f.truncate(size - len(tail) + cut + 1 if cut >= 0 else max(0, size - len(tail)))
+    except FileNotFoundError:
+        pass
+
+
 class Sink:
     """Rank 0's outputs: metrics.jsonl (appended across resumes), TensorBoard if installed, a tqdm bar."""
 
@@ -56,7 +76,9 @@ class Sink:
         if not enabled:
             return
         os.makedirs(out_dir, exist_ok=True)
-        self.file = open(os.path.join(out_dir, "metrics.jsonl"), "a")
+        path = os.path.join(out_dir, "metrics.jsonl")
+        drop_partial_line(path)
+        self.file = open(path, "a")
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter

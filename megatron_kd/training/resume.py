@@ -22,8 +22,8 @@ def check_save_and_load(save: str, load: str) -> None:
     latest_save = ckpt.latest_iteration(save)
     if os.path.abspath(load) != os.path.abspath(save) and latest_save is not None:
         raise RecipeError(f"train.save={save} already holds checkpoints of a run (iteration {latest_save}) and "
-                          f"train.load={load} points elsewhere: resuming into it would mix two runs. Use another "
-                          "train.save, or resume that run (train.load = train.save).")
+                          f"train.load={load} points elsewhere: resuming into it would mix two runs; use another "
+                          "train.save, or resume that run (train.load = train.save)")
 
 
 def load_state(r, load: str, chunks, optimizer, scheduler, rank0: bool) -> tuple[int, int, list]:
@@ -132,6 +132,15 @@ def check_resume(r, load: str, common: dict) -> list:
             f"this run another train.save, or set train.resume_changes=[{keys}] to change it on purpose")
     return [f"resuming with a changed setting on purpose (train.resume_changes): {k} {_fmt(a)} -> {_fmt(b)}"
             for k, a, b in diff]
+
+
+def check_against_save(r, save: str) -> None:
+    """What a run refuses of the checkpoints already in its save dir and the one it would resume from, before any
+    model is built: `megatron-kd train` asks it before Hydra writes the run directory's records (a refused run
+    would rewrite those of the finished run there), run() again."""
+    load = r.train.load or save
+    check_save_and_load(save, load)
+    check_resume_early(r, load)
 
 
 def check_resume_early(r, load: str) -> None:

@@ -7,7 +7,6 @@ Every decision that ends a run is taken identically on every rank (the inputs ar
 so one rank never raises while the others wait in a collective.
 """
 import contextlib
-import errno
 import os
 import shutil
 import signal
@@ -18,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import RecipeError, RunError
-from ..rules import free_space
+from ..rules import free_space, out_of_room
 from ..runtime.interrupt import is_interrupt
 
 LOCK_NAME = ".megatron-kd-train.lock"
@@ -136,7 +135,7 @@ def _is_enospc(e: BaseException) -> bool:
         if x is None or id(x) in seen:
             continue
         seen.add(id(x))
-        if isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT):
+        if out_of_room(x):
             return True
         text = str(x)
         if "No space left on device" in text or "ENOSPC" in text:

@@ -1,7 +1,16 @@
 """The adversarial probes' tiny inputs, built once per session (the judgement of an outcome: probe.py)."""
 import pytest
 
-from probe import TINY
+from probe import OUTCOMES, TINY
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The probes' outcomes by kind: held (refused in one sentence naming the key / file), ok (a valid input that
+    worked), silent, raw, hang, unclear."""
+    if OUTCOMES:
+        from collections import Counter
+        counts = Counter(OUTCOMES.values())
+        terminalreporter.write_line("probe outcomes: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
 
 # --- tiny inputs, built once -------------------------------------------------------------------------------------
 

@@ -55,10 +55,21 @@ def call(main, argv) -> tuple:
     return rc, out.getvalue(), err.getvalue(), exc
 
 
+# test id -> outcome of every probe judged in this session (conftest prints the counts at the end)
+OUTCOMES = {}
+
+
+def record(got: str) -> str:
+    """Note the running test's outcome (held, ok, silent, raw, hang, unclear) and return it."""
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
+    OUTCOMES[test] = got if OUTCOMES.get(test, "held") in ("held", "ok") else OUTCOMES[test]
+    return got
+
+
 def refuses(main, argv, *names, ok_rc=False) -> str:
     """Run and assert a one-sentence refusal naming `names`; returns stderr's line."""
     rc, out, err, exc = call(main, argv)
-    got = outcome(rc, err, exc, names, ok_rc)
+    got = record(outcome(rc, err, exc, names, ok_rc))
     assert got == "held", f"{got}: rc={rc}\nstderr: {err[-3000:]}\nstdout: {out[-1500:]}"
     return err.strip()
 
@@ -75,8 +86,8 @@ def run_cli(*args, cwd=None, env=None, timeout=HANG_S) -> subprocess.CompletedPr
 
 def proc_outcome(p, names=()) -> str:
     if p.returncode is None:
-        return "hang"
-    return outcome(p.returncode, p.stderr, None, names)
+        return record("hang")
+    return record(outcome(p.returncode, p.stderr, None, names))
 
 
 def snapshot(path) -> dict:

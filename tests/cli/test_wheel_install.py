@@ -2,7 +2,7 @@
 checkout. The recipes (package data, Hydra's pkg://) and the launch scripts (data files) must come with it.
 
 No network: the wheel is built with the setuptools already installed and installed with --no-index --no-deps; the
-venv sees this environment's packages (torch, megatron-core, hydra) through --system-site-packages, but imports
+venv sees this environment's packages (torch, megatron-core, hydra) through a .pth line, but imports
 megatron_kd from its own site-packages (checked), not from the checkout or an editable install."""
 import os
 import shutil
@@ -40,9 +40,17 @@ def venv(tmp_path_factory):
                  "-w", tmp / "whl"], tmp, env)
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
     (wheel,) = (tmp / "whl").glob("megatron_kd-*.whl")
-    made = run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", tmp / "venv"], tmp, env)
+    made = run([sys.executable, "-m", "venv", "--without-pip", tmp / "venv"], tmp, env)
     assert made.returncode == 0, made.stderr
     bin_dir = tmp / "venv" / "bin"
+    # the dependencies (torch, megatron-core, hydra) from the environment running the tests, not from the machine's
+    # own Python (--system-site-packages would read that one, which a clean-room CI leaves empty): a .pth line
+    # puts its site-packages after the venv's own, and its own .pth files (an editable megatron_kd) are not run
+    own = run([bin_dir / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], tmp, env)
+    assert own.returncode == 0, own.stderr
+    import sysconfig
+    parent = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    Path(own.stdout.strip(), "test_env_packages.pth").write_text("".join(f"{p}\n" for p in sorted(parent)))
     installed = run([sys.executable, "-m", "pip", "--python", bin_dir / "python", "install", "--no-deps",
                      "--no-index", "--force-reinstall", wheel], tmp, env)
     assert installed.returncode == 0, installed.stdout[-3000:] + installed.stderr[-3000:]

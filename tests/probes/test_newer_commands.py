@@ -55,7 +55,7 @@ def cheap_export(monkeypatch):
     """The export's model work stood in (build, load, write one config.json): what is probed is where the export
     goes, which is decided before that work. Returns the list the stand-in appends to when the work starts."""
     import contextlib
-    from megatron_kd.checkpoint import spec
+    from megatron_kd.checkpoint import spec, store
     from megatron_kd.export import to_hf
     from megatron_kd.hf import model as hf_model
     from megatron_kd.models import builder
@@ -72,7 +72,7 @@ def cheap_export(monkeypatch):
         return [object()], None
     monkeypatch.setattr(builder, "build_hf_chunks", build)
     monkeypatch.setattr(spec, "build_as_saved", lambda *a, **k: None)
-    monkeypatch.setattr(spec, "load_weights", lambda *a, **k: 1)
+    monkeypatch.setattr(store, "load_spec_weights", lambda *a, **k: 1)
     monkeypatch.setattr(hf_model, "open_hf", lambda *a, **k: FakeHF())
     monkeypatch.setattr(dist, "distributed", lambda *a, **k: contextlib.nullcontext())
     monkeypatch.setattr(to_hf, "_quant_format", lambda chunks: None)

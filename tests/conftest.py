@@ -63,8 +63,7 @@ def pytest_runtest_makereport(item, call):
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-@pytest.fixture(autouse=True)
-def _launch_env_restored():
+def _restore_launch_env():
     saved = {k: os.environ.get(k) for k in LAUNCH_ENV}
     yield
     for k, v in saved.items():
@@ -72,6 +71,12 @@ def _launch_env_restored():
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+# Per test, and per module too: a module-scoped fixture sets its variables before any test's own copy is taken, so
+# only a module-level restore takes them back before the next module's subprocesses inherit a port still bound.
+_launch_env_restored = pytest.fixture(autouse=True)(_restore_launch_env)
+_launch_env_restored_per_module = pytest.fixture(autouse=True, scope="module")(_restore_launch_env)
 
 
 # --- GPU tests with Transformer Engine: one NCCL rank and megatron-core's groups, per test module -------------------

@@ -148,15 +148,19 @@ def cpu_megatron():
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron_kd.runtime.cpu_patches import apply_cpu_patches, seed_model_parallel_rng
-    if not dist.is_initialized():
+    from dist_utils import free_port
+    created = not dist.is_initialized()
+    if created:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         dist.init_process_group("gloo", rank=0, world_size=1)
     ps.initialize_model_parallel(1, 1)
     apply_cpu_patches()
     seed_model_parallel_rng(0)
     yield
     ps.destroy_model_parallel()
+    if created:  # its store holds the port; a later test's subprocess must not find it taken
+        dist.destroy_process_group()
 
 
 def cpu_model(cfg):

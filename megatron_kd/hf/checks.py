@@ -9,8 +9,8 @@ from ..errors import HFCheckpointError
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-BRIDGE_INSTALL = ("Megatron-Bridge 0.6.2 (`pip install 'megatron-kd[bridge]'` under Python >= 3.12, which brings it "
-                  "with megatron-core 0.19 and transformers; or run in the NeMo container, docker/Dockerfile)")
+BRIDGE_INSTALL = ("Megatron-Bridge 0.6.2 (run in the NeMo container, docker/Dockerfile; or, on a CUDA machine "
+                  "with torch installed and Python >= 3.12, `pip install --no-build-isolation 'megatron-kd[bridge]'`)")
 
 
 def bridge_available() -> bool:

@@ -16,8 +16,11 @@ The check: each FP8 arm's student's held-out CE at the last evaluation within 0.
 
 Corpus: teacher_fp8.py's docstring (stdlib + pydoc, BPE 8,192, made on the CPU by `megatron-kd data prepare`).
 
+On the device: the Transformer Engine kit (../shared/te/README.md: five calls, then `source .whlte/device_install.sh`),
+megatron-core, hydra-core, omegaconf and antlr4 wheels in .whl (pip install --target /tmp/site), and .kd_data carried;
+--budget-s a little under the call's limit, so the students that finished and the JSON come back:
   source .whlte/device_install.sh && python3 benchmarks/fp8_cache_students.py --data .kd_data/text_document \
-      --arms bf16:te fp8:tensorwise fp8:delayed:dpa --seed2 7 --out $OUT/fp8_cache_students_h200.json
+      --arms bf16:te fp8:tensorwise fp8:delayed:dpa --seed2 7 --budget-s 540 --out $OUT/fp8_cache_students_h200.json
 CPU smoke (the plumbing: tiny models, two bf16 sdpa arms, no TE): python benchmarks/fp8_cache_students.py --smoke
 """
 import argparse
@@ -224,7 +227,7 @@ def main():
         with open(out, "w") as f:
             json.dump(res, f, indent=1, default=str)
 
-    res["teacher_run"] = tr = train_teacher(a)
+    res["teacher_run"] = tr = train_teacher(a, timeout=max(10, deadline - time.time()))
     save()
     if tr["rc"]:
         print(json.dumps(tr, default=str)[:3000])

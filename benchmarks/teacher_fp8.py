@@ -243,8 +243,9 @@ def compare(a, runs, vocab) -> dict:
     return {"reference": ref["arm"], "arms": out}
 
 
-def train_teacher(a) -> dict:
-    """A small teacher trained with CE on real text (`megatron-kd train`), saved at the end."""
+def train_teacher(a, timeout=None) -> dict:
+    """A small teacher trained with CE on real text (`megatron-kd train`), saved at the end; rc 124 when it outruns
+    `timeout` seconds (a caller with a device budget keeps what it has instead of losing the whole call)."""
     tok = os.path.join(os.path.dirname(a.data), "tokenizer.json")
     save = os.path.join(a.work, "teacher_run")
     cmd = [sys.executable, "-m", "megatron_kd", "train", "--config-name", RECIPE, "kd=ce", "data=pydoc",
@@ -262,7 +263,11 @@ def train_teacher(a) -> dict:
                 "train.micro_batch_size=1"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     t = time.time()
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"") + (e.stderr or b"")
+        p = subprocess.CompletedProcess(cmd, 124, out.decode(errors="replace") if isinstance(out, bytes) else out, "")
     text = p.stdout + p.stderr
     print(f"[teacher CE run] rc={p.returncode} in {time.time() - t:.0f}s", flush=True)
     evals = []

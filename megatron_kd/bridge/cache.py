@@ -102,7 +102,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--teacher-args", default="{}", help='JSON keyword arguments, e.g. \'{"dtype": "bfloat16"}\'')
     b.add_argument("--out", default=None, help="cache directory (default: kd.cache)")
     b.add_argument("--top-k", type=int, default=None, help=f"default: kd.top_k, else {DEFAULT_TOP_K}")
-    add_flags(b)  # --encoding and each encoding's own (cache/encoding.py)
+    add_flags(b)  # --encoding and each encoding's own (cache/encoding/)
     b.add_argument("--micro-batch-size", type=int, default=1)
     b.add_argument("--overwrite", action="store_true", help="delete a cache built with different settings")
     b.add_argument("--no-progress", action="store_true")

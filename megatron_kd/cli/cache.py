@@ -385,7 +385,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--dataset", help="module:function returning a token dataset (len and [i])")
     b.add_argument("--dataset-args", default="{}", help="JSON keyword arguments for the dataset factory")
     b.add_argument("--top-k", type=int, default=None, help=f"default {DEFAULT_TOP_K}")
-    add_flags(b)  # --encoding and each encoding's own (cache/encoding.py)
+    add_flags(b)  # --encoding and each encoding's own (cache/encoding/)
     b.add_argument("--temperature", type=float, default=1.0, help="capture temperature: softmax(logits / T)")
     b.add_argument("--num-samples", type=int, help="first N samples of the dataset (default: all)")
     b.add_argument("--samples-per-shard", type=int, help="default: about 256 MiB per shard")

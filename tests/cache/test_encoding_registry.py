@@ -1,10 +1,11 @@
-"""Cache encodings register themselves (cache/encoding.py): get_encoding looks the name up, each encoding says what
+"""Cache encodings register themselves (cache/encoding/): get_encoding looks the name up, each encoding says what
 it adds to a cache's settings, and the command line and Bridge's cache command take their encoding flags from the
 registry; a new encoding registered in one place is offered everywhere."""
 import numpy as np
 import pytest
 
 from megatron_kd.cache import encoding as enc
+from megatron_kd.cache.encoding.fp32 import Fp32Encoding
 
 
 def _build_flags(parser):
@@ -43,7 +44,7 @@ def test_a_new_encoding_is_one_class_and_one_registration(monkeypatch, parsers):
     """A registered class is found by name, offered by both commands, and round-trips a sample."""
     monkeypatch.setattr(enc, "REGISTRY", dict(enc.REGISTRY))
 
-    class Fp32Again(enc.Fp32Encoding):
+    class Fp32Again(Fp32Encoding):
         name = "fp32_again"
     enc.register(Fp32Again)
     monkeypatch.setattr(enc, "ENCODINGS", tuple(enc.REGISTRY))

@@ -45,6 +45,12 @@ def build_parser():
     return p
 
 
+def _static_inputs(fmt: str) -> bool:
+    """Whether the compressed-tensors export of quant.format `fmt` holds static input scales (its record says)."""
+    from ..quant_formats import get
+    return get(fmt).export["input_activations"] is not None
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     from ..runtime.quiet import quiet_megatron_warnings
@@ -64,7 +70,7 @@ def main(argv=None) -> int:
     if q and q["export"] == "compressed-tensors":
         print(f"quantized as {q['format']}: a compressed-tensors checkpoint ({q['compressed_tensors_format']}: "
               f"{q['quantized_linears']} quantized Linear layers with their scales"
-              + (" and static input scales" if q["format"] in ("fp8", "int8") else "") + "); transformers loads it "
+              + (" and static input scales" if _static_inputs(q["format"]) else "") + "); transformers loads it "
               "with the compressed-tensors package installed and gives the trained fake-quantized student's logits")
         for name, why in q["unquantized"].items():
             print(f"  {name}: written unquantized (its fake-quantized weight): {why}")

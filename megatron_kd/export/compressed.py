@@ -34,7 +34,7 @@ from .. import quant_formats
 
 GROUP = quant_formats.AWQ_BLOCK
 # quant.format -> the compressed-tensors scheme that holds it exactly (storage format, weights, input activations)
-# and ModelOpt's num_bits of its weight quantizer (checked in _weight_codes): quant_formats.py's records
+# and ModelOpt's num_bits of its weight quantizer (checked in _weight_codes): quant_formats/' records
 SCHEMES = {n: f.export for n, f in quant_formats.FORMATS.items() if f.export is not None}
 _BITS = {n: quant_formats.get(n).weight_bits for n in SCHEMES}
 _RANGE = {8: (-128, 127), 4: (-8, 7)}
@@ -89,9 +89,10 @@ def _weight_codes(m, fmt: str, name: str):
             or wq.unsigned or getattr(wq, "_pre_quant_scale", None) is not None or w.dim() != 2:
         raise _unsupported(name, f"its weight quantizer is not {fmt}'s as ModelOpt's config sets it")
     out, cols = w.shape
-    if fmt == "fp8":
+    scheme = SCHEMES[fmt]["weights"]  # the record's: one step per tensor, per output channel or per group
+    if scheme["strategy"] == "tensor":
         step = _step(wq, lambda a: a.numel() == 1, name).reshape(1, 1)
-    elif fmt == "int8":
+    elif scheme["strategy"] == "channel":
         step = _step(wq, lambda a: a.numel() == out and wq.axis in (0, (0,)), name).reshape(out, 1)
     else:
         if wq.block_sizes is None or wq.block_sizes.get(-1) != GROUP or cols % GROUP:
@@ -100,7 +101,7 @@ def _weight_codes(m, fmt: str, name: str):
     with torch.no_grad():  # in fp32: ModelOpt quantizes in fp32 and rounds the result to the weight's dtype
         fq = wq(w.detach().float()).float()
     full = expand(step, fq.shape)
-    if fmt == "fp8":
+    if scheme["type"] == "float":
         codes = (fq / full).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     else:
         lo, hi = _RANGE[wq.num_bits]

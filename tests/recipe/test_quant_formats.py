@@ -1,4 +1,4 @@
-"""quant.format: one record per format (megatron_kd/quant_formats.py), read by the checks, the quantizer, the
+"""quant.format: one record per format (megatron_kd/quant_formats/), read by the checks, the quantizer, the
 planner and the export; `plan` and `launch --dry-run` refuse what `train` refuses, from the same check."""
 import importlib.util
 from pathlib import Path

@@ -24,20 +24,20 @@ def test_the_commands_offer_what_the_registry_holds(parsers):
     for name, make in parsers.items():
         flags = _build_flags(make())
         assert tuple(flags["--encoding"].choices) == enc.ENCODINGS, name
-        for cls in enc.REGISTRY.values():
-            for flag, _ in cls.__dict__.get("flags", ()):
-                assert flag in flags, (name, flag)
+        for key in enc.setting_keys():
+            assert "--" + key.replace("_", "-") in flags, (name, key)
 
 
 def test_each_encoding_writes_its_own_settings():
     from megatron_kd.cache.format import make_settings
     base = dict(vocab_size=50, temperature=1.0, seq_length=4, num_samples=2, teacher="t")
-    assert "top_p" not in make_settings(encoding="fp16", top_k=4, **base)
-    s = make_settings(encoding="topp", top_k=4, top_p=0.5, **base)
+    assert "top_p" not in make_settings(encoding=enc.EncodingOptions("fp16", 4), **base)
+    s = make_settings(encoding=enc.EncodingOptions.of("topp", 4, top_p=0.5), **base)
     assert (s["top_p"], s["min_k"]) == (0.5, 1)
-    s = make_settings(encoding="sampled", top_k=3, samples=3, **base)
+    s = make_settings(encoding=enc.EncodingOptions.of("sampled", 3, samples=3), **base)
     assert (s["samples"], s["sample_seed"]) == (3, 0)
-    assert enc.forced_top_k("sampled", 3) == 3 and enc.forced_top_k("fp16", 3) is None
+    assert enc.EncodingOptions.of("sampled", samples=3).forced_top_k() == 3
+    assert enc.EncodingOptions.of("fp16", samples=3).forced_top_k() is None
 
 
 def test_a_new_encoding_is_one_class_and_one_registration(monkeypatch, parsers):

@@ -1,8 +1,16 @@
 """What every cache encoding shares: the base class (its settings' checks, the shape and range checks of a sample's
 top-K), the byte layout of fixed-size per-sample streams, and the id width of a vocabulary."""
+import dataclasses
+
 import numpy as np
 
-from ...rules import encoding_problem, top_k_fits
+from ...rules import top_k_fits
+
+
+def setting(flag: str, **argparse_kw):
+    """A field of an encoding's settings record: None unless given; `flag` and argparse's keywords make its
+    command-line flag (add_flags)."""
+    return dataclasses.field(default=None, metadata={"flag": (flag, dict(default=None, **argparse_kw))})
 
 
 def id_bits(vocab_size: int) -> int:
@@ -33,20 +41,37 @@ class EncodingBase:
     variable = False  # True: a sample's byte size depends on its content (sample_bytes is then the largest)
     select = None     # the entries a sample keeps, when it keeps fewer than K (TopPEncoding.select)
 
+    # Its own settings beside K: a dataclass whose fields are their keys (in a cache's settings, on the command line
+    # as --key-name from the field's metadata["flag"], in a recipe as kd.cache_KEY); None: it takes none.
+    settings = None
+    implied_by = None  # the key of its settings that, given without an encoding, asks for this one
+    needs = None       # (key, problem): the key it cannot do without, and the problem code naming its absence
+    foreign = None     # the problem code of its keys given to another encoding
+
+    @classmethod
+    def keys(cls) -> tuple:
+        return tuple(f.name for f in dataclasses.fields(cls.settings)) if cls.settings else ()
+
     @staticmethod
     def check_fixed_k(name: str, top_p) -> None:
         """A P given to an encoding that keeps K entries, or none given to topp (min_k alone is the settings'
         check: it has a default here)."""
-        problem = encoding_problem(name, top_p, None)
+        from . import EncodingOptions
+        problem = EncodingOptions.of(name, top_p=top_p).problem()
         if problem:
             raise ValueError("the topp encoding needs top_p, and only it takes one" if problem == "needs_top_p" else
                              f"top_p={top_p} needs the encoding 'topp' (the encoding {name!r} stores K entries per "
                              "position)")
 
-    # the command-line flags of its own settings (cache build, Bridge's cache build): (flag, argparse keywords)
-    flags = ()
-    # True: K is the number of draws per position (the most distinct ids a position can hold), not a setting
-    draws_are_k = False
+    @classmethod
+    def forced_top_k(cls, options) -> int | None:
+        """The K its cache must have where the encoding decides it (None: K is the build's own setting)."""
+        return None
+
+    @classmethod
+    def settings_problem(cls, options) -> str | None:
+        """One sentence on a value of its own settings it cannot take (given to any encoding), or None."""
+        return None
 
     @classmethod
     def make(cls, vocab_size, top_k, seq_length, top_p=None, min_k=None):
@@ -54,7 +79,7 @@ class EncodingBase:
         cls.check_fixed_k(cls.name, top_p)
         return cls(vocab_size, top_k, seq_length)
 
-    def settings_extra(self, samples=None, sample_seed=None) -> dict:
+    def settings_extra(self, options) -> dict:
         """What this encoding adds to a cache's settings beside the fields every cache records."""
         return {}
 

@@ -1,10 +1,21 @@
 """sampled (unbiased, variable size): per position the distinct ids of N draws from the teacher's full distribution
 (parallel/sample.py) and their counts; the reader returns log(count / N)."""
+from dataclasses import dataclass
+from typing import Optional
+
 import numpy as np
 
 from ..bits import EliasFano, pack_bool, pack_uint, packed_bytes, unpack_bool
-from .base import EncodingBase, Fields, pad8
+from .base import EncodingBase, Fields, pad8, setting
 from .topp import TopPEncoding
+
+
+@dataclass(frozen=True)
+class SampledSettings:
+    samples: Optional[int] = setting("--samples", type=int, metavar="N", help="N draws per position from the "
+                                     "teacher's whole distribution, stored as the distinct ids and their counts "
+                                     "(encoding sampled: unbiased targets; docs/cache-format.md)")
+    sample_seed: Optional[int] = setting("--sample-seed", type=int, help="with --samples: the draws' seed (default 0)")
 
 
 class SampledEncoding(TopPEncoding):
@@ -19,11 +30,23 @@ class SampledEncoding(TopPEncoding):
     """
     name = "sampled"
     top_p = None
-    draws_are_k = True
-    flags = (("--samples", dict(type=int, default=None, metavar="N", help="N draws per position from the teacher's "
-                                "whole distribution, stored as the distinct ids and their counts (encoding sampled: "
-                                "unbiased targets; docs/cache-format.md)")),
-             ("--sample-seed", dict(type=int, default=None, help="with --samples: the draws' seed (default 0)")))
+    settings = SampledSettings
+    implied_by = "samples"
+    needs = ("samples", "needs_samples")
+    foreign = "not_sampled"  # samples / sample_seed given to an encoding that stores the teacher's top ids
+
+    @classmethod
+    def forced_top_k(cls, options) -> int | None:
+        """K is the number of draws per position (the most distinct ids a position can hold), not a setting."""
+        samples = options.get("samples")
+        return None if samples is None else int(samples)
+
+    @classmethod
+    def settings_problem(cls, options) -> str | None:
+        seed = options.get("sample_seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63):
+            return f"sample_seed={seed!r} must be an integer in [0, 2**63)"
+        return None
 
     @classmethod
     def make(cls, vocab_size, top_k, seq_length, top_p=None, min_k=None):
@@ -33,8 +56,8 @@ class SampledEncoding(TopPEncoding):
                              "distribution: drop them")
         return cls(vocab_size, top_k, seq_length)
 
-    def settings_extra(self, samples=None, sample_seed=None) -> dict:
-        return {"samples": int(samples), "sample_seed": int(sample_seed or 0)}
+    def settings_extra(self, options) -> dict:
+        return {"samples": int(options.get("samples")), "sample_seed": int(options.get("sample_seed") or 0)}
 
     def __init__(self, vocab_size, draws, seq_length):
         from ...parallel.sample import check_draws

@@ -2,12 +2,22 @@
 compact stores K, plus the per-position count. The sample's byte size follows from its counts, so a shard ends with
 a table of sample offsets (writer.py); positions [a, b) decode from the counts' prefix sums. Unused slots read as
 id -1 / log-prob -inf."""
+from dataclasses import dataclass
+from typing import Optional
+
 import numpy as np
 
 from ..bits import EliasFano, pack_bool, pack_uint, pack_var, packed_bytes, unpack_bool, unpack_narrow, unpack_var
 from ..topp import check_top_p, select_top_p
-from .base import EncodingBase, Fields, pad8
+from .base import EncodingBase, Fields, pad8, setting
 from .compact import CompactEncoding
+
+
+@dataclass(frozen=True)
+class TopPSettings:
+    top_p: Optional[float] = setting("--top-p", type=float, metavar="P", help="keep per position the fewest ids (at "
+                                     "most --top-k) whose teacher mass reaches P (encoding topp; docs/cache-format.md)")
+    min_k: Optional[int] = setting("--min-k", type=int, help="with --top-p: keep at least this many ids (default 1)")
 
 
 class TopPEncoding(CompactEncoding):
@@ -21,16 +31,17 @@ class TopPEncoding(CompactEncoding):
     """
     name = "topp"
     variable = True
-    flags = (("--top-p", dict(type=float, default=None, metavar="P", help="keep per position the fewest ids (at most "
-                              "--top-k) whose teacher mass reaches P (encoding topp; docs/cache-format.md)")),
-             ("--min-k", dict(type=int, default=None, help="with --top-p: keep at least this many ids (default 1)")))
+    settings = TopPSettings
+    implied_by = "top_p"
+    needs = ("top_p", "needs_top_p")
+    foreign = "fixed_k"  # top_p / min_k given to an encoding that stores K ids at every position
 
     @classmethod
     def make(cls, vocab_size, top_k, seq_length, top_p=None, min_k=None):
         cls.check_fixed_k(cls.name, top_p)
         return cls(vocab_size, top_k, seq_length, top_p, 1 if min_k is None else min_k)
 
-    def settings_extra(self, samples=None, sample_seed=None) -> dict:
+    def settings_extra(self, options) -> dict:
         return {"top_p": self.top_p, "min_k": self.min_k}
 
     def __init__(self, vocab_size, top_k, seq_length, top_p, min_k=1):

@@ -57,3 +57,13 @@ def test_a_new_encoding_is_one_class_and_one_registration(monkeypatch, parsers):
     np.testing.assert_array_equal(back_logp, logp)
     for name, make in parsers.items():
         assert "fp32_again" in _build_flags(make())["--encoding"].choices, name
+
+
+def test_each_file_of_the_encoding_folder_is_one_registered_encoding():
+    """An encoding is a file in cache/encoding/ and its line in REGISTERED: a file left out of the tuple would be
+    offered nowhere, a line without its file fails at import."""
+    import pathlib
+    files = {p.stem for p in pathlib.Path(enc.__file__).parent.glob("*.py")} - {"__init__", "base"}
+    assert files == set(enc.REGISTERED)
+    assert enc.ENCODINGS == tuple(enc.REGISTRY) == tuple(
+        __import__(f"megatron_kd.cache.encoding.{m}", fromlist=["ENCODING"]).ENCODING.name for m in enc.REGISTERED)

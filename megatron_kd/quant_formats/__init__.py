@@ -17,6 +17,7 @@ REGISTERED = (
     "none",
     "fp8",
     "int8",
+    "int8_wo",
     "int4_awq",
     "w4a8_awq",
     "nvfp4",

@@ -10,17 +10,23 @@ checkpoint's dtype (train.precision; --dtype to change it) and the source's toke
 non-empty --out is kept unless --overwrite. Needs Megatron-Bridge (the NeMo container, or Python 3.12 with
 megatron-bridge 0.6.2).
 
-A student trained quantized (quant.format) is written as a compressed-tensors checkpoint (fp8, int8, int4_awq,
-w4a16_awq: low-precision weights, their scales, static input scales), which transformers loads with the
-compressed-tensors package and runs with the trained student's weight and activation quantization (docs/hf.md);
+A student trained quantized (quant.format) is written as a compressed-tensors checkpoint where its format has one
+(--quantized lists them: low-precision weights, their scales, static input scales), which transformers loads with
+the compressed-tensors package and runs with the trained student's weight and activation quantization (docs/hf.md);
 --quantized folded writes the plain checkpoint of its weights on the quantization grid instead (the only export
-of w4a8_awq, nvfp4 and MoE students).
+of the other formats and of MoE students).
 """
 import argparse
 import sys
 
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 QUANTIZED = ("auto", "compressed-tensors", "folded")  # export/to_hf.QUANTIZED (not imported: --help loads no torch)
+
+
+def _compressed_formats() -> str:
+    """The quant.formats whose record (quant_formats/) names a compressed-tensors scheme."""
+    from ..quant_formats import FORMATS
+    return ", ".join(n for n, f in FORMATS.items() if f.export is not None)
 
 
 def build_parser():
@@ -37,7 +43,7 @@ def build_parser():
                    help="a student trained quantized (quant.format): compressed-tensors (a quantized checkpoint: "
                         "its low-precision weights, scales and input scales), folded (a plain checkpoint of its "
                         "weights on the quantization grid, without the activation quantization), auto (default): "
-                        "compressed-tensors where the student has that form (fp8, int8, int4_awq, w4a16_awq; "
+                        f"compressed-tensors where the student has that form ({_compressed_formats()}; "
                         "no MoE), folded otherwise")
     p.add_argument("--attention-backend", choices=("te", "sdpa", "local"), default=None,
                    help="the layer spec to build the student on (default: the one its checkpoint records; a "

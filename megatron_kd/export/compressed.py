@@ -7,7 +7,8 @@ quantizer for (5.17; 5.25, the newest, neither); it skips the quantization and r
 weights without their scales, or fails on packed int4 shapes. compressed-tensors stores the same things (low-precision weights, their scales, the
 static input scales) under a method transformers runs, on a CPU too: each quantized Linear dequantizes its weight
 and fake-quantizes its input with the stored input scale in forward, which is what the trained student's quantizers
-do. So the export holds exactly the trained student's quantized values, read off its ModelOpt quantizers:
+do. So the export holds exactly the trained student's quantized values, read off its ModelOpt quantizers, in the
+scheme its format's record (quant_formats/) names; for example:
 
 - fp8: FP8 (E4M3) weights with a per-tensor scale and a static per-tensor FP8 input scale (amax / 448 each);
 - int8: INT8 weights with per-channel scales and a static per-tensor INT8 input scale (amax / 127);
@@ -114,7 +115,8 @@ def _weight_codes(m, fmt: str, name: str):
 
 
 def _input_step(m, fmt: str, name: str):
-    """The static input scale (fp8, int8), or None (weight-only formats, whose input quantizer must be off)."""
+    """The static input scale (fp8, int8), or None (weight-only formats: int8_wo, int4_awq; their input quantizer
+    must be off)."""
     iq = getattr(m, "input_quantizer", None)
     on = iq is not None and _is_tq(iq) and iq.is_enabled
     if SCHEMES[fmt]["input_activations"] is None:

@@ -217,7 +217,8 @@ def _dry_run(args, options) -> int:
     _check_vocab(args, dataset, options.top_k, vocab_size)
     settings = cache_settings(vocab_size, dataset, encoding=options, temperature=args.temperature,
                               num_samples=args.num_samples, samples_per_shard=args.samples_per_shard,
-                              micro_batch_size=args.micro_batch_size, dataset_id=dataset_id or "not hashed by --dry-run")
+                              micro_batch_size=args.micro_batch_size,
+                              dataset_id=dataset_id or "not hashed by --dry-run")
     est = estimate_bytes(settings)
     what = {"topp": f", top-P {settings.get('top_p')}", "sampled": f", {settings.get('samples')} draws"}
     print(f"cache build --dry-run: {settings['num_samples']} samples x {settings['seq_length']} positions = "

@@ -1,5 +1,5 @@
-"""fp16 (the default): ids bit-packed in ceil(log2 V) bits each, in rank order; log-probs as float16. Empty slots (id -1)
-are stored as id 0 with log-prob -inf; finite log-probs are clamped to fp16's range."""
+"""fp16 (the default): ids bit-packed in ceil(log2 V) bits each, in rank order; log-probs as float16. Empty slots
+(id -1) are stored as id 0 with log-prob -inf; finite log-probs are clamped to fp16's range."""
 import numpy as np
 
 from ..bits import pack_uint, packed_bytes, unpack_uint

@@ -23,6 +23,7 @@ import json, sys, time, tempfile, os
 import numpy as np, torch
 torch.set_num_threads(1)
 from megatron_kd.teacher.protocol import CallableTeacher
+from megatron_kd.cache.encoding import EncodingOptions
 from megatron_kd.teacher.build import build_cache
 V, H, S, N, K = {V}, {H}, {S}, {N}, {K}
 g = torch.Generator().manual_seed(0)
@@ -32,8 +33,8 @@ teacher = CallableTeacher(lambda t: (torch.tanh(emb[t]), out), V, name="bench",
 data = torch.from_numpy(np.random.default_rng(0).integers(0, V, size=(N, S + 1)))
 d = tempfile.mkdtemp(prefix="cache_speed_")
 t0, c0 = time.perf_counter(), time.process_time()
-build_cache(teacher, data, os.path.join(d, "c"), top_k=K, samples_per_shard={SPS}, micro_batch_size={MBS},
-            progress=False, dataset_id="bench")
+build_cache(teacher, data, os.path.join(d, "c"), encoding=EncodingOptions(top_k=K), samples_per_shard={SPS},
+            micro_batch_size={MBS}, progress=False, dataset_id="bench")
 print(json.dumps({{"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0}}))
 """
 

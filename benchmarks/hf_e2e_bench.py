@@ -80,6 +80,7 @@ def recipe(overrides, save):
 def cache_arm(ov, cache) -> dict:
     """Teacher load and cache build, timed apart (the build's tokens/s is the teacher's forward + top-K)."""
     from megatron.core import parallel_state as ps
+    from megatron_kd.cache.encoding import EncodingOptions
     from megatron_kd.teacher.build import build_cache
     from megatron_kd.data.datasets import samples_needed
     from megatron_kd.teacher.factories import recipe_dataset, recipe_teacher
@@ -96,8 +97,8 @@ def cache_arm(ov, cache) -> dict:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t1 = time.perf_counter()
-    build_cache(teacher, ds, cache, top_k=r.kd.top_k, num_samples=n, micro_batch_size=1, progress=False,
-                tokenizer_id="", dataset_id="bench", tp_group=ps.get_tensor_model_parallel_group())
+    build_cache(teacher, ds, cache, encoding=EncodingOptions(top_k=r.kd.top_k), num_samples=n, micro_batch_size=1,
+                progress=False, tokenizer_id="", dataset_id="bench", tp_group=ps.get_tensor_model_parallel_group())
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     build_s = time.perf_counter() - t1

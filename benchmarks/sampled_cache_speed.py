@@ -34,6 +34,7 @@ def run(a) -> dict:
     from megatron_kd.parallel.topk import topk_from_hidden
     from megatron_kd.recipe.compose import compose
     from megatron_kd.recipe.schema import to_recipe
+    from megatron_kd.cache.encoding import EncodingOptions
     from megatron_kd.teacher.build import build_cache
     from megatron_kd.teacher.megatron import start_cache_teacher
 
@@ -71,7 +72,7 @@ def run(a) -> dict:
     def build(path, n, mbs=a.micro_batch_size, chunk=None, **kw):
         return build_cache(teacher, data, os.path.join(work, path), num_samples=n, samples_per_shard=max(1, n // 2),
                            progress=False, dataset_id="bench", teacher_id=ident, micro_batch_size=mbs,
-                           chunk_size=chunk, **kw)
+                           chunk_size=chunk, encoding=EncodingOptions.of(**kw))
 
     kinds = [("fp16", {"top_k": k, "encoding": "fp16"}), ("compact", {"top_k": k, "encoding": "compact"})]
     kinds += [(f"sampled{n}", {"samples": n}) for n in draws]

@@ -88,6 +88,7 @@ def child(a) -> dict:
     import numpy as np
     import torch
     from teacher_pass import measure_floor
+    from megatron_kd.cache.encoding import EncodingOptions
     from megatron_kd.teacher.build import build_cache
 
     cuda = torch.cuda.is_available()
@@ -124,7 +125,7 @@ def child(a) -> dict:
         torch.cuda.empty_cache()
 
     def build(path, n):
-        return build_cache(teacher, data, os.path.join(a.work, path), top_k=a.top_k, encoding="fp16",
+        return build_cache(teacher, data, os.path.join(a.work, path), encoding=EncodingOptions("fp16", a.top_k),
                            num_samples=n, progress=False, samples_per_shard=max(1, n // 2))
 
     build(f"warm_{tag(a.arm)}", 1)

@@ -54,6 +54,7 @@ def child(a) -> dict:
     from megatron_kd.recipe.compose import compose
     from megatron_kd.recipe.schema import to_recipe
     from megatron_kd.teacher import build as build_mod
+    from megatron_kd.cache.encoding import EncodingOptions
     from megatron_kd.teacher.build import build_cache
     from megatron_kd.teacher.megatron import start_cache_teacher
     from megatron_kd.parallel.topk import topk_from_hidden
@@ -92,7 +93,7 @@ def child(a) -> dict:
     work = tempfile.mkdtemp(prefix="teacher_pass_")
 
     def build(path, n, enc):
-        return build_cache(teacher, data, os.path.join(work, path), top_k=k, encoding=enc, num_samples=n,
+        return build_cache(teacher, data, os.path.join(work, path), encoding=EncodingOptions(enc, k), num_samples=n,
                            samples_per_shard=max(1, a.samples // 2), progress=False, dataset_id="bench",
                            teacher_id=ident, micro_batch_size=a.micro_batch_size, chunk_size=a.chunk_size)
 

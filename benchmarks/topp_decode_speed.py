@@ -25,7 +25,7 @@ TOP_PS = (0.9, 0.99, 0.999, 0.9999)
 
 def baseline_encoding_module(tree: str):
     """The encoding module of another checkout, loaded beside this tree's under another package name (its
-    encoding.py imports only its own bits.py and topp.py), so both are timed in one process, interleaved."""
+    encoding module imports only its own bits.py and topp.py), so both are timed in one process, interleaved."""
     import importlib
     import shutil
     import tempfile
@@ -33,8 +33,10 @@ def baseline_encoding_module(tree: str):
     pkg = os.path.join(tempfile.mkdtemp(), "kd_baseline_cache")
     os.makedirs(pkg)
     open(os.path.join(pkg, "__init__.py"), "w").close()
-    for name in ("bits.py", "encoding.py", "topp.py"):
-        if os.path.exists(os.path.join(src, name)):
+    for name in ("bits.py", "encoding.py", "topp.py", "encoding"):  # encoding: a folder, one file per encoding
+        if os.path.isdir(os.path.join(src, name)):
+            shutil.copytree(os.path.join(src, name), os.path.join(pkg, name))
+        elif os.path.exists(os.path.join(src, name)):
             shutil.copy(os.path.join(src, name), pkg)
     sys.path.insert(0, os.path.dirname(pkg))
     return importlib.import_module("kd_baseline_cache.encoding")

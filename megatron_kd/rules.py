@@ -43,36 +43,9 @@ def top_k_fits(k, vocab_size=None) -> bool:
     return 1 <= int(k) and (vocab_size is None or int(k) <= int(vocab_size))
 
 
-# Cache encodings: "topp" stores per position the fewest ids holding a mass P (it needs P; min_k bounds the count
-# below); "sampled" stores per position the distinct ids of N draws from the whole distribution and their counts
-# (it needs N, samples; sample_seed seeds the draws); every other encoding stores K ids at each position (none of
-# P, min_k, N or a seed means anything to it).
-VARIABLE_ENCODING = "topp"
-SAMPLED_ENCODING = "sampled"
+# The encoding a cache build uses when none is asked for and no setting implies one (cache/encoding/ holds the
+# encodings and their own rules).
 DEFAULT_ENCODING = "fp16"
-
-
-def cache_encoding(encoding, top_p, samples=None) -> str:
-    """The encoding a cache build uses: the one asked for, else topp when a mass P is given, sampled when a number
-    of draws is, else fp16."""
-    return encoding or (VARIABLE_ENCODING if top_p is not None else SAMPLED_ENCODING if samples is not None
-                        else DEFAULT_ENCODING)
-
-
-def encoding_problem(encoding, top_p, min_k, samples=None, sample_seed=None) -> str | None:
-    """None when (encoding, top_p, min_k, samples, sample_seed) agree; else "needs_top_p" (topp without P),
-    "fixed_k" (P or min_k given to an encoding other than topp), "needs_samples" (sampled without N) or
-    "not_sampled" (N or a seed given to an encoding other than sampled). The caller names its own keys."""
-    # a value given to the wrong encoding first: its fix is to drop it (or the encoding), not to add another
-    if encoding != VARIABLE_ENCODING and (top_p is not None or min_k is not None):
-        return "fixed_k"
-    if encoding != SAMPLED_ENCODING and (samples is not None or sample_seed is not None):
-        return "not_sampled"
-    if encoding == VARIABLE_ENCODING and top_p is None:
-        return "needs_top_p"
-    if encoding == SAMPLED_ENCODING and samples is None:
-        return "needs_samples"
-    return None
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int = 1) -> int:

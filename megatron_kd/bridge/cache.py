@@ -19,7 +19,7 @@ import argparse
 import json
 import sys
 
-from ..rules import DEFAULT_TOP_K, cache_encoding
+from ..rules import DEFAULT_TOP_K
 from .run import add_config_args, load_config
 
 SETUP_FIELDS = ("tokenizer", "token_dtype_code")
@@ -59,6 +59,7 @@ def bridge_train_samples(cfg):
 
 def build(a) -> dict:
     import torch
+    from ..cache.encoding import EncodingOptions
     from ..runtime.dist import init_process_group
     from ..teacher.build import build_cache
     from ..teacher.spec import make_teacher
@@ -80,12 +81,11 @@ def build(a) -> dict:
         # tokenizer's ids are no token, so they are neither a KD target nor part of the teacher's softmax
         teacher.vocab_size = vocab
     tok_id = str(getattr(cfg.tokenizer, "tokenizer_model", None) or getattr(cfg.tokenizer, "tokenizer_type", ""))
-    encoding = cache_encoding(a.encoding, a.top_p, a.samples)
-    if a.samples is not None:  # a sampled cache holds the ids of its draws: build_cache refuses another top_k
-        top_k = None if a.top_k is None else top_k
-    return build_cache(teacher, train, out, top_k=top_k, encoding=encoding, top_p=a.top_p, min_k=a.min_k,
-                       samples=a.samples, sample_seed=a.sample_seed,
-                       temperature=kd.capture_temperature,
+    options = EncodingOptions.from_args(a, top_k)
+    options = options.replace(encoding=options.name)
+    if options.forced_top_k() is not None:  # a sampled cache holds the ids of its draws: build_cache refuses another
+        options = options.replace(top_k=None if a.top_k is None else top_k)
+    return build_cache(teacher, train, out, encoding=options, temperature=kd.capture_temperature,
                        num_samples=len(train), micro_batch_size=a.micro_batch_size, chunk_size=kd.chunk_size,
                        tokenizer_id=tok_id, dataset_id=str(getattr(train, "unique_description_hash", "")),
                        overwrite=a.overwrite, progress=not a.no_progress)
@@ -102,7 +102,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--teacher-args", default="{}", help='JSON keyword arguments, e.g. \'{"dtype": "bfloat16"}\'')
     b.add_argument("--out", default=None, help="cache directory (default: kd.cache)")
     b.add_argument("--top-k", type=int, default=None, help=f"default: kd.top_k, else {DEFAULT_TOP_K}")
-    add_flags(b)  # --encoding and each encoding's own (cache/encoding.py)
+    add_flags(b)  # --encoding and each encoding's own (cache/encoding/)
     b.add_argument("--micro-batch-size", type=int, default=1)
     b.add_argument("--overwrite", action="store_true", help="delete a cache built with different settings")
     b.add_argument("--no-progress", action="store_true")

@@ -14,8 +14,8 @@ import os
 
 import numpy as np
 
-from ..rules import encoding_problem, temperature_problem
-from .encoding import ENCODINGS, forced_top_k, get_encoding
+from ..rules import temperature_problem
+from .encoding import ENCODINGS, setting_keys
 from .errors import CacheError
 from .hashing import config_hash
 
@@ -34,9 +34,9 @@ DEFAULT_SHARD_BYTES = 256 << 20
 SETTINGS_KEYS = ("format", "format_version", "encoding", "top_k", "vocab_size", "temperature", "seq_length",
                  "num_samples", "samples_per_shard", "sample_bytes", "bytes_per_token", "teacher", "tokenizer",
                  "dataset", "token_hash", "alignment")
-# Keys only some encodings have (topp: top_p, min_k; sampled: samples, sample_seed); absent from the settings (and their hash) of the others, so
-# the caches built before them keep their bytes and hashes.
-OPTIONAL_KEYS = ("top_p", "min_k", "samples", "sample_seed")
+# Keys only some encodings have (each encoding's own settings: topp's top_p, min_k; sampled's samples, sample_seed);
+# absent from the settings (and their hash) of the others, so the caches built before them keep their bytes and hashes.
+OPTIONAL_KEYS = setting_keys()
 OFFSETS_DTYPE = np.dtype("<u8")
 
 
@@ -71,28 +71,29 @@ def sidecar_name(j: int) -> str:
     return os.path.join(SHARD_DIR, f"{j:06d}.json")
 
 
-def make_settings(*, encoding, top_k, vocab_size, temperature, seq_length, num_samples, teacher, tokenizer="",
-                  dataset="", samples_per_shard=None, top_p=None, min_k=None, samples=None, sample_seed=None) -> dict:
-    if encoding not in ENCODINGS:
-        raise CacheError(f"unknown encoding {encoding!r}; use one of {', '.join(ENCODINGS)}")
-    problem = encoding_problem(encoding, top_p, min_k, samples, sample_seed)
+def make_settings(*, encoding, vocab_size, temperature, seq_length, num_samples, teacher, tokenizer="",
+                  dataset="", samples_per_shard=None) -> dict:
+    """The settings of a cache: `encoding` the EncodingOptions it is built with (its name and K resolved)."""
+    name, top_k = encoding.name, encoding.top_k
+    if name not in ENCODINGS:
+        raise CacheError(f"unknown encoding {name!r}; use one of {', '.join(ENCODINGS)}")
+    problem = encoding.problem()
     if problem == "needs_samples":
         raise CacheError("encoding 'sampled' stores N draws per position: give samples (--samples, e.g. 16)")
     if problem == "not_sampled":
         raise CacheError(f"samples / sample_seed draw ids from the teacher's distribution, which the encoding "
-                         f"{encoding!r} does not store: use encoding 'sampled' (--encoding sampled), or drop them")
-    if forced_top_k(encoding, samples) not in (None, top_k):
-        raise CacheError(f"a sampled cache holds at most samples={samples} ids per position; top_k={top_k} "
-                         "cannot differ (drop --top-k)")
-    if sample_seed is not None and (isinstance(sample_seed, bool) or not isinstance(sample_seed, int)
-                                    or not 0 <= sample_seed < 2 ** 63):
-        raise CacheError(f"sample_seed={sample_seed!r} must be an integer in [0, 2**63)")
+                         f"{name!r} does not store: use encoding 'sampled' (--encoding sampled), or drop them")
+    if encoding.forced_top_k() not in (None, top_k):
+        raise CacheError(f"a sampled cache holds at most samples={encoding.get('samples')} ids per position; "
+                         f"top_k={top_k} cannot differ (drop --top-k)")
+    if encoding.settings_problem():
+        raise CacheError(encoding.settings_problem())
     if problem == "needs_top_p":
         raise CacheError("encoding 'topp' keeps the fewest ids holding a mass P per position: give top_p "
                          "(--top-p, e.g. 0.999)")
     if problem == "fixed_k":
         raise CacheError(f"top_p / min_k select a variable number of ids per position, which the encoding "
-                         f"{encoding!r} does not store: use encoding 'topp' (--encoding topp), or drop top_p / min_k")
+                         f"{name!r} does not store: use encoding 'topp' (--encoding topp), or drop top_p / min_k")
     problem = temperature_problem(temperature)
     if problem:
         raise CacheError(f"temperature={temperature!r}: the capture temperature {problem} "
@@ -100,16 +101,16 @@ def make_settings(*, encoding, top_k, vocab_size, temperature, seq_length, num_s
     if num_samples < 1:
         raise CacheError("the dataset has no samples; pass a non-empty dataset or --num-samples >= 1")
     try:
-        enc = get_encoding(encoding, vocab_size, top_k, seq_length, top_p, min_k)
+        enc = encoding.make(vocab_size, seq_length)
     except ValueError as e:
         raise CacheError(f"{e}") from None
     if samples_per_shard is None:
         samples_per_shard = max(1, min(num_samples, DEFAULT_SHARD_BYTES // enc.sample_bytes))
     if samples_per_shard < 1:
         raise CacheError(f"samples_per_shard must be >= 1, got {samples_per_shard}")
-    extra = enc.settings_extra(samples, sample_seed)
+    extra = enc.settings_extra(encoding)
     return {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "encoding": encoding, "top_k": int(top_k), **extra,
+        "format": FORMAT, "format_version": FORMAT_VERSION, "encoding": name, "top_k": int(top_k), **extra,
         "vocab_size": int(vocab_size), "temperature": float(temperature), "seq_length": int(seq_length),
         "num_samples": int(num_samples), "samples_per_shard": int(samples_per_shard),
         "sample_bytes": enc.sample_bytes, "bytes_per_token": enc.bytes_per_token,

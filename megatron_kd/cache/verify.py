@@ -130,7 +130,7 @@ def top_p_preview(reader, samples, top_ps, min_k: int = 1) -> dict:
     mean entropy of the top-K entries in nats, mean top-K mass) and, per P, the mean and quantiles of the kept
     count, the dropped mass and the bytes/token of a topp cache (exact sizes, the shard offset table included).
     Read from this cache's entries, so a top-P cache previews only P at or above its own."""
-    from .encoding import TopPEncoding
+    from .encoding.topp import TopPEncoding
     from .format import OFFSETS_DTYPE
     from .topp import canonical_order, top_p_counts
     rows = [reader.read(int(i)) for i in samples]

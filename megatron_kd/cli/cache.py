@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-from ..rules import DEFAULT_TOP_K, cache_encoding, encoding_problem
+from ..rules import DEFAULT_TOP_K
 
 
 def _factory(spec: str):
@@ -140,14 +140,15 @@ def _build(args) -> int:
     import torch
     from ..runtime.dist import init_process_group
     from ..teacher.build import build_cache
-    encoding, top_p, min_k = _encoding_args(args)
-    top_k = _top_k_arg(args, encoding)
+    options = _encoding_args(args)
+    top_k = _top_k_arg(args, options)
+    options = options.replace(top_k=top_k)
     _check_counts(args, top_k)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise SystemExit(f"error: --out {args.out} is a file, not a cache directory; give a directory (made when "
                          "missing)")
     if args.dry_run:
-        return _dry_run(args, encoding, top_p, min_k, top_k)
+        return _dry_run(args, options)
     if args.vocab_size is not None:
         raise SystemExit("error: --vocab-size only sizes a --dry-run (a build takes the teacher's own vocabulary): "
                          "add --dry-run, or drop --vocab-size")
@@ -156,9 +157,8 @@ def _build(args) -> int:
     dataset, dataset_id = _dataset(args)
     teacher = _teacher(args)
     _check_vocab(args, dataset, top_k, teacher.vocab_size)
-    m = build_cache(teacher, dataset, args.out, top_k=top_k, encoding=encoding, top_p=top_p, min_k=min_k,
-                    samples=args.samples, sample_seed=args.sample_seed,
-                    temperature=args.temperature, num_samples=args.num_samples,
+    m = build_cache(teacher, dataset, args.out, encoding=options, temperature=args.temperature,
+                    num_samples=args.num_samples,
                     samples_per_shard=args.samples_per_shard, micro_batch_size=args.micro_batch_size,
                     chunk_size=args.chunk_size, teacher_id=args.teacher_id, tokenizer_id=args.tokenizer_id,
                     dataset_id=dataset_id, overwrite=args.overwrite, progress=not args.no_progress)
@@ -191,7 +191,7 @@ def _existing_dir(path: str) -> str:
     return path
 
 
-def _dry_run(args, encoding, top_p, min_k, top_k) -> int:
+def _dry_run(args, options) -> int:
     """The settings the build would write and the disk they take, after the build's checks of its arguments, the
     samples and the recipe's teacher; the teacher is not built or run."""
     from ..cache.space import estimate_bytes
@@ -214,11 +214,10 @@ def _dry_run(args, encoding, top_p, min_k, top_k) -> int:
         raise SystemExit(f"error: --vocab-size {args.vocab_size} must be >= 1")
     else:
         vocab_size = args.vocab_size
-    _check_vocab(args, dataset, top_k, vocab_size)
-    settings = cache_settings(vocab_size, dataset, top_k=top_k, encoding=encoding, temperature=args.temperature,
+    _check_vocab(args, dataset, options.top_k, vocab_size)
+    settings = cache_settings(vocab_size, dataset, encoding=options, temperature=args.temperature,
                               num_samples=args.num_samples, samples_per_shard=args.samples_per_shard,
-                              micro_batch_size=args.micro_batch_size, top_p=top_p, min_k=min_k,
-                              samples=args.samples, sample_seed=args.sample_seed,
+                              micro_batch_size=args.micro_batch_size,
                               dataset_id=dataset_id or "not hashed by --dry-run")
     est = estimate_bytes(settings)
     what = {"topp": f", top-P {settings.get('top_p')}", "sampled": f", {settings.get('samples')} draws"}
@@ -239,10 +238,12 @@ def _dry_run(args, encoding, top_p, min_k, top_k) -> int:
 
 
 def _encoding_args(args):
-    """(encoding, top_p, min_k) from --encoding / --top-p / --min-k / --samples: --top-p alone means the topp
-    encoding, --samples alone the sampled one."""
-    encoding = cache_encoding(args.encoding, args.top_p, args.samples)
-    problem = encoding_problem(encoding, args.top_p, args.min_k, args.samples, args.sample_seed)
+    """The EncodingOptions of --encoding and the encodings' own flags (--top-p, --min-k, --samples, --sample-seed),
+    its encoding named: --top-p alone means the topp encoding, --samples alone the sampled one."""
+    from ..cache.encoding import EncodingOptions
+    options = EncodingOptions.from_args(args)
+    encoding = options.name
+    problem = options.problem()
     if problem == "needs_samples":
         raise SystemExit("error: --encoding sampled stores N draws per position: add --samples N (e.g. 16)")
     if problem == "not_sampled":
@@ -253,13 +254,12 @@ def _encoding_args(args):
     if problem == "fixed_k":
         raise SystemExit(f"error: --top-p / --min-k need --encoding topp (the {encoding} encoding stores K ids at "
                          "every position); drop --encoding, or drop --top-p / --min-k")
-    return encoding, args.top_p, args.min_k
+    return options.replace(encoding=encoding)
 
 
-def _top_k_arg(args, encoding):
+def _top_k_arg(args, options):
     """--top-k (default DEFAULT_TOP_K); a sampled cache holds at most --samples ids per position, so it takes no --top-k."""
-    from ..cache.encoding import forced_top_k
-    if forced_top_k(encoding, args.samples) is not None:
+    if options.forced_top_k() is not None:
         if args.top_k is not None:
             raise SystemExit("error: --top-k does not apply to --samples (a sampled cache holds the distinct ids of N "
                              "draws per position, at most N): drop --top-k")
@@ -385,7 +385,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--dataset", help="module:function returning a token dataset (len and [i])")
     b.add_argument("--dataset-args", default="{}", help="JSON keyword arguments for the dataset factory")
     b.add_argument("--top-k", type=int, default=None, help=f"default {DEFAULT_TOP_K}")
-    add_flags(b)  # --encoding and each encoding's own (cache/encoding.py)
+    add_flags(b)  # --encoding and each encoding's own (cache/encoding/)
     b.add_argument("--temperature", type=float, default=1.0, help="capture temperature: softmax(logits / T)")
     b.add_argument("--num-samples", type=int, help="first N samples of the dataset (default: all)")
     b.add_argument("--samples-per-shard", type=int, help="default: about 256 MiB per shard")

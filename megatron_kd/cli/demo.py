@@ -63,6 +63,14 @@ class Settings:
 SMALL = dict(seq_length=64, teacher_iters=250, student_iters=60, eval_samples=32, eval_interval=20)
 
 
+def _formats() -> str:
+    """The quantization formats --quantize takes here, from the registry: the CPU ones, then those on a GPU."""
+    from ..quant_formats import FORMATS
+    cpu = [n for n, f in FORMATS.items() if n != "none" and not f.cuda_only]
+    gpu = [n for n, f in FORMATS.items() if f.cuda_only]
+    return ", ".join(cpu) + (f"; {', '.join(gpu)} on a GPU" if gpu else "")
+
+
 def build_parser():
     d = Settings()
     p = argparse.ArgumentParser(prog="megatron-kd demo", description=__doc__.split("\n")[0],
@@ -92,8 +100,8 @@ def build_parser():
                    help=f"--recover: their peak learning rate (default {RECOVER_LR:g}; with --quantize "
                         f"{QUANT_LR:g})")
     p.add_argument("--quantize", default=None, metavar="FORMAT",
-                   help="--recover from the teacher fake-quantized as FORMAT by NVIDIA ModelOpt (quant.format: fp8, "
-                        "int8, int4_awq, w4a16_awq, w4a8_awq; nvfp4 on a GPU) instead of pruned: PTQ, then QAT "
+                   help="--recover from the teacher fake-quantized as FORMAT by NVIDIA ModelOpt (quant.format: "
+                        f"{_formats()}) instead of pruned: PTQ, then QAT "
                         "(CE only), QAD offline (the demo's cache) and online; recover_FORMAT.md in --out")
     p.add_argument("--calib-samples", type=int, default=64, metavar="N",
                    help="--quantize: training samples the quantizers are calibrated on (default 64)")

@@ -10,17 +10,23 @@ checkpoint's dtype (train.precision; --dtype to change it) and the source's toke
 non-empty --out is kept unless --overwrite. Needs Megatron-Bridge (the NeMo container, or Python 3.12 with
 megatron-bridge 0.6.2).
 
-A student trained quantized (quant.format) is written as a compressed-tensors checkpoint (fp8, int8, int4_awq,
-w4a16_awq: low-precision weights, their scales, static input scales), which transformers loads with the
-compressed-tensors package and runs with the trained student's weight and activation quantization (docs/hf.md);
+A student trained quantized (quant.format) is written as a compressed-tensors checkpoint where its format has one
+(--quantized lists them: low-precision weights, their scales, static input scales), which transformers loads with
+the compressed-tensors package and runs with the trained student's weight and activation quantization (docs/hf.md);
 --quantized folded writes the plain checkpoint of its weights on the quantization grid instead (the only export
-of w4a8_awq, nvfp4 and MoE students).
+of the other formats and of MoE students).
 """
 import argparse
 import sys
 
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 QUANTIZED = ("auto", "compressed-tensors", "folded")  # export/to_hf.QUANTIZED (not imported: --help loads no torch)
+
+
+def _compressed_formats() -> str:
+    """The quant.formats whose record (quant_formats/) names a compressed-tensors scheme."""
+    from ..quant_formats import FORMATS
+    return ", ".join(n for n, f in FORMATS.items() if f.export is not None)
 
 
 def build_parser():
@@ -37,12 +43,18 @@ def build_parser():
                    help="a student trained quantized (quant.format): compressed-tensors (a quantized checkpoint: "
                         "its low-precision weights, scales and input scales), folded (a plain checkpoint of its "
                         "weights on the quantization grid, without the activation quantization), auto (default): "
-                        "compressed-tensors where the student has that form (fp8, int8, int4_awq, w4a16_awq; "
+                        f"compressed-tensors where the student has that form ({_compressed_formats()}; "
                         "no MoE), folded otherwise")
     p.add_argument("--attention-backend", choices=("te", "sdpa", "local"), default=None,
                    help="the layer spec to build the student on (default: the one its checkpoint records; a "
                         "checkpoint of an older run records none, and the run's model.attention_backend applies)")
     return p
+
+
+def _static_inputs(fmt: str) -> bool:
+    """Whether the compressed-tensors export of quant.format `fmt` holds static input scales (its record says)."""
+    from ..quant_formats import get
+    return get(fmt).export["input_activations"] is not None
 
 
 def main(argv=None) -> int:
@@ -64,7 +76,7 @@ def main(argv=None) -> int:
     if q and q["export"] == "compressed-tensors":
         print(f"quantized as {q['format']}: a compressed-tensors checkpoint ({q['compressed_tensors_format']}: "
               f"{q['quantized_linears']} quantized Linear layers with their scales"
-              + (" and static input scales" if q["format"] in ("fp8", "int8") else "") + "); transformers loads it "
+              + (" and static input scales" if _static_inputs(q["format"]) else "") + "); transformers loads it "
               "with the compressed-tensors package installed and gives the trained fake-quantized student's logits")
         for name, why in q["unquantized"].items():
             print(f"  {name}: written unquantized (its fake-quantized weight): {why}")

@@ -7,7 +7,8 @@ quantizer for (5.17; 5.25, the newest, neither); it skips the quantization and r
 weights without their scales, or fails on packed int4 shapes. compressed-tensors stores the same things (low-precision weights, their scales, the
 static input scales) under a method transformers runs, on a CPU too: each quantized Linear dequantizes its weight
 and fake-quantizes its input with the stored input scale in forward, which is what the trained student's quantizers
-do. So the export holds exactly the trained student's quantized values, read off its ModelOpt quantizers:
+do. So the export holds exactly the trained student's quantized values, read off its ModelOpt quantizers, in the
+scheme its format's record (quant_formats/) names; for example:
 
 - fp8: FP8 (E4M3) weights with a per-tensor scale and a static per-tensor FP8 input scale (amax / 448 each);
 - int8: INT8 weights with per-channel scales and a static per-tensor INT8 input scale (amax / 127);
@@ -34,7 +35,7 @@ from .. import quant_formats
 
 GROUP = quant_formats.AWQ_BLOCK
 # quant.format -> the compressed-tensors scheme that holds it exactly (storage format, weights, input activations)
-# and ModelOpt's num_bits of its weight quantizer (checked in _weight_codes): quant_formats.py's records
+# and ModelOpt's num_bits of its weight quantizer (checked in _weight_codes): quant_formats/' records
 SCHEMES = {n: f.export for n, f in quant_formats.FORMATS.items() if f.export is not None}
 _BITS = {n: quant_formats.get(n).weight_bits for n in SCHEMES}
 _RANGE = {8: (-128, 127), 4: (-8, 7)}
@@ -89,9 +90,10 @@ def _weight_codes(m, fmt: str, name: str):
             or wq.unsigned or getattr(wq, "_pre_quant_scale", None) is not None or w.dim() != 2:
         raise _unsupported(name, f"its weight quantizer is not {fmt}'s as ModelOpt's config sets it")
     out, cols = w.shape
-    if fmt == "fp8":
+    scheme = SCHEMES[fmt]["weights"]  # the record's: one step per tensor, per output channel or per group
+    if scheme["strategy"] == "tensor":
         step = _step(wq, lambda a: a.numel() == 1, name).reshape(1, 1)
-    elif fmt == "int8":
+    elif scheme["strategy"] == "channel":
         step = _step(wq, lambda a: a.numel() == out and wq.axis in (0, (0,)), name).reshape(out, 1)
     else:
         if wq.block_sizes is None or wq.block_sizes.get(-1) != GROUP or cols % GROUP:
@@ -100,7 +102,7 @@ def _weight_codes(m, fmt: str, name: str):
     with torch.no_grad():  # in fp32: ModelOpt quantizes in fp32 and rounds the result to the weight's dtype
         fq = wq(w.detach().float()).float()
     full = expand(step, fq.shape)
-    if fmt == "fp8":
+    if scheme["type"] == "float":
         codes = (fq / full).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     else:
         lo, hi = _RANGE[wq.num_bits]
@@ -113,7 +115,8 @@ def _weight_codes(m, fmt: str, name: str):
 
 
 def _input_step(m, fmt: str, name: str):
-    """The static input scale (fp8, int8), or None (weight-only formats, whose input quantizer must be off)."""
+    """The static input scale (fp8, int8), or None (weight-only formats: int8_wo, int4_awq; their input quantizer
+    must be off)."""
     iq = getattr(m, "input_quantizer", None)
     on = iq is not None and _is_tq(iq) and iq.is_enabled
     if SCHEMES[fmt]["input_activations"] is None:

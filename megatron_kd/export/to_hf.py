@@ -26,7 +26,7 @@ def export(checkpoint: str, out: str, *, hf_path=None, dtype: str = "auto", devi
     Written beside `out`, then swapped in: a failed export leaves `out` (and everything else) as it was.
     quantized (a student trained with quant.format): compressed-tensors (a quantized checkpoint, export/
     compressed.py), folded (a plain checkpoint of its weights on the quantization grid), or auto: the first where
-    the student has that form (fp8, int8, int4_awq, w4a16_awq; no MoE), else the second. The student is built on
+    the student has that form (its format's record names a compressed-tensors scheme; no MoE), else the second. The student is built on
     the layer spec its checkpoint records (checkpoint/spec.py; the run's attention_backend=auto would pick one by
     what imports here); attention_backend (te, sdpa, local) chooses it for a checkpoint that records none."""
     from ..checkpoint import spec as layer_spec
@@ -131,7 +131,7 @@ def _plain(r, single, states):
 def _fold_quantized(chunks, r, single, fmt):
     """--quantized folded: a student trained quantized (quant.format) written as the plain model of its quantized
     weights: each weight on its format's grid, AWQ's input scales folded in (models/quant.folded_state_dict),
-    which transformers loads as any checkpoint. The activation quantization of fp8, int8, w4a8_awq and nvfp4 is
+    which transformers loads as any checkpoint. The activation quantization of a format that has one is
     left out; weight-only formats give the trained fake-quantized student's logits. Returns the chunks to export
     and what was done (None for an unquantized student)."""
     if fmt is None:

@@ -21,7 +21,7 @@ FORMAT_KEY = "quant_format"    # ... and of the format (also kept on the quantiz
 
 
 def quant_config(fmt: str) -> dict:
-    """A copy of ModelOpt's config of quant.format `fmt` (quant_formats.py names it)."""
+    """A copy of ModelOpt's config of quant.format `fmt` (quant_formats/ names it)."""
     import modelopt.torch.quantization as mtq
     return copy.deepcopy(getattr(mtq, quant_formats.get(fmt).modelopt_config))
 

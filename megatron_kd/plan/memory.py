@@ -71,7 +71,7 @@ class Training:
     cache_buffers: int = 2             # top-K batches resident on the GPU (current + prefetched)
     swiglu_fusion: bool = False        # Megatron's bias_activation_fusion (torch.compile'd SwiGLU)
     fused_norm: bool = True            # CUDA's fused RMSNorm (False: torch's composite CPU path, for CPU checks)
-    quant: str = "none"                # quant.format (quant_formats.py): ModelOpt's quantizers on every linear but the
+    quant: str = "none"                # quant.format (quant_formats/): ModelOpt's quantizers on every linear but the
                                        # output layer
     spec: str = "sdpa"                 # the layers: sdpa (local spec, torch SDPA) | te (Transformer Engine's spec)
     fp8: str | None = None             # te: FP8 scaling recipe of TE's linears (model.fp8_recipe); None: bf16
@@ -520,7 +520,7 @@ def _linears(shape: ModelShape, lay: Layout, moe: bool) -> list:
 
 
 def quantizer_bytes(fmt: str, linears) -> int:
-    """fp32 buffers of ModelOpt's quantizers over `linears` ((in, out, count) each): what quant_formats.py says
+    """fp32 buffers of ModelOpt's quantizers over `linears` ((in, out, count) each): what quant_formats/ says
     format `fmt` keeps per linear layer (amax, AWQ scales)."""
     floats = quant_formats.get(fmt).buffer_floats
     return sum(4 * floats(i, o) * n for i, o, n in linears)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from .. import families
 from ..kernels import fused_unavailable
-from ..rules import encoding_problem, padded_vocab_size, same_temperature, top_k_fits
+from ..rules import padded_vocab_size, same_temperature, top_k_fits
 from ..runtime import features  # looked up at call time: the one place a test fakes TE or apex importing
 from ..runtime.te_compat import own_attention_cp_refusal, te_attention_refusal, te_attention_unverified
 from .fp8 import fp8_fields, fp8_keys
@@ -248,11 +248,11 @@ def _check_kd(r: Recipe) -> None:
 
 def _check_cache_encoding(kd) -> None:
     """kd.cache_encoding / cache_top_p / cache_min_k: what a cache build would be asked for."""
-    from ..cache.encoding import ENCODINGS
+    from ..cache.encoding import ENCODINGS, EncodingOptions
     from ..cache.topp import check_top_p
     _need(kd.cache_encoding in ENCODINGS, f"kd.cache_encoding={kd.cache_encoding!r}: use one of {ENCODINGS}")
-    mismatch = encoding_problem(kd.cache_encoding, kd.cache_top_p, kd.cache_min_k, kd.cache_samples,
-                                kd.cache_sample_seed)
+    options = EncodingOptions.from_recipe(kd)
+    mismatch = options.problem()
     _need(mismatch != "needs_top_p", "kd.cache_encoding=topp keeps per position the fewest ids holding a mass P: "
           "set kd.cache_top_p (e.g. 0.999)")
     _need(mismatch != "fixed_k", f"kd.cache_top_p / kd.cache_min_k need kd.cache_encoding=topp (kd.cache_encoding="
@@ -266,8 +266,7 @@ def _check_cache_encoding(kd) -> None:
         from ..parallel.sample import check_draws
         problem = check_draws(kd.cache_samples)
         _need(problem is None, f"kd.cache_{problem}" if problem else "")
-        from ..cache.encoding import forced_top_k
-        _need(kd.top_k in (None, forced_top_k(kd.cache_encoding, kd.cache_samples)), f"kd.top_k={kd.top_k}: a "
+        _need(kd.top_k in (None, options.forced_top_k()), f"kd.top_k={kd.top_k}: a "
               f"sampled cache holds the distinct ids of its kd.cache_samples={kd.cache_samples} draws, all of them "
               f"read: set kd.top_k=null or {kd.cache_samples}")
     if kd.cache_encoding == "topp":

@@ -191,7 +191,7 @@ class TrainConfig:
 class QuantConfig:
     """The student quantized with NVIDIA ModelOpt (fake quantization: the weights stay in train.precision, each
     linear layer's weights and inputs pass through quantizers) and then trained: QAT in kd=ce, QAD otherwise."""
-    # a name of megatron_kd/quant_formats.py: none | fp8 | int8 | int4_awq | w4a16_awq | w4a8_awq | nvfp4 (GPU).
+    # a format registered in megatron_kd/quant_formats/ (none: unquantized; a wrong name is refused listing them).
     # Free on resume: a student restored quantized keeps its quantizers, and the trainer refuses another format
     format: str = free("none")
     calib_samples: int = free(64)                # training samples the quantizers are calibrated on (amax, AWQ)

@@ -25,7 +25,7 @@ from ..parallel.comm import group_rank, group_size
 from ..parallel.sample import start_sample, start_sample_from_hidden
 from ..parallel.topk import start_topk, start_topk_from_hidden
 from ..cache.dataset import split_sample
-from ..cache.encoding import forced_top_k
+from ..cache.encoding import EncodingOptions
 from ..cache.errors import CacheError
 from ..cache.format import is_finished, make_settings
 from ..cache.hashing import token_hash
@@ -36,7 +36,7 @@ from ..data.datasets import build_datasets, dataset_id, load_tokenizer, samples_
 from ..recipe.checks import check_model, check_recipe, check_vocab
 from ..recipe.hf import resolve_hf
 from ..recipe.schema import Recipe, RecipeError
-from ..rules import DEFAULT_TOP_K, cache_encoding, out_of_room
+from ..rules import DEFAULT_TOP_K, out_of_room
 from ..runtime.dist import distributed, is_rank0, use_cuda
 from ..runtime.features import release_memory
 from .megatron import cache_teacher
@@ -215,25 +215,22 @@ def _teacher_identity(teacher, teacher_id):
     return dict(teacher_id)
 
 
-def build_cache(teacher, dataset, out_dir, *, top_k: int | None = None, encoding: str | None = None,
-                temperature: float = 1.0,
+def build_cache(teacher, dataset, out_dir, *, encoding: EncodingOptions | None = None, temperature: float = 1.0,
                 num_samples: int | None = None, samples_per_shard: int | None = None, micro_batch_size: int = 1,
                 chunk_size: int | None = None, teacher_id=None, tokenizer_id: str = "", dataset_id: str | None = None,
                 overwrite: bool = False, progress: bool = True, tp_group=None, dp_rank: int | None = None,
-                dp_size: int | None = None, top_p: float | None = None, min_k: int | None = None,
-                samples: int | None = None, sample_seed: int | None = None,
-                settings_fix: str | None = None) -> dict:
+                dp_size: int | None = None, settings_fix: str | None = None) -> dict:
     """Build (or finish) the cache in out_dir; returns the manifest. Call on every rank with the same arguments.
 
     teacher: a Teacher (megatron_kd.teacher.protocol: CallableTeacher, HFTeacher;
              megatron_kd.teacher.megatron: MegatronTeacher).
     dataset: len() + [i] -> Megatron GPT dict (tokens, labels, ...) or seq_length + 1 token ids.
     teacher_id: overrides teacher.identity() (a dict, or a string used as the name).
-    top_p, min_k: with encoding "topp", keep per position the fewest of the top_k ids whose mass reaches top_p
-    (at least min_k); the selection is applied to each sample's top-K by the encoding (cache/topp.py).
-    top_k: default DEFAULT_TOP_K. encoding: default "fp16", or "topp" / "sampled" when top_p / samples is given.
-    samples, sample_seed: encoding "sampled": per position, samples draws from the teacher's whole distribution at
-    the temperature (parallel/sample.py), stored as the distinct ids and their counts; top_k is then samples.
+    encoding: EncodingOptions (cache/encoding/): the encoding (default "fp16", or "topp" / "sampled" when top_p /
+    samples is given), top_k (default DEFAULT_TOP_K) and the encoding's own settings: with "topp", top_p and min_k
+    keep per position the fewest of the top_k ids whose mass reaches top_p (at least min_k; cache/topp.py); with
+    "sampled", samples draws per position from the teacher's whole distribution at the temperature
+    (parallel/sample.py), stored as the distinct ids and their counts (top_k is then samples), seeded by sample_seed.
     settings_fix: the fix named when out_dir holds a cache of other settings (default: `cache build`'s flags).
     """
     tp_group = tp_group if tp_group is not None else getattr(teacher, "tp_group", None)
@@ -241,13 +238,12 @@ def build_cache(teacher, dataset, out_dir, *, top_k: int | None = None, encoding
     dp_rank, dp_size = _data_parallel(tp_group, pp_group, dp_rank, dp_size)
     writes = group_rank(tp_group) == 0 and getattr(teacher, "is_last_stage", True)
     is_root = not _dist_on() or dist.get_rank() == 0
-    settings = cache_settings(teacher.vocab_size, dataset, top_k=top_k, encoding=encoding, temperature=temperature,
+    settings = cache_settings(teacher.vocab_size, dataset, encoding=encoding, temperature=temperature,
                               num_samples=num_samples, samples_per_shard=samples_per_shard,
-                              micro_batch_size=micro_batch_size, top_p=top_p, min_k=min_k, samples=samples,
-                              sample_seed=sample_seed, teacher=_teacher_identity(teacher, teacher_id),
+                              micro_batch_size=micro_batch_size, teacher=_teacher_identity(teacher, teacher_id),
                               tokenizer_id=tokenizer_id, dataset_id=dataset_id)
-    encoding, top_k, seq = settings["encoding"], settings["top_k"], settings["seq_length"]
-    draw_seed = settings.get("sample_seed") if encoding == "sampled" else None
+    top_k, seq = settings["top_k"], settings["seq_length"]
+    draw_seed = settings.get("sample_seed")  # only a sampled cache's settings hold one: it draws instead of the top-K
 
     writer = None
     try:
@@ -270,9 +266,8 @@ def build_cache(teacher, dataset, out_dir, *, top_k: int | None = None, encoding
     return load_manifest(writer.path)
 
 
-def cache_settings(vocab_size: int, dataset, *, top_k=None, encoding=None, temperature=1.0, num_samples=None,
-                   samples_per_shard=None, micro_batch_size=1, top_p=None, min_k=None, samples=None, sample_seed=None,
-                   teacher=None, tokenizer_id="", dataset_id=None) -> dict:
+def cache_settings(vocab_size: int, dataset, *, encoding=None, temperature=1.0, num_samples=None,
+                   samples_per_shard=None, micro_batch_size=1, teacher=None, tokenizer_id="", dataset_id=None) -> dict:
     """The settings (format.make_settings) of the cache build_cache writes for a teacher of vocab_size ids over
     dataset: every check of the arguments, nothing run. `cache build --dry-run` sizes the cache from these.
     dataset_id None: the dataset's own description hash, else a hash of its first num_samples samples' tokens."""
@@ -286,37 +281,36 @@ def cache_settings(vocab_size: int, dataset, *, top_k=None, encoding=None, tempe
         dataset_id = str(getattr(dataset, "unique_description_hash", "") or "")
     if not dataset_id:  # nothing names the data: name it by its content, so other data is never taken for it
         dataset_id = content_id(dataset, n)
-    return settings_for(vocab_size, seq, n, top_k=top_k, encoding=encoding, temperature=temperature,
-                        samples_per_shard=samples_per_shard, top_p=top_p, min_k=min_k, samples=samples,
-                        sample_seed=sample_seed, teacher=teacher, tokenizer_id=tokenizer_id, dataset_id=dataset_id)
+    return settings_for(vocab_size, seq, n, encoding=encoding, temperature=temperature,
+                        samples_per_shard=samples_per_shard, teacher=teacher, tokenizer_id=tokenizer_id,
+                        dataset_id=dataset_id)
 
 
-def settings_for(vocab_size: int, seq_length: int, num_samples: int, *, top_k=None, encoding=None, temperature=1.0,
-                 samples_per_shard=None, top_p=None, min_k=None, samples=None, sample_seed=None, teacher=None,
-                 tokenizer_id="", dataset_id="") -> dict:
-    """make_settings after build_cache's defaults: the encoding --top-p / --samples imply, K = the draws of a
-    sampled cache, else DEFAULT_TOP_K."""
-    encoding = cache_encoding(encoding, top_p, samples)
-    forced = forced_top_k(encoding, samples)
+def settings_for(vocab_size: int, seq_length: int, num_samples: int, *, encoding=None, temperature=1.0,
+                 samples_per_shard=None, teacher=None, tokenizer_id="", dataset_id="") -> dict:
+    """make_settings after build_cache's defaults: the encoding a given setting implies (--top-p, --samples), K as
+    the encoding decides it (a sampled cache's draws), else DEFAULT_TOP_K. encoding: EncodingOptions (None: all
+    defaults)."""
+    options = encoding or EncodingOptions()
+    top_k, forced = options.top_k, options.forced_top_k()
     if forced is not None:
         if top_k is not None and top_k != forced:
-            raise CacheError(f"a sampled cache holds at most samples={samples} ids per position; top_k={top_k} "
-                             "cannot differ (drop top_k / --top-k)")
+            raise CacheError(f"a sampled cache holds at most samples={options.get('samples')} ids per position; "
+                             f"top_k={top_k} cannot differ (drop top_k / --top-k)")
         top_k = forced
-    top_k = DEFAULT_TOP_K if top_k is None else top_k
-    return make_settings(encoding=encoding, top_k=top_k, vocab_size=vocab_size, temperature=temperature,
-                         seq_length=seq_length, num_samples=num_samples, teacher=teacher, tokenizer=tokenizer_id,
-                         dataset=dataset_id, samples_per_shard=samples_per_shard, top_p=top_p, min_k=min_k,
-                         samples=samples, sample_seed=sample_seed)
+    options = options.replace(encoding=options.name, top_k=DEFAULT_TOP_K if top_k is None else top_k)
+    return make_settings(encoding=options, vocab_size=vocab_size, temperature=temperature, seq_length=seq_length,
+                         num_samples=num_samples, teacher=teacher, tokenizer=tokenizer_id, dataset=dataset_id,
+                         samples_per_shard=samples_per_shard)
 
 
 def recipe_cache_args(kd) -> dict:
-    """build_cache's settings keywords for a recipe's kd section: what kd.build_cache builds, and what
-    `megatron-kd plan` sizes on disk."""
-    samples = kd.cache_samples
-    return dict(top_k=samples or kd.top_k, encoding=kd.cache_encoding, top_p=kd.cache_top_p, min_k=kd.cache_min_k,
-                samples=samples, sample_seed=kd.cache_sample_seed if samples else None,
-                temperature=kd.capture_temperature)
+    """build_cache's settings keywords for a recipe's kd section (kd.cache_encoding, kd.top_k and each encoding's
+    own kd.cache_KEY): what kd.build_cache builds, and what `megatron-kd plan` sizes on disk."""
+    options = EncodingOptions.from_recipe(kd)
+    if not options.get("samples"):  # a seed without draws seeds nothing
+        options = EncodingOptions.of(options.encoding, **{k: v for k, v in options.given if k != "sample_seed"})
+    return dict(encoding=options.replace(top_k=options.get("samples") or kd.top_k), temperature=kd.capture_temperature)
 
 
 def content_id(dataset, n: int) -> str:

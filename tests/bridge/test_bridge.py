@@ -36,12 +36,13 @@ class TokenDataset(torch.utils.data.Dataset):
 @pytest.fixture(scope="module")
 def cache_path(tmp_path_factory):
     """A real teacher cache (megatron_kd.cache) over TokenDataset: 3 samples x S positions x K, vocab V."""
+    from megatron_kd.cache.encoding import EncodingOptions
     from megatron_kd.teacher.protocol import CallableTeacher
     from megatron_kd.teacher.build import build_cache
     table = torch.randn(V + 8, V, generator=torch.Generator().manual_seed(0))
     path = tmp_path_factory.mktemp("kd") / "cache"
-    build_cache(CallableTeacher(lambda tokens: table[tokens], V), TokenDataset(), path, top_k=K, teacher_id="test",
-                dataset_id="tokens", progress=False)
+    build_cache(CallableTeacher(lambda tokens: table[tokens], V), TokenDataset(), path,
+                encoding=EncodingOptions(top_k=K), teacher_id="test", dataset_id="tokens", progress=False)
     return str(path)
 
 

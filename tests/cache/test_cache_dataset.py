@@ -8,6 +8,7 @@ import torch
 
 from megatron_kd import topk_kl_loss
 from megatron_kd.cache import CacheReader, TopKDataset, collate_topk, inspect_cache
+from megatron_kd.cache.encoding import EncodingOptions
 from megatron_kd.teacher.protocol import CallableTeacher
 from megatron_kd.teacher.build import build_cache
 from megatron_kd.cli.cache import main as cache_cli
@@ -48,8 +49,8 @@ class GPTStyleDataset:
 @pytest.fixture(scope="module")
 def successor_cache(tmp_path_factory):
     out = tmp_path_factory.mktemp("ds") / "cache"
-    build_cache(successor_teacher(), GPTStyleDataset(successor_data()), out, top_k=K, samples_per_shard=4,
-                progress=False, tokenizer_id="toy-tokenizer")
+    build_cache(successor_teacher(), GPTStyleDataset(successor_data()), out, encoding=EncodingOptions(top_k=K),
+                samples_per_shard=4, progress=False, tokenizer_id="toy-tokenizer")
     return out
 
 
@@ -118,7 +119,7 @@ def test_loss_on_cached_targets(tmp_path, encoding):
     emb, w = torch.randn(V, H, generator=g), torch.randn(V, H, generator=g)
     teacher = CallableTeacher(lambda t: (emb[t], w), V, identity={"name": "lin"})
     data = torch.randint(0, V, (N, S + 1), generator=g)
-    build_cache(teacher, data, tmp_path / "c", top_k=K, encoding=encoding, progress=False)
+    build_cache(teacher, data, tmp_path / "c", encoding=EncodingOptions(encoding, K), progress=False)
     batch = collate_topk([TopKDataset(data, tmp_path / "c")[i] for i in range(N)])
     loss = topk_kl_loss(emb[batch["tokens"]], w, batch["topk_ids"], batch["topk_logprobs"],
                         loss_mask=batch["loss_mask"])
@@ -136,7 +137,7 @@ def test_hf_teacher_directory(tmp_path):
     model = transformers.LlamaForCausalLM(cfg)
     model.save_pretrained(tmp_path / "hf")
     data = successor_data()
-    build_cache(HFTeacher(tmp_path / "hf"), data, tmp_path / "c", top_k=K, progress=False)
+    build_cache(HFTeacher(tmp_path / "hf"), data, tmp_path / "c", encoding=EncodingOptions(top_k=K), progress=False)
     with torch.no_grad():
         logits = model(data[:, :-1]).logits
     want_lp, want_ids = torch.log_softmax(logits.double(), -1).topk(K)

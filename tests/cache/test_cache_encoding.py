@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from megatron_kd.cache.bits import EliasFano, pack_uint, unpack_uint
-from megatron_kd.cache.encoding import ENCODINGS, get_encoding, id_bits
+from megatron_kd.cache.encoding import ENCODINGS, get_encoding
+from megatron_kd.cache.encoding.base import id_bits
 
 FIXED = tuple(e for e in ENCODINGS if e not in ("topp", "sampled"))  # K ids at every position; topp, sampled:
 # test_cache_topp.py, test_cache_sampled.py (a variable number of ids per position)

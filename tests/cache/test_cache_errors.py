@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from megatron_kd.cache import CacheError, CacheReader, TopKDataset, verify_cache
+from megatron_kd.cache.encoding import EncodingOptions
 from megatron_kd.teacher.build import build_cache
 from megatron_kd.cli.cache import main as cache_cli
+from cache_options import encoding_kw
 from test_cache_resume import N, S, V, make_teacher, snapshot
 
 K = 8
@@ -21,7 +23,7 @@ def _data():
 
 def build(out, **kw):
     kw = {"top_k": K, "samples_per_shard": 2, "micro_batch_size": 2, "progress": False, **kw}
-    return build_cache(make_teacher(), _data(), out, **kw)
+    return build_cache(make_teacher(), _data(), out, **encoding_kw(kw))
 
 
 def _flip_byte(path, offset):
@@ -143,7 +145,8 @@ def test_refuses_to_overwrite_with_other_settings(cache, cache_bytes):
     with pytest.raises(CacheError, match=r"temperature: cache has 1.0, this build asks for 2.0"):
         build(out, temperature=2.0)
     with pytest.raises(CacheError, match=r"teacher: cache has"):
-        build_cache(make_teacher(seed=1), _data(), out, top_k=K, samples_per_shard=2, progress=False)
+        build_cache(make_teacher(seed=1), _data(), out, encoding=EncodingOptions(top_k=K), samples_per_shard=2,
+                    progress=False)
     assert snapshot(out) == cache_bytes, "a refused build must not change the cache"
     assert build(out)["top_k"] == K  # the same settings: already complete, nothing rewritten
     assert snapshot(out) == cache_bytes

@@ -11,12 +11,14 @@ import torch
 
 from megatron_kd.cache import CacheReader, inspect_cache, verify_cache
 from megatron_kd.cache.encoding import get_encoding
+from megatron_kd.cache.encoding import EncodingOptions
 from megatron_kd.cache.errors import CacheError
 from megatron_kd.cache.format import make_settings
 from megatron_kd.parallel.sample import (distinct_counts, log_frequencies, uniforms, uniforms_reference,
                                          vocab_parallel_sample)
 from megatron_kd.teacher.protocol import CallableTeacher, TeacherOutput
 
+from cache_options import encoding_kw
 from dist_utils import run_ranks
 
 
@@ -188,7 +190,7 @@ def build(path, teacher=None, **kw):
     from megatron_kd.teacher.build import build_cache
     args = dict(samples=DRAWS, samples_per_shard=2, micro_batch_size=2, progress=False)
     args.update(kw)
-    return build_cache(teacher or toy_teacher(), tokens(), path, **args)
+    return build_cache(teacher or toy_teacher(), tokens(), path, **encoding_kw(args))
 
 
 def test_built_cache_reads_verifies_and_inspects(tmp_path):
@@ -232,17 +234,17 @@ def test_verify_names_a_flipped_shard_byte(tmp_path):
 
 
 def test_settings_refuse_what_makes_no_sense(tmp_path):
-    base = dict(top_k=8, vocab_size=V, temperature=1.0, seq_length=S, num_samples=4, teacher={"name": "t"})
+    base = dict(vocab_size=V, temperature=1.0, seq_length=S, num_samples=4, teacher={"name": "t"})
     with pytest.raises(CacheError, match="give samples"):
-        make_settings(encoding="sampled", **base)
+        make_settings(encoding=EncodingOptions("sampled", 8), **base)
     with pytest.raises(CacheError, match="use encoding 'sampled'"):
-        make_settings(encoding="compact", samples=8, **base)
+        make_settings(encoding=EncodingOptions.of("compact", 8, samples=8), **base)
     with pytest.raises(CacheError, match="top_k=8 cannot differ"):
-        make_settings(encoding="sampled", samples=16, **base)
+        make_settings(encoding=EncodingOptions.of("sampled", 8, samples=16), **base)
     with pytest.raises(CacheError, match="sample_seed"):
-        make_settings(encoding="fp16", sample_seed=3, **base)
+        make_settings(encoding=EncodingOptions.of("fp16", 8, sample_seed=3), **base)
     with pytest.raises(CacheError, match=r"samples=0 must be an integer"):
-        make_settings(encoding="sampled", samples=0, **{**base, "top_k": 0})
+        make_settings(encoding=EncodingOptions.of("sampled", 0, samples=0), **base)
     with pytest.raises(CacheError, match="top_k=100 cannot differ"):
         build(tmp_path / "x", top_k=100)
     build(tmp_path / "c")
@@ -305,7 +307,7 @@ def test_cli_builds_verifies_and_inspects(tmp_path):
 def _tp_build(rank, world, out, hidden_path):
     from megatron_kd.teacher.build import build_cache
     build_cache(toy_teacher(torch.distributed.group.WORLD, hidden_path), tokens(),
-                os.path.join(out, f"tp{world}"), samples=DRAWS, samples_per_shard=2, micro_batch_size=2,
+                os.path.join(out, f"tp{world}"), encoding=EncodingOptions.of(samples=DRAWS), samples_per_shard=2, micro_batch_size=2,
                 progress=False)
 
 

@@ -9,12 +9,14 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_kd.cache.encoding import EncodingOptions
 from megatron_kd.cache.format import MANIFEST, SAMPLE_INDEX, SHARD_DIR
 from megatron_kd.cache.reader import load_manifest
 from megatron_kd.cache.space import estimate_bytes
 from megatron_kd.cli import cache as cache_cli
 from megatron_kd.teacher.build import build_cache
 from megatron_kd.teacher.protocol import CallableTeacher
+from cache_options import encoding_kw
 
 V, H, S, N, K = 300, 16, 24, 7, 12
 JSON_ALLOWANCE = 16 << 10  # bytes of JSON per shard, plus the same once for settings.json and manifest.json
@@ -58,7 +60,7 @@ BUILDS = {
 def test_estimate_matches_the_bytes_a_build_writes(tmp_path, name):
     out = tmp_path / "c"
     build_cache(make_teacher(), tokens(), out, samples_per_shard=3, micro_batch_size=2, progress=False,
-                **BUILDS[name])
+                **encoding_kw(BUILDS[name]))
     m = load_manifest(out)
     est = estimate_bytes(m)
     binary, json_bytes = written(out)
@@ -78,7 +80,7 @@ def test_fp16_estimate_is_the_documented_formula():
     from megatron_kd.cache.format import make_settings
     for enc, width in (("fp16", 2), ("fp32", 4)):
         for v, k, s, n in ((128256, 100, 4096, 10), (201088, 64, 1000, 3), (300, 12, 24, 7)):
-            st = make_settings(encoding=enc, top_k=k, vocab_size=v, temperature=1.0, seq_length=s, num_samples=n,
+            st = make_settings(encoding=EncodingOptions(enc, k), vocab_size=v, temperature=1.0, seq_length=s, num_samples=n,
                                teacher="t")
             bits = int(np.ceil(np.log2(v)))
             pad8 = lambda b: -(-b // 8) * 8  # noqa: E731

@@ -11,10 +11,12 @@ import torch
 
 from megatron_kd.cache import CacheReader, inspect_cache, verify_cache
 from megatron_kd.cache.encoding import get_encoding
+from megatron_kd.cache.encoding import EncodingOptions
 from megatron_kd.cache.errors import CacheError
 from megatron_kd.cache.topp import select_top_p, top_p_counts
 from megatron_kd.teacher.protocol import CallableTeacher, TeacherOutput
 
+from cache_options import encoding_kw
 from dist_utils import run_ranks
 
 
@@ -162,7 +164,7 @@ def build(path, **kw):
     from megatron_kd.teacher.build import build_cache
     args = dict(top_k=K, encoding="topp", top_p=0.9, samples_per_shard=2, micro_batch_size=2, progress=False)
     args.update(kw)
-    return build_cache(toy_teacher(), tokens(), path, **args)
+    return build_cache(toy_teacher(), tokens(), path, **encoding_kw(args))
 
 
 @pytest.fixture(scope="module")
@@ -291,7 +293,7 @@ def test_settings_of_another_top_p_are_refused_on_resume(tmp_path):
 def _tp_build(rank, world, out):
     from megatron_kd.teacher.build import build_cache
     build_cache(toy_teacher(tp_group=torch.distributed.group.WORLD), tokens(), os.path.join(out, f"tp{world}"),
-                top_k=K, encoding="topp", top_p=0.9, samples_per_shard=2, micro_batch_size=2, progress=False)
+                encoding=EncodingOptions.of("topp", K, top_p=0.9), samples_per_shard=2, micro_batch_size=2, progress=False)
 
 
 @pytest.mark.slow

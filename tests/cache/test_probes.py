@@ -19,10 +19,12 @@ import torch
 
 from conftest import PROBES
 from megatron_kd.cache import CacheError, CacheReader, CacheWriter, TopKDataset, fsio, verify_cache
+from megatron_kd.cache.encoding import EncodingOptions
 from megatron_kd.teacher.build import build_cache
 from megatron_kd.cache.format import SETTINGS_KEYS
 from megatron_kd.cache.verify import QUICK_CHECKS
 from megatron_kd.cli.cache import main as cache_cli
+from cache_options import encoding_kw
 from test_cache_resume import HERE as TESTS, N, S, V, make_teacher, snapshot
 
 K = 8
@@ -35,7 +37,7 @@ def data(seed=3):
 def build(out, teacher_seed=0, **kw):
     kw = {"top_k": K, "samples_per_shard": 2, "micro_batch_size": 2, "progress": False, "dataset_id": "d3", **kw}
     ds = kw.pop("dataset", None)
-    return build_cache(make_teacher(teacher_seed), data() if ds is None else ds, out, **kw)
+    return build_cache(make_teacher(teacher_seed), data() if ds is None else ds, out, **encoding_kw(kw))
 
 
 def record(probe, outcome, message):
@@ -407,7 +409,7 @@ def test_second_builder_is_refused_with_one_line_exit_2(tmp_path):
 
 def _settings():
     from megatron_kd.cache.format import make_settings
-    return make_settings(encoding="fp16", top_k=K, vocab_size=V, temperature=1.0, seq_length=S, num_samples=N,
+    return make_settings(encoding=EncodingOptions("fp16", K), vocab_size=V, temperature=1.0, seq_length=S, num_samples=N,
                          teacher={"name": "toy"}, dataset="d3", samples_per_shard=2)
 
 

@@ -9,6 +9,7 @@ from megatron_kd.cache.format import SETTINGS_KEYS
 from megatron_kd.loss.chunks import default_chunk_size
 from megatron_kd.loss.options import LossOptions
 from megatron_kd import rules
+from megatron_kd.cache.encoding import EncodingOptions
 from megatron_kd.cache.errors import CacheError
 from megatron_kd.cache.format import make_settings
 from megatron_kd.parallel import limits, topk as topk_ops
@@ -38,7 +39,7 @@ def test_the_temperature_range_is_defined_once(monkeypatch):
                for p in manifest_problems("/nowhere", m, first_only=True))
     with pytest.raises(CacheError, match=r"temperature=3.0: the capture temperature must be a finite number in "
                                          r"\[0.5, 2\]"):
-        make_settings(encoding="fp16", top_k=2, vocab_size=8, temperature=3.0, seq_length=4, num_samples=1,
+        make_settings(encoding=EncodingOptions("fp16", 2), vocab_size=8, temperature=3.0, seq_length=4, num_samples=1,
                       teacher={})
 
 
@@ -103,23 +104,22 @@ def test_one_temperature_equality(monkeypatch):
 
 
 def test_the_default_k_and_encoding_are_defined_once(monkeypatch):
-    import inspect
     from megatron_kd.cli import cache as cli_cache
-    from megatron_kd.teacher.build import build_cache
     # None stands for rules.DEFAULT_TOP_K, so that a top_k given beside samples (a sampled cache's K is its number
     # of draws) is told apart from the default
-    assert inspect.signature(build_cache).parameters["top_k"].default is None
+    assert EncodingOptions().top_k is None
     args = cli_cache.parser().parse_args(["build", "--teacher", "t", "--out", "x"])
-    assert args.top_k is None and cli_cache._top_k_arg(args, "fp16") == rules.DEFAULT_TOP_K
+    assert args.top_k is None and cli_cache._top_k_arg(args, EncodingOptions("fp16")) == rules.DEFAULT_TOP_K
     assert cli_cache._encoding_args(cli_cache.parser().parse_args(["build", "--teacher", "t", "--out", "x",
-                                                                   "--samples", "8"])) == ("sampled", None, None)
+                                                                   "--samples", "8"])) == \
+        EncodingOptions.of("sampled", samples=8)
     assert memory.Training().topk == rules.DEFAULT_TOP_K
     args = cli_cache.parser().parse_args(["build", "--teacher", "t", "--out", "x"])
-    assert cli_cache._encoding_args(args) == ("fp16", None, None)
+    assert cli_cache._encoding_args(args) == EncodingOptions("fp16")
     monkeypatch.setattr(rules, "DEFAULT_ENCODING", "compact")
-    assert cli_cache._encoding_args(args) == ("compact", None, None)
+    assert cli_cache._encoding_args(args) == EncodingOptions("compact")
     args = cli_cache.parser().parse_args(["build", "--teacher", "t", "--out", "x", "--top-p", "0.9"])
-    assert cli_cache._encoding_args(args) == ("topp", 0.9, None)
+    assert cli_cache._encoding_args(args) == EncodingOptions.of("topp", top_p=0.9)
 
 
 def test_padding_hashing_and_free_space_have_one_home():

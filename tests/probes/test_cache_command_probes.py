@@ -7,6 +7,7 @@ import os
 import numpy as np
 import pytest
 
+from megatron_kd.cache.encoding import EncodingOptions
 from megatron_kd.cli import cache as cache_cli
 from megatron_kd.cli import demo as demo_cli
 from megatron_kd.cli import plan as plan_cli
@@ -170,7 +171,7 @@ def test_cache_build_concurrent_into_one_dir_is_locked_out(tmp_path):
     from megatron_kd.cache.format import make_settings
     from megatron_kd.cache.writer import CacheWriter
     tok = tokens(tmp_path, np.zeros((3, 9), dtype=np.int64))
-    s = make_settings(encoding="fp16", top_k=4, vocab_size=V, temperature=1.0, seq_length=8, num_samples=3,
+    s = make_settings(encoding=EncodingOptions("fp16", 4), vocab_size=V, temperature=1.0, seq_length=8, num_samples=3,
                       teacher={"name": "toy"}, dataset="d", samples_per_shard=2)
     holder = CacheWriter(tmp_path / "cache", s)
     try:

@@ -1,4 +1,4 @@
-"""quant.format: one record per format (megatron_kd/quant_formats.py), read by the checks, the quantizer, the
+"""quant.format: one record per format (megatron_kd/quant_formats/), read by the checks, the quantizer, the
 planner and the export; `plan` and `launch --dry-run` refuse what `train` refuses, from the same check."""
 import importlib.util
 from pathlib import Path
@@ -64,3 +64,10 @@ def test_every_format_names_a_modelopt_config():
     for name, f in quant_formats.FORMATS.items():
         if f.modelopt_config is not None:
             assert isinstance(quant_config(name), dict)
+
+
+def test_each_file_of_the_formats_folder_is_one_registered_format():
+    """A format is a file in quant_formats/ and its line in REGISTERED (its aliases are the record's)."""
+    files = {p.stem for p in Path(quant_formats.__file__).parent.glob("*.py")} - {"__init__"}
+    assert files == set(quant_formats.REGISTERED)
+    assert list(dict.fromkeys(f.name for f in quant_formats.FORMATS.values())) == list(quant_formats.REGISTERED)

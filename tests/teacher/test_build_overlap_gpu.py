@@ -111,6 +111,7 @@ def test_tokens_to_queues_the_copy():
 
 
 def test_gpu_build_writes_the_sequential_bytes(tmp_path):
+    from megatron_kd.cache.encoding import EncodingOptions
     from megatron_kd.cache.format import make_settings
     from megatron_kd.cache.writer import CacheWriter
     from megatron_kd.teacher.build import build_cache
@@ -126,10 +127,10 @@ def test_gpu_build_writes_the_sequential_bytes(tmp_path):
 
     data = torch.from_numpy(np.random.default_rng(1).integers(0, V, size=(N, S + 1)))
     for enc in ("fp16", "compact"):
-        build_cache(CallableTeacher(fn, V, identity=ident), data, str(tmp_path / enc), top_k=K,
-                            encoding=enc, samples_per_shard=3, progress=False, dataset_id="d", chunk_size=128)
+        build_cache(CallableTeacher(fn, V, identity=ident), data, str(tmp_path / enc),
+                            encoding=EncodingOptions(enc, K), samples_per_shard=3, progress=False, dataset_id="d", chunk_size=128)
         seq = tmp_path / f"seq_{enc}"
-        settings = make_settings(encoding=enc, top_k=K, vocab_size=V, temperature=1.0, seq_length=S, num_samples=N,
+        settings = make_settings(encoding=EncodingOptions(enc, K), vocab_size=V, temperature=1.0, seq_length=S, num_samples=N,
                                  teacher=ident, tokenizer="", dataset="d", samples_per_shard=3)
         w = CacheWriter(str(seq), settings)
         for j in range(w.num_shards):

@@ -27,12 +27,13 @@ import sys, json, numpy as np, torch
 from megatron_kd.recipe.compose import compose
 from megatron_kd.recipe.schema import to_recipe
 from megatron_kd.teacher.megatron import start_cache_teacher
+from megatron_kd.cache.encoding import EncodingOptions
 from megatron_kd.teacher.build import build_cache
 r = to_recipe(compose("llama31_8b_to_3b_32k_1xh200", {SHAPE + extra!r}, save="/dev/null"))
 t = start_cache_teacher(r, r.data.vocab_size)
 data = torch.from_numpy(np.random.default_rng(0).integers(0, 4096, size=(2, 513)))
 try:
-    m = build_cache(t, data, sys.argv[1], top_k=8, encoding="fp32", progress=False)
+    m = build_cache(t, data, sys.argv[1], encoding=EncodingOptions("fp32", 8), progress=False)
     print(json.dumps(m["teacher"]))
 except Exception as e:
     print(json.dumps({{"error": str(e)}}))

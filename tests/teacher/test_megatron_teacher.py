@@ -50,6 +50,7 @@ def _dense_reference(model, data):
 def _layouts(rank, world, out_root):
     from megatron.core import parallel_state
     from megatron_kd.cache import CacheReader
+    from megatron_kd.cache.encoding import EncodingOptions
     from megatron_kd.teacher.build import build_cache
     from megatron_kd.teacher.megatron import MegatronTeacher
     data = tokens_dataset()
@@ -58,7 +59,7 @@ def _layouts(rank, world, out_root):
     model, tp_group = tiny_gpt(tp=2)
     teacher = MegatronTeacher(model, V, name="tiny-gpt", tp_group=tp_group)
     ident_tp2 = teacher.identity()
-    build_cache(teacher, data, os.path.join(out_root, "tp2"), top_k=K, samples_per_shard=2, micro_batch_size=2,
+    build_cache(teacher, data, os.path.join(out_root, "tp2"), encoding=EncodingOptions(top_k=K), samples_per_shard=2, micro_batch_size=2,
                 chunk_size=5, progress=False)
     ref_tp2 = _dense_reference(model, data)
     parallel_state.destroy_model_parallel()
@@ -67,7 +68,8 @@ def _layouts(rank, world, out_root):
     model, tp_group = tiny_gpt(tp=1)
     teacher = MegatronTeacher(model, V, name="tiny-gpt", tp_group=tp_group)
     assert teacher.identity() == ident_tp2, "the teacher's identity must not depend on its TP layout"
-    build_cache(teacher, data, os.path.join(out_root, "dp2"), top_k=K, samples_per_shard=2, progress=False)
+    build_cache(teacher, data, os.path.join(out_root, "dp2"), encoding=EncodingOptions(top_k=K), samples_per_shard=2,
+                progress=False)
     ref_tp1 = _dense_reference(model, data)
     parallel_state.destroy_model_parallel()
 
@@ -77,11 +79,12 @@ def _layouts(rank, world, out_root):
 
 def _single_process(rank, world, out_root):
     from megatron.core import parallel_state
+    from megatron_kd.cache.encoding import EncodingOptions
     from megatron_kd.teacher.build import build_cache
     from megatron_kd.teacher.megatron import MegatronTeacher
     model, _ = tiny_gpt(tp=1)
     build_cache(MegatronTeacher(model, V, name="tiny-gpt"), tokens_dataset(), os.path.join(out_root, "tp1"),
-                top_k=K, samples_per_shard=2, micro_batch_size=3, progress=False)
+                encoding=EncodingOptions(top_k=K), samples_per_shard=2, micro_batch_size=3, progress=False)
     parallel_state.destroy_model_parallel()
 
 

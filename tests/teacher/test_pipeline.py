@@ -54,12 +54,14 @@ def tokens_dataset():
 
 
 def _build(model, out_dir, **kw):
+    from cache_options import encoding_kw
     from megatron.core import parallel_state
     from megatron_kd.teacher.build import build_cache
     from megatron_kd.teacher.megatron import MegatronTeacher
     teacher = MegatronTeacher(model, V, name="tiny-gpt", tp_group=parallel_state.get_tensor_model_parallel_group())
     ident = teacher.identity()
-    build_cache(teacher, tokens_dataset(), out_dir, top_k=K, samples_per_shard=2, progress=False, **kw)
+    build_cache(teacher, tokens_dataset(), out_dir, samples_per_shard=2, progress=False,
+                **encoding_kw({"top_k": K, **kw}))
     return teacher, ident
 
 

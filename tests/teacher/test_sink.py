@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_kd.cache.encoding import EncodingOptions
+from megatron_kd.cache.encoding.fp16 import Fp16Encoding
 from megatron_kd.cache.errors import CacheError
 from megatron_kd.cache.format import make_settings
-from megatron_kd.cache import encoding as encoding_mod
 from megatron_kd.cache.writer import CacheWriter
 from megatron_kd.parallel.topk import topk_from_hidden
 from megatron_kd.teacher import sink as sink_mod
@@ -46,7 +47,7 @@ def digest(path):
 def sequential(path, enc, sps, emb, out):
     """Each sample's top-K encoded and written before the next one is computed (the cache writer alone)."""
     tokens = data()[:, :-1]
-    settings = make_settings(encoding=enc, top_k=K, vocab_size=V, temperature=1.0, seq_length=S, num_samples=N,
+    settings = make_settings(encoding=EncodingOptions(enc, K), vocab_size=V, temperature=1.0, seq_length=S, num_samples=N,
                              teacher=IDENT, tokenizer="", dataset="d", samples_per_shard=sps)
     w = CacheWriter(path, settings)
     for j in range(w.num_shards):
@@ -65,7 +66,7 @@ def sequential(path, enc, sps, emb, out):
 def test_pipelined_build_writes_the_sequential_bytes(tmp_path, monkeypatch, enc, mbs, sps, workers):
     monkeypatch.setattr(sink_mod, "_workers", lambda: workers)
     t, emb, out = teacher()
-    build_cache(t, data(), tmp_path / "built", top_k=K, encoding=enc, samples_per_shard=sps, micro_batch_size=mbs,
+    build_cache(t, data(), tmp_path / "built", encoding=EncodingOptions(enc, K), samples_per_shard=sps, micro_batch_size=mbs,
                 progress=False, dataset_id="d")
     sequential(tmp_path / "ref", enc, sps, emb, out)
     assert digest(tmp_path / "built") == digest(tmp_path / "ref")
@@ -74,7 +75,7 @@ def test_pipelined_build_writes_the_sequential_bytes(tmp_path, monkeypatch, enc,
 def test_a_worker_error_stops_the_build_and_the_rerun_is_identical(tmp_path, monkeypatch):
     monkeypatch.setattr(sink_mod, "_workers", lambda: 2)
     t, emb, out = teacher()
-    real = encoding_mod.Fp16Encoding.encode
+    real = Fp16Encoding.encode
     calls = []
 
     def failing(self, ids, logp):
@@ -83,13 +84,16 @@ def test_a_worker_error_stops_the_build_and_the_rerun_is_identical(tmp_path, mon
             raise CacheError("disk said no")
         return real(self, ids, logp)
 
-    monkeypatch.setattr(encoding_mod.Fp16Encoding, "encode", failing)
+    monkeypatch.setattr(Fp16Encoding, "encode", failing)
     with pytest.raises(CacheError, match="disk said no"):
-        build_cache(t, data(), tmp_path / "c", top_k=K, samples_per_shard=2, progress=False, dataset_id="d")
+        build_cache(t, data(), tmp_path / "c", encoding=EncodingOptions(top_k=K), samples_per_shard=2, progress=False,
+                    dataset_id="d")
     files = sorted(os.listdir(tmp_path / "c" / "shards"))
     assert not [f for f in files if f.endswith(".tmp")]
     assert "000000.bin" in files and "000001.bin" not in files and "manifest.json" not in os.listdir(tmp_path / "c")
-    monkeypatch.setattr(encoding_mod.Fp16Encoding, "encode", real)
-    build_cache(t, data(), tmp_path / "c", top_k=K, samples_per_shard=2, progress=False, dataset_id="d")
-    build_cache(t, data(), tmp_path / "clean", top_k=K, samples_per_shard=2, progress=False, dataset_id="d")
+    monkeypatch.setattr(Fp16Encoding, "encode", real)
+    build_cache(t, data(), tmp_path / "c", encoding=EncodingOptions(top_k=K), samples_per_shard=2, progress=False,
+                    dataset_id="d")
+    build_cache(t, data(), tmp_path / "clean", encoding=EncodingOptions(top_k=K), samples_per_shard=2,
+                progress=False, dataset_id="d")
     assert digest(tmp_path / "c") == digest(tmp_path / "clean")

@@ -128,7 +128,7 @@ def test_a_quantized_student_trains_under_tp_as_on_one_rank(tmp_path):
         assert two[it]["loss"] == pytest.approx(one[it]["loss"], rel=1e-5), it
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4_awq", "w4a8_awq"])
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int8_wo", "int4_awq", "w4a8_awq"])
 def test_the_planner_counts_the_quantizer_state_modelopt_makes(fmt):
     from megatron_kd.models import quant
     from megatron_kd.models.builder import build_gpt
@@ -191,7 +191,8 @@ def _ct_input_quant(x, step, fmt):
     return q * step
 
 
-@pytest.mark.parametrize("fmt,groups,act", [("fp8", 2, "swiglu"), ("int8", 2, "swiglu"), ("int4_awq", 4, "swiglu"),
+@pytest.mark.parametrize("fmt,groups,act", [("fp8", 2, "swiglu"), ("int8", 2, "swiglu"), ("int8_wo", 2, "swiglu"),
+                                            ("int4_awq", 4, "swiglu"),
                                             ("int4_awq", 2, "swiglu"), ("int4_awq", 4, "gelu")])
 def test_the_compressed_tensors_export_computes_the_quantized_model(fmt, groups, act):
     """export/compressed.plan: the quantized weights as codes x steps (codes on the format's grid), AWQ's input
@@ -220,6 +221,7 @@ def test_the_compressed_tensors_export_computes_the_quantized_model(fmt, groups,
             assert c.dtype == (torch.float8_e4m3fn if fmt == "fp8" else torch.int8)
             if fmt == "int4_awq":
                 assert int(c.min()) >= -8 and int(c.max()) <= 7 and e["step"].shape == (c.shape[0], c.shape[1] // 128)
+            if compressed.SCHEMES[fmt]["input_activations"] is None:  # weight-only
                 assert e["input_step"] is None
             else:
                 amax = model.get_submodule(name).input_quantizer.amax.item()
@@ -235,7 +237,7 @@ def test_the_compressed_tensors_export_computes_the_quantized_model(fmt, groups,
             no_inputs = plain(tokens, pos, None).double()
     scale = fq.abs().max()
     assert (got - fq).abs().max() <= 1e-5 * scale
-    if fmt != "int4_awq":  # the input quantization is live in what is compared
+    if compressed.SCHEMES[fmt]["input_activations"] is not None:  # the input quantization is live in what is compared
         assert (no_inputs - fq).abs().max() > 1e-3 * scale
     dense = {n.split(".")[-1] for n in p.dense}
     if fmt == "int4_awq" and groups == 2:
@@ -244,3 +246,32 @@ def test_the_compressed_tensors_export_computes_the_quantized_model(fmt, groups,
         assert dense == {"linear_fc2"}  # gelu(fc1 x): no row of fc1 reaches fc2's input linearly
     else:
         assert not dense and len(p.linears) == 4 * r0.model.num_layers
+
+
+def test_int8_weight_only_is_each_weight_row_on_its_int8_grid_and_nothing_else():
+    """quant.format=int8_wo (quant_formats/int8_wo.py, ModelOpt's INT8_WEIGHT_ONLY_CFG): the quantized model computes
+    what the plain model computes with each linear layer's weight rounded onto the symmetric int8 grid of its row
+    (step = max |row| / 127, in float64 here); inputs and the output layer stay unquantized."""
+    from megatron_kd.models import quant
+    from megatron_kd.models.builder import build_gpt
+    with tiny_quantized("int8_wo") as (r, model, tokens, pos):
+        model.eval()
+        assert not quant.activation_quantizers(model)
+        linears = [n[:-len(".weight_quantizer")] for n in quant.enabled_quantizers(model)]
+        assert linears and all(n.endswith(".weight_quantizer") for n in quant.enabled_quantizers(model))
+        state = {k: v for k, v in model.state_dict().items() if "_quantizer" not in k}
+        plain_state = dict(state)
+        for name in linears:
+            w = state[f"{name}.weight"].double()
+            step = w.abs().amax(dim=1, keepdim=True) / 127
+            state[f"{name}.weight"] = (torch.round(w / step).clamp(-127, 127) * step).float()
+        ref = build_gpt(r.model, r.parallel, 250, 32, "fp32").eval()
+        ref.load_state_dict(state, strict=True)
+        plain = build_gpt(r.model, r.parallel, 250, 32, "fp32").eval()
+        plain.load_state_dict(plain_state, strict=True)
+        with torch.no_grad():
+            got, want = model(tokens, pos, None).double(), ref(tokens, pos, None).double()
+            unquantized = plain(tokens, pos, None).double()
+    scale = want.abs().max()
+    assert (got - want).abs().max() <= 1e-5 * scale
+    assert (unquantized - want).abs().max() > 1e-3 * scale  # the grid is live in what is compared

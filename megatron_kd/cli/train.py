@@ -69,10 +69,12 @@ def preflight(name: str, config_path, overrides: list, checks: bool = True) -> s
     Hydra would otherwise print its own multi-line report (or the YAML parser's traceback) and exit 1.
     checks: also the recipe's own checks (recipe/checks.check_recipe) and its `???` values, before Hydra writes the
     run directory's .hydra/ (a refused run would replace the record of the run already there); off for --cfg,
-    which prints a recipe as it is. A model or teacher from a Hugging Face checkpoint is checked in the run, once
-    its architecture is read from config.json."""
-    from ..recipe.checks import check_recipe, checked_recipe, recipe_file_error
-    from ..recipe.compose import compose, first_of_each_sweep, recipe_target, recipes_dir
+    which prints a recipe that may run elsewhere: it is checked as `megatron-kd plan` checks one (check_recipe
+    with cuda=None: what needs the machine that runs it, and the `???` values, are left to it, said on stderr).
+    A model or teacher from a Hugging Face checkpoint is checked in the run, once its architecture is read from
+    config.json."""
+    from ..recipe.checks import check_recipe, checked_recipe, recipe_file_error, skipped_line
+    from ..recipe.compose import compose, first_of_each_sweep, missing_keys, recipe_target, recipes_dir
     from ..recipe.schema import RecipeError, to_recipe
     from ..runtime.dist import use_cuda
     try:
@@ -80,7 +82,11 @@ def preflight(name: str, config_path, overrides: list, checks: bool = True) -> s
         overrides = first_of_each_sweep(overrides)
         cfg = compose(target, overrides)
         r = checked_recipe(cfg) if checks else to_recipe(cfg)
-        if checks and not (r.model.hf_path or r.teacher.hf_path):
+        if not checks:
+            skipped = check_recipe(r, None, None, missing_keys(cfg))
+            if skipped:
+                print(f"megatron-kd train: note: {skipped_line(skipped)}", file=sys.stderr)
+        elif not (r.model.hf_path or r.teacher.hf_path):
             check_recipe(r, int(os.environ.get("WORLD_SIZE", "1")), use_cuda(r.train.device))
     except RecipeError as e:
         return recipe_file_error(name, config_path, overrides, recipes_dir()) or str(e)

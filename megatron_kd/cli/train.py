@@ -51,14 +51,19 @@ def main(argv=None) -> int:
     if args.cfg:
         args.resolve = True  # print values, not interpolations
     box = {"rc": 0}
+    records = HydraRecords()
 
     def app(cfg):
-        box["rc"] = max(box["rc"], run_config(cfg))  # a sweep: the worst of its runs
+        rc = run_config(cfg)
+        if rc == USAGE_ERROR:  # refused inside the run, after Hydra wrote its records over the earlier ones
+            records.restore(cfg)
+        box["rc"] = max(box["rc"], rc)  # a sweep: the worst of its runs
 
     def call() -> int:
         # what @hydra.main does with sys.argv, done with this argument list
-        _run_hydra(args=args, args_parser=parser, task_function=app, config_path=search_path(),
-                   config_name="tiny_cpu")
+        with records:
+            _run_hydra(args=args, args_parser=parser, task_function=app, config_path=search_path(),
+                       config_name="tiny_cpu")
         return box["rc"]
     return run_interruptible(call, "the last saved checkpoint is kept")
 
@@ -113,6 +118,7 @@ def sweep_problem(name: str, config_path, overrides: list) -> str | None:
             r = checked_recipe(cfg)
             check_sweep_run(r)
             check_against_save(r, r.train.save)
+            run_preflight(r)
         except RecipeError as e:
             which = f" ({' '.join(job[i] for i in swept)})" if swept else ""
             return f"sweep run {num}{which}: {e}; no run of the sweep was started"
@@ -121,7 +127,8 @@ def sweep_problem(name: str, config_path, overrides: list) -> str | None:
 
 def save_problem(name: str, config_path, overrides: list) -> str | None:
     """A single run checked against the checkpoints already in its train.save (training/resume.check_against_save)
-    before Hydra writes the run directory's records; the problem in one sentence, else None."""
+    and as the run itself checks it before any work (run_preflight), before Hydra writes the run directory's
+    records; the problem in one sentence, else None."""
     from ..recipe.checks import checked_recipe
     from ..recipe.compose import recipe_target, run_job
     from ..recipe.schema import RecipeError
@@ -133,9 +140,66 @@ def save_problem(name: str, config_path, overrides: list) -> str | None:
     try:
         r = checked_recipe(cfg)
         check_against_save(r, r.train.save)
+        run_preflight(r)
     except RecipeError as e:
         return str(e)
     return None
+
+
+def run_preflight(r) -> None:
+    """What training.loop.run refuses before any work (training/preflight: the Hugging Face checkpoints, the
+    recipe's checks with their architecture, the tokenizer, the corpus, the checkpoints loaded as weights), checked
+    before Hydra writes the run directory's .hydra/: a refusal there would replace the records of the run already
+    in it. On a copy: the preflight fills in the architecture of a Hugging Face checkpoint."""
+    import copy
+    from ..runtime.dist import use_cuda
+    from ..training.preflight import preflight
+    r = copy.deepcopy(r)
+    preflight(r, int(os.environ.get("WORLD_SIZE", "1")), use_cuda(r.train.device))
+
+
+class HydraRecords:
+    """The files Hydra writes into a run's directory before the run starts (.hydra/config.yaml, hydra.yaml,
+    overrides.yaml), as they were before: a run refused inside training (a check that needs the process group,
+    the cache or the model) gives the earlier run's records back instead of leaving its own refused values in them.
+    Most refusals come before Hydra writes (preflight, save_problem, sweep_problem); this covers the rest."""
+
+    def __init__(self):
+        self.before = {}  # path -> its bytes before this command wrote it (None: it did not exist)
+
+    def __enter__(self):
+        from hydra.core import utils
+        self.real, module = utils._save_config, utils
+
+        def save_config(cfg, filename, output_dir):
+            path = os.path.join(str(output_dir), filename)
+            if path not in self.before:
+                self.before[path] = open(path, "rb").read() if os.path.isfile(path) else None
+            self.real(cfg, filename, output_dir)
+        module._save_config = save_config
+        return self
+
+    def __exit__(self, *exc):
+        from hydra.core import utils
+        utils._save_config = self.real
+
+    def restore(self, cfg) -> None:
+        """The records of the run `cfg` (Hydra's current job) as they were before it (write beside, then swap)."""
+        from hydra.core.hydra_config import HydraConfig
+        out = os.path.join(os.path.abspath(HydraConfig.get().runtime.output_dir), "")
+        for path, old in self.before.items():
+            if not os.path.abspath(path).startswith(out):
+                continue
+            if old is None:
+                if os.path.isfile(path):
+                    os.remove(path)
+                if os.path.isdir(os.path.dirname(path)) and not os.listdir(os.path.dirname(path)):
+                    os.rmdir(os.path.dirname(path))
+                continue
+            tmp = f"{path}.restore-{os.getpid()}"
+            with open(tmp, "wb") as f:
+                f.write(old)
+            os.replace(tmp, path)
 
 
 def run_config(cfg) -> int:

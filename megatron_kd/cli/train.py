@@ -40,7 +40,9 @@ def main(argv=None) -> int:
     from ..runtime.interrupt import run_interruptible
     parser = get_args_parser()
     args = parser.parse_args(argv)
-    problem = preflight(args.config_name or "tiny_cpu", args.config_path, args.overrides, checks=not args.cfg)
+    from ..recipe.compose import sweep_refusal
+    problem = (None if args.multirun else sweep_refusal(args.overrides)) or \
+        preflight(args.config_name or "tiny_cpu", args.config_path, args.overrides, checks=not args.cfg)
     if not problem and args.multirun and not args.cfg:  # before Hydra writes multirun.yaml and each run's .hydra/
         problem = sweep_problem(args.config_name or "tiny_cpu", args.config_path, args.overrides)
     elif not problem and not args.cfg:  # before Hydra writes the run directory's .hydra/

@@ -56,6 +56,7 @@ BAD = [
     (["model.recompute_granularity=full", "model.recompute_method=block"], "model.recompute_num_layers"),
     (["model.num_moe_experts=4", "parallel.tp=2"], "model.num_moe_experts"),
     (["kd.mode=online", "teacher.load=/t", "parallel.pp=2"], "parallel.pp"),
+    (["kd.top_k=4,8"], "kd.top_k=4,8"),  # a sweep outside train -m
 ]
 
 

@@ -56,9 +56,9 @@ def main(argv=None) -> int:
     records = HydraRecords()
 
     def app(cfg):
-        rc = run_config(cfg)
-        if rc == USAGE_ERROR:  # refused inside the run, after Hydra wrote its records over the earlier ones
-            records.restore(cfg)
+        # refused inside the run (not a RunError: no training happened), after Hydra wrote its records over the
+        # earlier ones: those come back
+        rc = run_config(cfg, on_refused=records.restore)
         box["rc"] = max(box["rc"], rc)  # a sweep: the worst of its runs
 
     def call() -> int:
@@ -204,10 +204,11 @@ class HydraRecords:
             os.replace(tmp, path)
 
 
-def run_config(cfg) -> int:
-    """Train from a composed recipe; a recipe problem prints one line naming the key and returns 2."""
+def run_config(cfg, on_refused=None) -> int:
+    """Train from a composed recipe; a recipe problem prints one line naming the key and returns 2.
+    on_refused(cfg): called when the run was refused before it trained (a RecipeError that is not a RunError)."""
     from omegaconf import OmegaConf, open_dict
-    from ..recipe.schema import RecipeError
+    from ..recipe.schema import RecipeError, RunError
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
     hc = HydraConfig.get()
@@ -229,6 +230,8 @@ def run_config(cfg) -> int:
         summary = run(recipe, recipe.train.save)
     except RecipeError as e:
         print(f"megatron-kd train: error: {e}", file=sys.stderr)
+        if on_refused is not None and not isinstance(e, RunError):
+            on_refused(cfg)
         return USAGE_ERROR
     from ..runtime.dist import is_rank0
     if is_rank0():

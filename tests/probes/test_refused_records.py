@@ -9,31 +9,22 @@ import shutil
 import pytest
 
 from megatron_kd.cli import train as train_cli
-from probe import TINY, call, record, refuses, snapshot
+from probe import TINY, made_in, refuses, snapshot
+from probe import kept as probe_kept
 
 MOCK = ["data=mock", "data.vocab_size=250", "data.seq_length=16", "kd=ce", *TINY]
 
 
 def kept(before: dict, after: dict) -> None:
-    if before != after:
-        record("silent")
-        changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
-        pytest.fail(f"silent: the finished run's records were rewritten by a refused rerun: {changed}")
+    probe_kept(before, after, "the finished run's records, rewritten by a refused rerun:")
 
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
     """A finished one-step run (runs/one) and a finished two-run sweep (runs/sweep), made by `megatron-kd train`."""
-    import os
     d = tmp_path_factory.mktemp("records")
-    cwd = os.getcwd()
-    os.chdir(d)
-    try:
-        for argv in ([*MOCK, "hydra.run.dir=runs/one"], ["-m", *MOCK, "hydra.sweep.dir=runs/sweep", "train.lr=1e-3,2e-3"]):
-            rc, _, err, exc = call(train_cli.main, argv)
-            assert rc == 0 and exc is None, err
-    finally:
-        os.chdir(cwd)
+    made_in(d, train_cli.main, [*MOCK, "hydra.run.dir=runs/one"],
+            ["-m", *MOCK, "hydra.sweep.dir=runs/sweep", "train.lr=1e-3,2e-3"])
     return d / "runs"
 
 

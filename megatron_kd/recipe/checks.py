@@ -315,6 +315,9 @@ def _check_kd(r: Recipe, skipped: list | None = None, later=()) -> None:
         _need(top_k_fits(kd.top_k), f"kd.top_k={kd.top_k} must be >= 1")
     if src.needs_teacher:
         check_model(r.teacher, "teacher", p.tp, skipped)
+    _need(not src.builds_cache or p.pp == 1, f"kd.build_cache=true runs the teacher with parallel.pp=1 (here "
+          f"parallel.pp={p.pp}); build the cache separately (`megatron-kd cache build`) for a pipelined teacher, "
+          "then train with kd.build_cache=false")
     _check_cache_encoding(kd)
     if src.reads_cache and not (not kd.cache and "kd.cache" in later):
         _need(bool(kd.cache), "kd.cache is required in offline mode: the teacher top-K cache directory "

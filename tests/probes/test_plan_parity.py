@@ -57,6 +57,7 @@ BAD = [
     (["model.num_moe_experts=4", "parallel.tp=2"], "model.num_moe_experts"),
     (["kd.mode=online", "teacher.load=/t", "parallel.pp=2"], "parallel.pp"),
     (["kd.top_k=4,8"], "kd.top_k=4,8"),  # a sweep outside train -m
+    (["parallel.pp=2"], "kd.build_cache"),  # the cache build inside the run is not pipelined
 ]
 
 

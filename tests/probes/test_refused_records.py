@@ -70,3 +70,16 @@ def test_a_refusal_inside_training_gives_the_records_back(runs, monkeypatch):
     fresh = runs / "fresh"  # a directory with no records before: the refused run leaves none
     refuses(train_cli.main, [*MOCK, f"hydra.run.dir={fresh}"], "kd.cache")
     assert not (fresh / ".hydra").exists()
+
+
+def test_a_run_stopped_while_training_keeps_the_records_of_what_ran(runs, monkeypatch):
+    """A RunError is met while training (a full disk, a corrupt cache shard): the run did train under the new
+    values, so Hydra's records of them stay."""
+    from megatron_kd.recipe.schema import RunError
+    from megatron_kd.training import loop
+
+    def stopped(r, save):
+        raise RunError("kd.cache=/c: a stand-in problem met while training; rebuild it")
+    monkeypatch.setattr(loop, "run", stopped)
+    refuses(train_cli.main, [*MOCK, "hydra.run.dir=runs/one", "train.iters=2"], "kd.cache")
+    assert "train.iters=2" in (runs / "one" / ".hydra" / "overrides.yaml").read_text()

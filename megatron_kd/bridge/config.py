@@ -27,8 +27,9 @@ class OfflineKDConfig(OfflineKD):
     def validate(self) -> "OfflineKDConfig":
         if not self.cache:
             raise ValueError("kd.cache is required: the directory of the teacher top-K cache")
-        if self.top_k is not None and not top_k_fits(self.top_k):
-            raise ValueError(f"kd.top_k={self.top_k} must be a positive integer (or null: the cache's K)")
+        if self.top_k is not None and not (isinstance(self.top_k, int) and not isinstance(self.top_k, bool)
+                                           and top_k_fits(self.top_k)):
+            raise ValueError(f"kd.top_k={self.top_k!r} must be a positive integer (or null: the cache's K)")
         try:
             self.loss_options()
         except ValueError as e:
@@ -37,6 +38,9 @@ class OfflineKDConfig(OfflineKD):
 
     @classmethod
     def from_dict(cls, values: dict | None) -> "OfflineKDConfig":
+        if values is not None and not isinstance(values, dict):
+            raise ValueError(f"the kd section is a {type(values).__name__}, not a mapping of kd keys (e.g. "
+                             "kd: {cache: /data/kd/teacher_top100, top_k: 100})")
         values = dict(values or {})
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)

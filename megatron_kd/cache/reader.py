@@ -68,6 +68,9 @@ def _who(ident: dict) -> str:
 
 def load_manifest(path) -> dict:
     p = os.path.join(path, MANIFEST)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CacheError(f"cache directory {path} is a file, not a cache directory; give the directory `megatron-kd "
+                         "cache build --out` wrote")
     if not os.path.isdir(path):
         raise CacheError(f"cache directory {path} does not exist; build it with `megatron-kd cache build --out {path}`")
     if not os.path.exists(p):

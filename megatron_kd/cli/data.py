@@ -49,6 +49,13 @@ def build_parser():
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    from ..runtime.interrupt import run_interruptible
+    # SIGTERM / Ctrl-C unwind: the temporary files go, the outputs already there stay as they were
+    return run_interruptible(lambda: prepare_command(args), f"nothing of {args.output_prefix} was changed",
+                             "rerun the same command to prepare it")
+
+
+def prepare_command(args) -> int:
     from ..runtime.quiet import quiet_megatron_warnings
     quiet_megatron_warnings()
     from ..data.corpus import prepare, pydoc_documents, read_documents, split_documents

@@ -85,15 +85,16 @@ def launch_script(name: str) -> Path:
 
 
 def composed(a):
-    """The recipe composed with the overrides and checked against the schema and the checks that hold on any
-    machine; a recipe that does not compose, a key the schema lacks or a quant.format that runs nowhere exits in
-    one sentence before any command runs."""
-    from ..recipe.checks import check_quant
-    from ..recipe.compose import compose
+    """The recipe composed with the overrides and checked as `megatron-kd train` checks it for another machine
+    (recipe/checks.check_recipe with cuda=None: the same refusal in the same sentence); a recipe that does not
+    compose or that training refuses on any machine exits in one sentence before any command runs. What only the
+    machine that runs it can check (its GPU, TE, files) goes to a.skipped; refusal_here checks it for this node."""
+    from ..recipe.checks import check_recipe
+    from ..recipe.compose import compose, missing_keys
     from ..recipe.schema import RecipeError, to_recipe
     try:
         cfg = compose(a.recipe, a.overrides, save="/dev/null")
-        check_quant(to_recipe(cfg))  # the machine that runs it decides the rest (refusal_here, or the workers)
+        a.skipped = check_recipe(to_recipe(cfg), None, None, missing_keys(cfg))
     except RecipeError as e:
         raise SystemExit(f"megatron-kd launch: {e}") from None
     return cfg
@@ -217,6 +218,9 @@ def make_plan(a) -> Plan:
         m = re.search(r"--nproc-per-node (\d+)", plan.notes[-1])
         workers = int(m.group(1)) if m else None
     plan.notes += recipe_warnings(cfg, None if workers is None else workers * a.nodes)
+    if a.skipped and (a.dry_run or a.nodes > 1 or a.slurm or a.container):  # else refusal_here checks them here
+        from ..recipe.checks import skipped_line
+        plan.notes.append(skipped_line(a.skipped))
     return plan
 
 

@@ -91,9 +91,9 @@ def cache_disk(r) -> dict | None:
 
 def resolve(a):
     """(shape, layout, training) from the target and flags; recipe notes go to stderr."""
-    rp = None
+    rp, skipped = None, []
     if recipe_path(a.recipe) is not None:
-        r = load_recipe(a.recipe, a.overrides)
+        r = load_recipe(a.recipe, a.overrides, skipped)
         rp = from_recipe(r)
         shape, layout, tr, teacher = rp.shape, rp.layout, rp.training, rp.teacher
         a.cache_teacher = rp.cache_teacher
@@ -148,6 +148,9 @@ def resolve(a):
         tk["swiglu_fusion"] = True
     for n in rp.notes if rp is not None else ():  # once nothing above refused the plan
         print(f"megatron-kd plan: note: {n}", file=sys.stderr)
+    if skipped:
+        from ..recipe.checks import skipped_line
+        print(f"megatron-kd plan: note: {skipped_line(skipped)}", file=sys.stderr)
     return shape, layout, replace(tr, **tk)
 
 

@@ -40,7 +40,9 @@ def main(argv=None) -> int:
     from ..runtime.interrupt import run_interruptible
     parser = get_args_parser()
     args = parser.parse_args(argv)
-    problem = preflight(args.config_name or "tiny_cpu", args.config_path, args.overrides, checks=not args.cfg)
+    from ..recipe.compose import sweep_refusal
+    problem = (None if args.multirun else sweep_refusal(args.overrides)) or \
+        preflight(args.config_name or "tiny_cpu", args.config_path, args.overrides, checks=not args.cfg)
     if not problem and args.multirun and not args.cfg:  # before Hydra writes multirun.yaml and each run's .hydra/
         problem = sweep_problem(args.config_name or "tiny_cpu", args.config_path, args.overrides)
     elif not problem and not args.cfg:  # before Hydra writes the run directory's .hydra/
@@ -51,14 +53,19 @@ def main(argv=None) -> int:
     if args.cfg:
         args.resolve = True  # print values, not interpolations
     box = {"rc": 0}
+    records = HydraRecords()
 
     def app(cfg):
-        box["rc"] = max(box["rc"], run_config(cfg))  # a sweep: the worst of its runs
+        # refused inside the run (not a RunError: no training happened), after Hydra wrote its records over the
+        # earlier ones: those come back
+        rc = run_config(cfg, on_refused=records.restore)
+        box["rc"] = max(box["rc"], rc)  # a sweep: the worst of its runs
 
     def call() -> int:
         # what @hydra.main does with sys.argv, done with this argument list
-        _run_hydra(args=args, args_parser=parser, task_function=app, config_path=search_path(),
-                   config_name="tiny_cpu")
+        with records:
+            _run_hydra(args=args, args_parser=parser, task_function=app, config_path=search_path(),
+                       config_name="tiny_cpu")
         return box["rc"]
     return run_interruptible(call, "the last saved checkpoint is kept")
 
@@ -69,10 +76,12 @@ def preflight(name: str, config_path, overrides: list, checks: bool = True) -> s
     Hydra would otherwise print its own multi-line report (or the YAML parser's traceback) and exit 1.
     checks: also the recipe's own checks (recipe/checks.check_recipe) and its `???` values, before Hydra writes the
     run directory's .hydra/ (a refused run would replace the record of the run already there); off for --cfg,
-    which prints a recipe as it is. A model or teacher from a Hugging Face checkpoint is checked in the run, once
-    its architecture is read from config.json."""
-    from ..recipe.checks import check_recipe, checked_recipe, recipe_file_error
-    from ..recipe.compose import compose, first_of_each_sweep, recipe_target, recipes_dir
+    which prints a recipe that may run elsewhere: it is checked as `megatron-kd plan` checks one (check_recipe
+    with cuda=None: what needs the machine that runs it, and the `???` values, are left to it, said on stderr).
+    A model or teacher from a Hugging Face checkpoint is checked in the run, once its architecture is read from
+    config.json."""
+    from ..recipe.checks import check_recipe, checked_recipe, recipe_file_error, skipped_line
+    from ..recipe.compose import compose, first_of_each_sweep, missing_keys, recipe_target, recipes_dir
     from ..recipe.schema import RecipeError, to_recipe
     from ..runtime.dist import use_cuda
     try:
@@ -80,7 +89,11 @@ def preflight(name: str, config_path, overrides: list, checks: bool = True) -> s
         overrides = first_of_each_sweep(overrides)
         cfg = compose(target, overrides)
         r = checked_recipe(cfg) if checks else to_recipe(cfg)
-        if checks and not (r.model.hf_path or r.teacher.hf_path):
+        if not checks:
+            skipped = check_recipe(r, None, None, missing_keys(cfg))
+            if skipped:
+                print(f"megatron-kd train: note: {skipped_line(skipped)}", file=sys.stderr)
+        elif not (r.model.hf_path or r.teacher.hf_path):
             check_recipe(r, int(os.environ.get("WORLD_SIZE", "1")), use_cuda(r.train.device))
     except RecipeError as e:
         return recipe_file_error(name, config_path, overrides, recipes_dir()) or str(e)
@@ -107,6 +120,7 @@ def sweep_problem(name: str, config_path, overrides: list) -> str | None:
             r = checked_recipe(cfg)
             check_sweep_run(r)
             check_against_save(r, r.train.save)
+            run_preflight(r)
         except RecipeError as e:
             which = f" ({' '.join(job[i] for i in swept)})" if swept else ""
             return f"sweep run {num}{which}: {e}; no run of the sweep was started"
@@ -115,7 +129,8 @@ def sweep_problem(name: str, config_path, overrides: list) -> str | None:
 
 def save_problem(name: str, config_path, overrides: list) -> str | None:
     """A single run checked against the checkpoints already in its train.save (training/resume.check_against_save)
-    before Hydra writes the run directory's records; the problem in one sentence, else None."""
+    and as the run itself checks it before any work (run_preflight), before Hydra writes the run directory's
+    records; the problem in one sentence, else None."""
     from ..recipe.checks import checked_recipe
     from ..recipe.compose import recipe_target, run_job
     from ..recipe.schema import RecipeError
@@ -127,15 +142,73 @@ def save_problem(name: str, config_path, overrides: list) -> str | None:
     try:
         r = checked_recipe(cfg)
         check_against_save(r, r.train.save)
+        run_preflight(r)
     except RecipeError as e:
         return str(e)
     return None
 
 
-def run_config(cfg) -> int:
-    """Train from a composed recipe; a recipe problem prints one line naming the key and returns 2."""
+def run_preflight(r) -> None:
+    """What training.loop.run refuses before any work (training/preflight: the Hugging Face checkpoints, the
+    recipe's checks with their architecture, the tokenizer, the corpus, the checkpoints loaded as weights), checked
+    before Hydra writes the run directory's .hydra/: a refusal there would replace the records of the run already
+    in it. On a copy: the preflight fills in the architecture of a Hugging Face checkpoint."""
+    import copy
+    from ..runtime.dist import use_cuda
+    from ..training.preflight import preflight
+    r = copy.deepcopy(r)
+    preflight(r, int(os.environ.get("WORLD_SIZE", "1")), use_cuda(r.train.device))
+
+
+class HydraRecords:
+    """The files Hydra writes into a run's directory before the run starts (.hydra/config.yaml, hydra.yaml,
+    overrides.yaml), as they were before: a run refused inside training (a check that needs the process group,
+    the cache or the model) gives the earlier run's records back instead of leaving its own refused values in them.
+    Most refusals come before Hydra writes (preflight, save_problem, sweep_problem); this covers the rest."""
+
+    def __init__(self):
+        self.before = {}  # path -> its bytes before this command wrote it (None: it did not exist)
+
+    def __enter__(self):
+        from hydra.core import utils
+        self.real, module = utils._save_config, utils
+
+        def save_config(cfg, filename, output_dir):
+            path = os.path.join(str(output_dir), filename)
+            if path not in self.before:
+                self.before[path] = open(path, "rb").read() if os.path.isfile(path) else None
+            self.real(cfg, filename, output_dir)
+        module._save_config = save_config
+        return self
+
+    def __exit__(self, *exc):
+        from hydra.core import utils
+        utils._save_config = self.real
+
+    def restore(self, cfg) -> None:
+        """The records of the run `cfg` (Hydra's current job) as they were before it (write beside, then swap)."""
+        from hydra.core.hydra_config import HydraConfig
+        out = os.path.join(os.path.abspath(HydraConfig.get().runtime.output_dir), "")
+        for path, old in self.before.items():
+            if not os.path.abspath(path).startswith(out):
+                continue
+            if old is None:
+                if os.path.isfile(path):
+                    os.remove(path)
+                if os.path.isdir(os.path.dirname(path)) and not os.listdir(os.path.dirname(path)):
+                    os.rmdir(os.path.dirname(path))
+                continue
+            tmp = f"{path}.restore-{os.getpid()}"
+            with open(tmp, "wb") as f:
+                f.write(old)
+            os.replace(tmp, path)
+
+
+def run_config(cfg, on_refused=None) -> int:
+    """Train from a composed recipe; a recipe problem prints one line naming the key and returns 2.
+    on_refused(cfg): called when the run was refused before it trained (a RecipeError that is not a RunError)."""
     from omegaconf import OmegaConf, open_dict
-    from ..recipe.schema import RecipeError
+    from ..recipe.schema import RecipeError, RunError
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
     hc = HydraConfig.get()
@@ -157,6 +230,8 @@ def run_config(cfg) -> int:
         summary = run(recipe, recipe.train.save)
     except RecipeError as e:
         print(f"megatron-kd train: error: {e}", file=sys.stderr)
+        if on_refused is not None and not isinstance(e, RunError):
+            on_refused(cfg)
         return USAGE_ERROR
     from ..runtime.dist import is_rank0
     if is_rank0():

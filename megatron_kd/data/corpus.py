@@ -12,6 +12,7 @@ import contextlib
 import gzip
 import json
 import os
+import sys
 
 import numpy as np
 
@@ -227,6 +228,51 @@ def _remove_leftovers(prefix: str) -> None:
             os.remove(os.path.join(d, f))
 
 
+def moving_marker(prefix: str) -> str:
+    """The file a prepare writes before it moves its finished outputs into place, removed once they all are: while
+    it is there, `prefix`'s outputs may be part the earlier prepare's, part this one's (a prepare killed mid-move)."""
+    d, name = os.path.split(os.path.abspath(prefix))
+    return os.path.join(d, f".{name}.prepare.moving")
+
+
+def _move_into_place(prefix: str, moves: list) -> None:
+    """Every (temporary, output) pair moved, as one step as far as a reader or a rerun can tell: the marker lists
+    them first (a prepare killed between two moves is finished by the next prepare of `prefix`, _finish_moves; a
+    training run refuses the prefix until then), and SIGTERM / SIGINT wait until the moves are done."""
+    import signal
+    marker = moving_marker(prefix)
+    held = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        with open(marker + ".tmp", "w") as f:
+            json.dump(moves, f)
+        os.replace(marker + ".tmp", marker)
+        for src, dst in moves:
+            os.replace(src, dst)
+        os.remove(marker)
+        while signal.sigtimedwait(held, 0) is not None:
+            pass  # a stop asked for during the moves comes after them: the prepare has finished, it ends as such
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
+
+
+def _finish_moves(prefix: str) -> bool:
+    """The moves of a prepare of `prefix` killed while moving its outputs into place, finished (each file was
+    complete before the first move): its outputs, none of the earlier ones mixed in. True when there were any."""
+    marker = moving_marker(prefix)
+    if os.path.exists(marker + ".tmp"):  # killed while listing the moves: none had started
+        os.remove(marker + ".tmp")
+    if not os.path.exists(marker):
+        return False
+    with open(marker) as f:
+        moves = json.load(f)
+    for src, dst in moves:
+        if os.path.exists(src):
+            os.replace(src, dst)
+    os.remove(marker)
+    return True
+
+
 def outputs(prefix: str, tokenizer_out: str | None) -> list:
     out = [prefix + ".bin", prefix + ".idx", prefix + ".json"]
     return out + ([tokenizer_out] if tokenizer_out else [])
@@ -262,6 +308,9 @@ def prepare(docs, prefix: str, *, tokenizer: str | None = None, vocab_size: int 
     os.makedirs(d, exist_ok=True)
     tok_out = None if tokenizer else (tokenizer_out or prefix + ".tokenizer.json")
     with _prefix_lock(prefix):
+        if _finish_moves(prefix):
+            print(f"note: a data prepare of {prefix} was stopped while moving its outputs into place; its move is "
+                  "finished", file=sys.stderr)
         existing = [p for p in outputs(prefix, tok_out) if os.path.exists(p)]
         if existing and not overwrite:
             raise FileExistsError(f"{', '.join(existing)} already exist; pass --overwrite to replace them, or "
@@ -288,10 +337,8 @@ def prepare(docs, prefix: str, *, tokenizer: str | None = None, vocab_size: int 
             with open(tmp + ".json", "w") as fh:
                 json.dump(summary, fh, indent=2)
             # every file written before any is moved: a failed write leaves the previous outputs as they were
-            if tmp_tok:
-                os.replace(tmp_tok, tok_out)
-            for ext in (".bin", ".idx", ".json"):
-                os.replace(tmp + ext, prefix + ext)
+            _move_into_place(prefix, [*([(tmp_tok, tok_out)] if tmp_tok else []),
+                                      *[(tmp + ext, prefix + ext) for ext in (".bin", ".idx", ".json")]])
         except OSError as e:
             if not out_of_room(e):
                 raise
@@ -299,7 +346,8 @@ def prepare(docs, prefix: str, *, tokenizer: str | None = None, vocab_size: int 
                               f"a file-size limit is reached) and nothing of {prefix} was changed; free space there "
                               "or give an --output-prefix on a disk with room, then rerun") from None
         finally:
+            moving = os.path.exists(moving_marker(prefix))  # a move that failed half-way: the next prepare ends it
             for p in (tmp + ".bin", tmp + ".idx", tmp + ".json", tmp_tok):
-                if p and os.path.exists(p):
+                if p and os.path.exists(p) and not moving:
                     os.remove(p)
     return summary

@@ -122,6 +122,11 @@ def data_sources(path) -> list:
 
 
 def _check_prefix(p: str) -> None:
+    from .corpus import moving_marker
+    if os.path.exists(moving_marker(p)):
+        raise RecipeError(f"data.path: {p}'s .bin / .idx / .json may be part of two prepares (a `megatron-kd data "
+                          f"prepare --output-prefix {p}` was stopped while moving its outputs into place); rerun that "
+                          "prepare, which finishes the move first")
     if os.path.isfile(p + ".bin") and os.path.isfile(p + ".idx"):
         return
     stem, ext = os.path.splitext(p)

@@ -68,26 +68,42 @@ def _cache_top_k(kd, notes: list) -> int:
     return DEFAULT_TOP_K
 
 
-def load_recipe(name: str, overrides=()):
-    """The recipe as megatron_kd.recipe.schema.Recipe dataclasses (composed as `megatron-kd train` does)."""
+def load_recipe(name: str, overrides=(), skipped: list | None = None):
+    """The recipe as megatron_kd.recipe.schema.Recipe dataclasses (composed as `megatron-kd train` does), checked
+    as `megatron-kd train` checks it for another machine (recipe/checks.check_recipe with cuda=None: what training
+    refuses, plan refuses with the same sentence); the checks left to that machine are appended to `skipped`."""
     from omegaconf import OmegaConf, open_dict
+    from megatron_kd.recipe.checks import check_recipe
     from megatron_kd.recipe.schema import to_recipe
-    from megatron_kd.recipe.compose import compose, recipes_dir
+    from megatron_kd.recipe.compose import compose, missing_keys, recipes_dir
     path = recipe_path(name)
     if path is None:
         raise FileNotFoundError(f"no recipe {name!r} (a shipped recipe's name or a .yaml path)")
     target = str(path.resolve()) if Path(name).suffix in (".yaml", ".yml") or path.parent != recipes_dir() \
         else path.stem
     cfg = compose(target, list(overrides), save="runs/plan")
+    later = missing_keys(cfg)
     with open_dict(cfg):
         _missing_to_none(cfg)
         if "hydra" in cfg:
             del cfg["hydra"]
-    return to_recipe(OmegaConf.create(OmegaConf.to_container(cfg, resolve=False)))
+    r = to_recipe(OmegaConf.create(OmegaConf.to_container(cfg, resolve=False)))
+    left = check_recipe(r, None, None, later)
+    if skipped is not None:
+        skipped += left
+    return r
 
 
 def vocab_size(r) -> int:
-    """The unpadded vocabulary: data.vocab_size, else the data.tokenizer file's (as megatron_kd.data.datasets)."""
+    """The unpadded vocabulary: data.vocab_size, else the data.tokenizer file's (as megatron_kd.data.datasets),
+    checked against kd.top_k as training checks it."""
+    from ..recipe.checks import check_top_k_vocab
+    v = _vocab_size(r)
+    check_top_k_vocab(r, v)
+    return v
+
+
+def _vocab_size(r) -> int:
     d = r.data
     if d.vocab_size is not None:
         return int(d.vocab_size)
@@ -160,21 +176,18 @@ def parallel_config(layout: Layout):
 
 
 def recompute_of(m) -> tuple:
-    """(recompute, recompute_layers) of model.recompute_granularity / _method / _num_layers, as Megatron runs it."""
+    """(recompute, recompute_layers) of model.recompute_granularity / _method / _num_layers, as Megatron runs it
+    (what it refuses: recipe/checks.check_recompute)."""
+    from ..recipe.checks import check_recompute
+    check_recompute(m, "model")
     g = m.recompute_granularity
     if g is None:
         return "none", None
     if g == "selective":
         return "selective", None
-    if g == "full":
-        if m.recompute_method == "block":
-            if m.recompute_num_layers is None:
-                raise ValueError("model.recompute_method=block needs model.recompute_num_layers")
-            return "full", int(m.recompute_num_layers)
-        if m.recompute_method not in (None, "uniform"):
-            raise ValueError(f"model.recompute_method={m.recompute_method!r}: use uniform or block")
-        return "full", None   # uniform: every layer, in groups of recompute_num_layers
-    raise ValueError(f"model.recompute_granularity={g!r}: use null, full or selective")
+    if m.recompute_method == "block":
+        return "full", int(m.recompute_num_layers)
+    return "full", None   # uniform: every layer, in groups of recompute_num_layers
 
 
 def layer_spec(m, shape: ModelShape) -> tuple[dict, list]:
@@ -237,13 +250,9 @@ class RecipePlan:
 
     def training_for(self, layout: Layout) -> Training:
         """The step at data-parallel size layout.dp: global_batch / (micro_batch x dp) micro-batches."""
-        mbs, dp = self.training.micro_batch, layout.dp
-        if mbs < 1:
-            raise ValueError(f"train.micro_batch_size={mbs} must be >= 1")
-        if self.global_batch_size % (mbs * dp):
-            raise ValueError(f"train.global_batch_size={self.global_batch_size} must divide by "
-                             f"train.micro_batch_size x data-parallel size = {mbs} x {dp}")
-        return replace(self.training, num_microbatches=self.global_batch_size // (mbs * dp))
+        from ..recipe.checks import check_batch
+        micro = check_batch(self.global_batch_size, self.training.micro_batch, layout.dp)
+        return replace(self.training, num_microbatches=micro)
 
 
 def from_recipe(r) -> RecipePlan:

@@ -2,6 +2,12 @@
 
 check_recipe: the sections alone and across each other (no data, no model). check_run: what needs the tokenizer's
 size and the world size. check_model / check_vocab: one architecture section (student or teacher).
+
+The commands that only plan a run (`megatron-kd plan`, `launch --dry-run`, a launch that runs on Slurm or in a
+container) call check_recipe with cuda=None: every check that depends on the recipe alone runs as in training, so
+they refuse what training refuses with the same sentence; what depends on the machine that runs it (its GPU,
+Transformer Engine, ModelOpt, Triton) or reads its files (model.hf_path, kd.cache) is not run, and named in the list
+check_recipe returns (`skipped`), which those commands print.
 """
 import math
 import os
@@ -28,7 +34,19 @@ def _need(cond: bool, msg: str) -> None:
         raise RecipeError(msg)
 
 
-def check_model(m: ModelConfig, section: str, tp: int) -> None:
+def _there(skipped: list | None, what: str) -> bool:
+    """True when a check of the machine that runs the recipe is for another machine: `what` (the key and what it
+    needs there) goes into `skipped` and the caller skips the check. skipped=None: the check runs here."""
+    if skipped is None:
+        return False
+    if what not in skipped:
+        skipped.append(what)
+    return True
+
+
+def check_model(m: ModelConfig, section: str, tp: int, skipped: list | None = None) -> None:
+    """One architecture section. skipped: a list for a run on another machine (check_recipe's cuda=None): the
+    checks of that machine's Transformer Engine and GPU, and of the files model.hf_path names, go there instead."""
     _need(m.num_layers >= 1, f"{section}.num_layers={m.num_layers} must be >= 1")
     _need(m.num_attention_heads >= 1 and m.hidden_size >= 1, f"{section}: hidden_size and heads must be >= 1")
     if m.kv_channels is None:
@@ -50,14 +68,18 @@ def check_model(m: ModelConfig, section: str, tp: int) -> None:
           f"{section}.position_embedding_type={m.position_embedding_type!r}: use rope, yarn, learned_absolute or none")
     families.recipe_checks(m, section)  # each family's own fields (GPT-OSS: sinks, window, YaRN)
     check_rope_scaling(m, section)
+    check_recompute(m, section)
     check_layer_settings(m, section)
-    _need(m.attention_backend != "te" or features.te_available(),
+    te_there = m.attention_backend == "te" and _there(skipped, f"{section}.attention_backend=te (Transformer "
+                                                               "Engine there)")
+    _need(te_there or m.attention_backend != "te" or features.te_available(),
           f"{section}.attention_backend=te needs Transformer Engine, which does not import here; set "
           f"{section}.attention_backend=auto (TE's layers where TE imports, else SDPA) or sdpa, or run in a "
           "container with TE (NeMo / Megatron-Bridge)")
     _need(m.make_vocab_size_divisible_by >= 1, f"{section}.make_vocab_size_divisible_by must be >= 1")
-    check_fp8(m, section)
-    if m.hf_path:  # the directory here; Bridge, architecture and layout in recipe.hf.resolve
+    check_fp8(m, section, skipped)
+    if m.hf_path and not _there(skipped, f"{section}.hf_path={m.hf_path} (read there)"):
+        # the directory here; Bridge, architecture and layout in recipe.hf.resolve
         from ..hf import check_hf_dir
         check_hf_dir(m.hf_path, f"{section}.hf_path")
     if m.megatron:
@@ -133,11 +155,11 @@ def check_fp8_settings(m: ModelConfig, section: str) -> None:
           f"no backend for {recipe}); set {r}=delayed, or {a}=false")
 
 
-def check_fp8(m: ModelConfig, section: str) -> None:
+def check_fp8(m: ModelConfig, section: str, skipped: list | None = None) -> None:
     """FP8 runs in Transformer Engine's layers only, and each scaling recipe on the GPUs that have it."""
     check_fp8_settings(m, section)
     f8, key = fp8_fields(m), fp8_keys(m, section)
-    if not f8:
+    if not f8 or _there(skipped, f"{key['fp8']}={f8['fp8']} (Transformer Engine and the GPU there)"):
         return
     _need(features.te_available(), f"{key['fp8']}={f8['fp8']} needs Transformer Engine on a GPU, which does not "
           f"import here; set {key['fp8']}=null (bf16), or run in a container with TE (NeMo / Megatron-Bridge)")
@@ -167,34 +189,101 @@ def check_world(r: Recipe, world_size: int) -> int:
           f"{world_size} processes do not divide into parallel.tp x parallel.pp x parallel.cp = {model_parallel}; "
           f"launch a multiple of {model_parallel} processes (torchrun --nproc-per-node)")
     dp = world_size // model_parallel
-    _need(t.global_batch_size % (t.micro_batch_size * dp) == 0,
-          f"train.global_batch_size={t.global_batch_size} must divide by train.micro_batch_size x data-parallel "
-          f"size = {t.micro_batch_size} x {dp}")
+    check_batch(t.global_batch_size, t.micro_batch_size, dp)
     return dp
 
 
-def check_recipe(r: Recipe, world_size: int | None = 1, cuda: bool = False) -> None:
+def check_batch(global_batch_size: int, micro_batch_size: int, dp: int) -> int:
+    """The micro-batches per step of each data-parallel rank (training, and `megatron-kd plan` at its world)."""
+    _need(micro_batch_size >= 1, f"train.micro_batch_size={micro_batch_size} must be >= 1")
+    _need(global_batch_size % (micro_batch_size * dp) == 0,
+          f"train.global_batch_size={global_batch_size} must divide by train.micro_batch_size x data-parallel "
+          f"size = {micro_batch_size} x {dp}")
+    return global_batch_size // (micro_batch_size * dp)
+
+
+def check_recipe(r: Recipe, world_size: int | None = 1, cuda: bool | None = False, later=()) -> list:
     """Cross-section checks that need no data or model; raise RecipeError naming the key.
-    The world-size check comes last (world_size=None skips it)."""
+    The world-size check comes last (world_size=None skips it).
+    cuda=None: the run is planned for another machine (plan, launch --dry-run, Slurm, a container): what needs that
+    machine or its files is not checked; returns what was skipped, each naming its key (else []). later: the keys
+    the recipe leaves `???`, given there (their `required` checks are skipped)."""
     p = r.parallel
+    skipped = [] if cuda is None else None
     for k in ("tp", "pp", "cp", "ep"):
         _need(getattr(p, k) >= 1, f"parallel.{k}={getattr(p, k)} must be >= 1")
-    check_model(r.model, "model", p.tp)
+    _need(p.etp is None or p.etp >= 1, f"parallel.etp={p.etp} must be >= 1, or null (= parallel.tp)")
+    _need(p.vpp is None or p.vpp >= 1, f"parallel.vpp={p.vpp} must be >= 1, or null (no interleaving)")
+    check_model(r.model, "model", p.tp, skipped)
     # megatron-core's MoE layer raises in the first training step otherwise (after any teacher pass)
     _need(not (r.model.num_moe_experts and p.tp > 1) or p.sequence_parallel,
           f"model.num_moe_experts={r.model.num_moe_experts} with parallel.tp={p.tp}: megatron-core trains MoE layers "
           "under tensor parallelism only with sequence parallelism; set parallel.sequence_parallel=true (GPUs), or "
           "parallel.tp=1 and spread the experts with parallel.ep")
     _need(p.cp == 1 or not te_attention_unverified(r.model), own_attention_cp_refusal("model", p.cp))
-    _check_kd(r)
-    _check_data(r)
+    _check_kd(r, skipped, later)
+    _check_data(r, later)
+    if r.data.tokenizer is None and r.data.vocab_size is not None:  # else check_run, once the tokenizer is read
+        check_top_k_vocab(r, r.data.vocab_size)
     _check_train(r)
-    _check_fused(r, cuda)
+    _check_online(r, skipped)
+    _check_export_source(r)
+    if cuda is None and r.train.device == "cpu":
+        cuda = False  # the machine there runs it on its CPU whatever it has
+    elif cuda is None and r.train.device == "cuda":
+        _there(skipped, "train.device=cuda (a GPU there)")
+    if cuda is None:
+        if r.kd.impl == "fused":
+            _there(skipped, "kd.impl=fused (a GPU and Triton there)")
+        if r.quant.format != "none":
+            _there(skipped, f"quant.format={r.quant.format} (ModelOpt and a GPU there)")
+        if r.train.device == "auto" and _refusal(_check_cpu, r):
+            _there(skipped, f"train.device=auto (a GPU there: on a CPU, {_refusal(_check_cpu, r)})")
+    else:
+        _check_fused(r, cuda)
     check_quant(r, cuda)
-    if not cuda:
+    if cuda is False:
         _check_cpu(r)
     if world_size is not None:
         check_world(r, world_size)
+    return skipped or []
+
+
+def skipped_line(skipped: list) -> str:
+    """What check_recipe(cuda=None) left to the machine that runs the recipe, as the planning commands print it."""
+    return "not checked here, left to the machine that runs it: " + "; ".join(skipped)
+
+
+def _refusal(check, *args) -> str | None:
+    try:
+        check(*args)
+    except RecipeError as e:
+        return str(e)
+    return None
+
+
+def _check_online(r: Recipe, skipped: list | None = None) -> None:
+    """An online teacher: unpipelined beside the student, loaded from a checkpoint (a recipe planned for another
+    machine may leave it to be given there, as the online recipes do)."""
+    src = TargetSource.of(r.kd)
+    if not src.teacher_each_step:
+        return
+    _need(r.parallel.cp == 1 or not te_attention_unverified(r.teacher), own_attention_cp_refusal("teacher",
+                                                                                                r.parallel.cp))
+    _need(r.parallel.pp == 1, "kd.mode=online runs with parallel.pp=1 (the teacher beside the student is not "
+          "pipelined); use offline mode (a cache) with pipeline parallel")
+    _need(bool(r.teacher.load or r.teacher.hf_path) or _there(skipped, "teacher.load=null (kd.mode=online: the "
+          "teacher's checkpoint there, teacher.load or teacher.hf_path)"), "kd.mode=online needs teacher.load: the teacher's checkpoint "
+          "directory (a `megatron-kd train` save dir), or teacher.hf_path: a Hugging Face checkpoint")
+
+
+def _check_export_source(r: Recipe) -> None:
+    """train.export_hf writes the config and tokenizer of the student's Hugging Face source (check_export: the
+    directory)."""
+    out = r.train.export_hf
+    _need(not out or bool(r.model.hf_path), f"train.export_hf={out}: the student did not start from a Hugging Face "
+          "checkpoint (model.hf_path is null), so there is no config or tokenizer to export with; set "
+          "model.hf_path, or run `megatron-kd export --hf-path DIR` after training")
 
 
 def quant_problem(fmt: str, cuda: bool, key: str = "quant.format") -> str | None:
@@ -212,7 +301,7 @@ def quant_problem(fmt: str, cuda: bool, key: str = "quant.format") -> str | None
     return missing("quant", "fake-quantized students", f"{key}={fmt}")
 
 
-def _check_kd(r: Recipe) -> None:
+def _check_kd(r: Recipe, skipped: list | None = None, later=()) -> None:
     """The kd section: mode, K, the teacher or cache it needs, the loss keys."""
     kd, p = r.kd, r.parallel
     src = TargetSource.of(kd)
@@ -225,12 +314,15 @@ def _check_kd(r: Recipe) -> None:
     if src.distills and kd.top_k is not None:
         _need(top_k_fits(kd.top_k), f"kd.top_k={kd.top_k} must be >= 1")
     if src.needs_teacher:
-        check_model(r.teacher, "teacher", p.tp)
+        check_model(r.teacher, "teacher", p.tp, skipped)
+    _need(not src.builds_cache or p.pp == 1, f"kd.build_cache=true runs the teacher with parallel.pp=1 (here "
+          f"parallel.pp={p.pp}); build the cache separately (`megatron-kd cache build`) for a pipelined teacher, "
+          "then train with kd.build_cache=false")
     _check_cache_encoding(kd)
-    if src.reads_cache:
+    if src.reads_cache and not (not kd.cache and "kd.cache" in later):
         _need(bool(kd.cache), "kd.cache is required in offline mode: the teacher top-K cache directory "
               "(build one with `megatron-kd cache build`, or set kd.build_cache=true)")
-        _need(not os.path.isfile(kd.cache), f"kd.cache={kd.cache} is a file, not a cache directory; point kd.cache "
+        _need(_there(skipped, f"kd.cache={kd.cache} (read there)") or not os.path.isfile(kd.cache), f"kd.cache={kd.cache} is a file, not a cache directory; point kd.cache "
               "at a directory (kd.build_cache=true makes it)")
     if src.teacher_each_step:  # the teacher computes its targets at kd.temperature every step
         _need(kd.cache_temperature is None, f"kd.cache_temperature={kd.cache_temperature} re-tempers a cache "
@@ -275,10 +367,10 @@ def _check_cache_encoding(kd) -> None:
         _need(problem is None, f"kd.cache_{problem}" if problem else "")
 
 
-def _check_data(r: Recipe) -> None:
+def _check_data(r: Recipe, later=()) -> None:
     d, p = r.data, r.parallel
     _need(d.kind in ("mock", "indexed"), f"data.kind={d.kind!r}: use mock or indexed")
-    if d.kind == "indexed":
+    if d.kind == "indexed" and not (not d.path and "data.path" in later):
         _need(bool(d.path), "data.path is required with data.kind=indexed: the .bin/.idx prefix "
               "(`megatron-kd data prepare` writes one)")
     else:
@@ -337,6 +429,22 @@ def _check_cpu(r: Recipe) -> None:
           "train.precision=bf16 with train.optimizer=lean_adam")
 
 
+def check_recompute(m: ModelConfig, section: str) -> None:
+    """Activation recompute as megatron-core's TransformerConfig takes it (it raises in the model build otherwise)."""
+    g, method, n = m.recompute_granularity, m.recompute_method, m.recompute_num_layers
+    _need(g in (None, "full", "selective"), f"{section}.recompute_granularity={g!r}: use null, full or selective")
+    _need(method in (None, "uniform", "block"), f"{section}.recompute_method={method!r}: use uniform or block")
+    if g == "full":
+        _need(method is not None, f"{section}.recompute_granularity=full needs {section}.recompute_method: uniform "
+              "(every layer, in groups of recompute_num_layers) or block (the first recompute_num_layers of each "
+              "stage)")
+        _need(isinstance(n, int) and n >= 1, f"{section}.recompute_granularity=full needs "
+              f"{section}.recompute_num_layers >= 1 (got {n}): the layers per group (uniform) or per stage (block)")
+    elif g == "selective":
+        _need(n is None, f"{section}.recompute_num_layers={n} applies to recompute_granularity=full only; set "
+              f"{section}.recompute_num_layers=null with selective recompute")
+
+
 ROPE_SCALING_KEYS = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                      "rope_original_max_position_embeddings")
 
@@ -372,25 +480,21 @@ def check_run(r: Recipe, world_size: int, cuda: bool, vocab_size: int) -> None:
     src = TargetSource.of(r.kd)
     if src.needs_teacher:
         check_vocab(vocab_size, r.teacher, "teacher", r.parallel.tp)
-        if src.teacher_each_step:
-            _need(r.parallel.cp == 1 or not te_attention_unverified(r.teacher),
-                  own_attention_cp_refusal("teacher", r.parallel.cp))
-            if r.parallel.pp > 1:
-                raise RecipeError("kd.mode=online runs with parallel.pp=1 (the teacher beside the student is not "
-                                  "pipelined); use offline mode (a cache) with pipeline parallel")
-            if not (r.teacher.load or r.teacher.hf_path):
-                raise RecipeError("kd.mode=online needs teacher.load: the teacher's checkpoint directory (a "
-                                  "`megatron-kd train` save dir), or teacher.hf_path: a Hugging Face checkpoint")
     p = r.parallel
     if cuda and p.cp > 1 and not features.te_available():
         raise RecipeError(f"parallel.cp={p.cp} needs Transformer Engine attention, which does not import here; use "
                           "parallel.cp=1 or a container with TE")
     for section, m in [("model", r.model), *([("teacher", r.teacher)] if src.needs_teacher else [])]:
         check_sequence_parallel(m, section, p, cuda)
-    if src.distills and r.kd.top_k is not None and not top_k_fits(r.kd.top_k, vocab_size):
-        raise RecipeError(f"kd.top_k={r.kd.top_k} exceeds the vocabulary ({vocab_size} ids)")
+    check_top_k_vocab(r, vocab_size)
     check_world(r, world_size)
     check_export(r)
+
+
+def check_top_k_vocab(r: Recipe, vocab_size: int) -> None:
+    """kd.top_k against the tokenizer's vocabulary (check_run; `megatron-kd plan` once it read the vocabulary)."""
+    if TargetSource.of(r.kd).distills and r.kd.top_k is not None and not top_k_fits(r.kd.top_k, vocab_size):
+        raise RecipeError(f"kd.top_k={r.kd.top_k} exceeds the vocabulary ({vocab_size} ids)")
 
 
 def check_sequence_parallel(m: ModelConfig, section: str, p, cuda: bool) -> None:
@@ -433,10 +537,7 @@ def check_export(r: Recipe) -> None:
     out = r.train.export_hf
     if not out:
         return
-    if not r.model.hf_path:
-        raise RecipeError(f"train.export_hf={out}: the student did not start from a Hugging Face checkpoint "
-                          "(model.hf_path is null), so there is no config or tokenizer to export with; set "
-                          "model.hf_path, or run `megatron-kd export --hf-path DIR` after training")
+    _check_export_source(r)
     if dist.is_initialized() and dist.get_world_size() > 1:  # a caller's multi-rank group would outlive run()
         raise RecipeError(f"train.export_hf={out}: this run joins a process group made outside megatron-kd train, "
                           "which stays up after it (the export runs as one process on rank 0); leave "

@@ -143,6 +143,22 @@ def first_of_each_sweep(overrides) -> list:
     return out
 
 
+def sweep_refusal(overrides) -> str | None:
+    """An override that gives several values (`kd.top_k=4,8`) outside `train -m`, in one sentence (Hydra's own
+    report is several); None when there is none (or the overrides do not parse: composing reports that)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except Exception:  # noqa: BLE001  Hydra's parser error is reported where the recipe is composed
+        return None
+    for o in parsed:
+        if o.is_sweep_override():
+            key = o.get_key_element()
+            return (f"{o.input_line} gives several values, a sweep that only `megatron-kd train -m` runs (one "
+                    f"training per value); give one value here, or a list as {key}=[...]")
+    return None
+
+
 def composition_error(e, overrides=()):
     """Hydra's or OmegaConf's exception of a recipe that does not compose, as a RecipeError of one sentence that
     names the key (and the valid keys of its section, or the valid sections) or the group option."""
@@ -184,7 +200,7 @@ def compose(name: str = "tiny_cpu", overrides=(), save: str | None = None):
     from omegaconf.errors import OmegaConfBaseException
     from .schema import RecipeError
     overrides = list(overrides)
-    problem = missing_recipe(name)
+    problem = missing_recipe(name) or sweep_refusal(overrides)
     if problem:
         raise RecipeError(problem)
     cfg_name, context = _hydra_context(name)

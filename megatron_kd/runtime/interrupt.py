@@ -45,8 +45,9 @@ def end_children() -> None:
         pass
 
 
-def run_interruptible(fn, kept: str) -> int:
-    """fn()'s return code; on SIGTERM/SIGINT: end the children, say what is kept (`kept`) and 128 + signal."""
+def run_interruptible(fn, kept: str, fix: str = "rerun the same command to resume") -> int:
+    """fn()'s return code; on SIGTERM/SIGINT: end the children, say what is kept (`kept`) and what to do (`fix`),
+    and return 128 + signal."""
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     del _received[:]
     try:
@@ -58,8 +59,7 @@ def run_interruptible(fn, kept: str) -> int:
         except Interrupted as e:
             signum = e.signum
         end_children()
-        print(f"interrupted by {signal.Signals(signum).name}: {kept}; rerun the same command to resume",
-              file=sys.stderr)
+        print(f"interrupted by {signal.Signals(signum).name}: {kept}; {fix}", file=sys.stderr)
         return 128 + signum
     finally:
         for s, h in previous.items():

@@ -35,7 +35,7 @@ from ..cache.writer import CacheWriter
 from ..data.datasets import build_datasets, dataset_id, load_tokenizer, samples_needed
 from ..recipe.checks import check_model, check_recipe, check_vocab
 from ..recipe.hf import resolve_hf
-from ..recipe.schema import Recipe, RecipeError
+from ..recipe.schema import Recipe
 from ..rules import DEFAULT_TOP_K, out_of_room
 from ..runtime.dist import distributed, is_rank0, use_cuda
 from ..runtime.features import release_memory
@@ -390,10 +390,7 @@ def _build(writer, teacher, dataset, seq, top_k, temperature, chunk_size, micro_
 def build_teacher_cache(r: Recipe, tok, train_ds, num_samples: int) -> dict:
     """kd.build_cache: run the recipe's teacher over the training samples and write kd.cache (resumable)."""
     from megatron.core import parallel_state as ps
-    check_model(r.teacher, "teacher", r.parallel.tp)
-    if r.parallel.pp > 1:
-        raise RecipeError("kd.build_cache runs the teacher with parallel.pp=1; build the cache separately "
-                          "(`megatron-kd cache build`) for a pipelined teacher")
+    check_model(r.teacher, "teacher", r.parallel.tp)  # parallel.pp: recipe/checks (_check_kd), before any work
     if not r.teacher.hf_path and not r.teacher.load and is_rank0():
         print("note: teacher.load is null: the cache comes from a randomly initialized teacher (a pipeline "
               "check, not a distillation); set teacher.load to a trained teacher's save dir", flush=True)

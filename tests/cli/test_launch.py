@@ -1,6 +1,7 @@
 """Launchers: shellcheck, dry runs of `megatron-kd launch`, slurm.sbatch under a fake srun/scontrol, and a real
 two-process CPU run through launch/torchrun.sh."""
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -33,8 +34,9 @@ def clean_env():
 def recipe(tmp_path):
     p = tmp_path / "recipes" / "my_recipe.yaml"
     p.parent.mkdir()
-    # the schema alone: the launcher composes it (a misspelt key stops it there) and passes the path to Hydra
-    p.write_text("defaults:\n  - megatron_kd\n  - _self_\n")
+    # the schema and a vocabulary (what train refuses, launch refuses): the launcher composes and checks it (a
+    # misspelt key stops it there) and passes the path to Hydra
+    p.write_text("defaults:\n  - megatron_kd\n  - _self_\ndata:\n  vocab_size: 64\n")
     return p
 
 
@@ -171,12 +173,13 @@ def test_launch_unknown_recipe_names_the_known_ones():
         launch.main(["--dry-run", "no_such_recipe"])
 
 
-@pytest.mark.parametrize("override, key", [("model.fp8=fp4", "model.fp8='fp4'"),
-                                           ("teacher.attention_backend=te", "teacher.attention_backend=te")])
-def test_launch_here_refuses_a_bad_recipe_before_torchrun(capsys, monkeypatch, tmp_path, override, key):
+@pytest.mark.parametrize("override, key, anywhere", [("model.fp8=fp4", "model.fp8='fp4'", True),
+                                                     ("teacher.attention_backend=te", "teacher.attention_backend=te",
+                                                      False)])
+def test_launch_here_refuses_a_bad_recipe_before_torchrun(capsys, monkeypatch, tmp_path, override, key, anywhere):
     """A run on this node is checked here first: one sentence and exit 2, torchrun never started (it used to print
-    every worker's sentence and then its own ChildFailedError traceback). Slurm and docker runs are checked where
-    they run."""
+    every worker's sentence and then its own ChildFailedError traceback). Slurm and docker runs are checked here
+    for what is wrong on any machine (fp8=fp4), and where they run for what that machine decides (TE there)."""
     from megatron_kd.runtime import features
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(features, "te_available", lambda: False)
@@ -187,11 +190,19 @@ def test_launch_here_refuses_a_bad_recipe_before_torchrun(capsys, monkeypatch, t
             return real_run(argv, *a, env=env, **k)
         started.append(argv)
     monkeypatch.setattr(launch.subprocess, "run", run_or_record)
+    if anywhere:  # refused as the recipe is read, for this node and any other
+        for where in ([], ["--nodes", "2", "--dry-run"]):
+            with pytest.raises(SystemExit, match=f"^megatron-kd launch: {re.escape(key)}"):
+                launch.main(["tiny_cpu", *where, override])
+        assert not started
+        return
     assert launch.main(["tiny_cpu", override]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"megatron-kd launch: error: {key}") and "\n" not in err, err
     assert not started
-    assert launch.main(["tiny_cpu", "--nodes", "2", "--dry-run", override]) == 0  # not refused for another machine
+    # not refused for another machine, but named as left to it
+    assert launch.main(["tiny_cpu", "--nodes", "2", "--dry-run", override]) == 0
+    assert f"not checked here, left to the machine that runs it: {key}" in capsys.readouterr().out
 
 
 def test_launch_through_the_cli_dispatcher(recipe):

@@ -74,6 +74,28 @@ def refuses(main, argv, *names, ok_rc=False) -> str:
     return err.strip()
 
 
+def kept(before: dict, after: dict, what: str = "files of the user's") -> None:
+    """The user's files after the command are the ones before it, byte for byte (else: silent)."""
+    if before != after:
+        record("silent")
+        import pytest
+        changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+        pytest.fail(f"silent: {what} changed or went missing: {changed[:10]}")
+
+
+def made_in(work, main, *argvs) -> None:
+    """main(argv) for each argv, run in the directory `work`, each required to succeed (a fixture's runs)."""
+    import pytest
+    mp = pytest.MonkeyPatch()
+    mp.chdir(work)
+    try:
+        for argv in argvs:
+            rc, _, err, exc = call(main, argv)
+            assert rc == 0 and exc is None, err
+    finally:
+        mp.undo()
+
+
 def run_cli(*args, cwd=None, env=None, timeout=HANG_S) -> subprocess.CompletedProcess:
     """`python -m megatron_kd ARGS` as its own process; a hang (past HANG_S) comes back with returncode None."""
     e = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS / "cache")]), **(env or {})}

@@ -7,7 +7,7 @@ import pytest
 
 from megatron_kd.cli import compare as compare_cli
 from megatron_kd.cli import train as train_cli
-from probe import TINY, call, outcome, refuses, snapshot
+from probe import TINY, call, made_in, outcome, refuses, snapshot
 
 SWEEP = ["data=mock", "data.vocab_size=250", "data.seq_length=16", "kd.top_k=4", *TINY, "kd.cache=runs/cache",
          "hydra.sweep.dir=runs/sweep"]
@@ -17,13 +17,7 @@ SWEEP = ["data=mock", "data.vocab_size=250", "data.seq_length=16", "kd.top_k=4",
 def sweep(tmp_path_factory):
     """A finished two-run sweep (train.lr=1e-3,2e-3) over one cache it built; a copy whose run 1 was killed."""
     work = tmp_path_factory.mktemp("sweep")
-    mp = pytest.MonkeyPatch()
-    mp.chdir(work)
-    try:
-        rc, _, err, exc = call(train_cli.main, ["-m", *SWEEP, "train.lr=1e-3,2e-3"])
-    finally:
-        mp.undo()
-    assert rc == 0 and exc is None, err
+    made_in(work, train_cli.main, ["-m", *SWEEP, "train.lr=1e-3,2e-3"])
     killed = work / "runs" / "killed"
     shutil.copytree(work / "runs" / "sweep", killed)
     (killed / "1" / "summary.json").unlink()  # a run killed mid-way has no summary

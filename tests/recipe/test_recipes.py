@@ -139,7 +139,7 @@ def test_online_mode_refuses_cache_temperature():
     """Online targets are the teacher at kd.temperature already; re-tempering them from kd.cache_temperature would
     train on a distribution neither temperature describes."""
     from megatron_kd.recipe.checks import check_recipe
-    base = ["data=mock", "data.vocab_size=64", "kd=online", "kd.temperature=2.0"]
+    base = ["data=mock", "data.vocab_size=64", "kd=online", "kd.temperature=2.0", "teacher.load=/t"]
     check_recipe(to_recipe(compose("tiny_cpu", base)), None, False)
     r = to_recipe(compose("tiny_cpu", [*base, "kd.cache_temperature=1.0"]))
     with pytest.raises(RecipeError, match=r"^kd.cache_temperature=1.0 .* set kd.cache_temperature=null$"):

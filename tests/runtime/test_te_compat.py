@@ -196,7 +196,7 @@ def test_recipe_with_sinks_refuses_context_parallel_naming_the_key(cuda):
     """parallel.cp > 1 with GPT-OSS's sinks / windows: their core attention (megatron-kd's, under TE's layers too)
     has no context-parallel exchange; refused before any work, the model's name and the fix given. The online
     teacher the same."""
-    from megatron_kd.recipe.checks import check_recipe, check_run
+    from megatron_kd.recipe.checks import check_recipe
     from megatron_kd.recipe.compose import compose
     from megatron_kd.recipe.schema import RecipeError, to_recipe
     sinks = ["model.softmax_type=learnable", "model.window_size=[15,0]", "model.window_attn_skip_freq=2"]
@@ -206,7 +206,7 @@ def test_recipe_with_sinks_refuses_context_parallel_naming_the_key(cuda):
         check_recipe(to_recipe(compose("tiny_cpu", [*base, *sinks])), None, cuda)
     r = to_recipe(compose("tiny_cpu", [*base, "kd=online", "teacher.softmax_type=learnable"]))
     with pytest.raises(RecipeError, match=r"^parallel\.cp=2: teacher has attention sinks"):
-        check_run(r, 1, cuda, 64)
+        check_recipe(r, None, cuda)
     if cuda:  # a model without them passes this rule
         check_recipe(to_recipe(compose("tiny_cpu", base)), None, True)
 

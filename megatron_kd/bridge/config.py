@@ -69,6 +69,7 @@ def apply_kd_overrides(kd: OfflineKDConfig, overrides: list) -> OfflineKDConfig:
     import yaml
 
     values = kd.to_dict()
+    given = {}  # key -> the override that set it: two overrides of one key (the alias included) must agree
     for item in overrides:
         if "=" not in item:
             raise ValueError(f"kd override {item!r} needs the form kd.<key>=<value>")
@@ -77,5 +78,9 @@ def apply_kd_overrides(kd: OfflineKDConfig, overrides: list) -> OfflineKDConfig:
         key = "cache" if key == "cache_path" else key  # the alias overrides what the YAML's cache says
         if key not in values:
             raise ValueError(f"unknown kd key {key!r} in {item!r}; known: {sorted(values)}")
-        values[key] = yaml.safe_load(raw) if raw != "" else ""
+        value = yaml.safe_load(raw) if raw != "" else ""
+        if key in given and value != values[key]:
+            raise ValueError(f"{given[key]} and {item} set kd.{key} twice to other values; give it once")
+        given[key] = item
+        values[key] = value
     return OfflineKDConfig.from_dict(values)

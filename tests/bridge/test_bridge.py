@@ -80,6 +80,12 @@ def test_one_kd_schema_in_both_dialects():
     with pytest.raises(ValueError, match="name two caches"):
         OfflineKDConfig(cache="/a", cache_path="/b")
     assert apply_kd_overrides(OfflineKDConfig(cache="/a"), ["kd.cache_path=/b"]).cache == "/b"
+    # two overrides naming two caches (the alias and the key) are refused, not settled by their order
+    with pytest.raises(ValueError, match=r"^kd.cache=/a and kd.cache_path=/b set kd.cache twice"):
+        apply_kd_overrides(OfflineKDConfig(), ["kd.cache=/a", "kd.cache_path=/b"])
+    with pytest.raises(ValueError, match=r"^kd.top_k=4 and kd.top_k=8 set kd.top_k twice"):
+        apply_kd_overrides(OfflineKDConfig(), ["kd.top_k=4", "kd.top_k=8"])
+    assert apply_kd_overrides(OfflineKDConfig(), ["kd.cache=/a", "kd.cache_path=/a"]).cache == "/a"
 
 
 def test_overrides_split_and_parse():

@@ -105,6 +105,15 @@ def environment():
     return env
 
 
+def train_records(save_dir):
+    """The `kind: train` records a run wrote to SAVE/metrics.jsonl, in order ([] before its first step)."""
+    p = os.path.join(save_dir, "metrics.jsonl")
+    if not os.path.exists(p):
+        return []
+    with open(p) as f:
+        return [r for r in map(json.loads, f) if r.get("kind") == "train"]
+
+
 def save(path, payload):
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:

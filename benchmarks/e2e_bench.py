@@ -90,14 +90,9 @@ def run(nproc, args, log):
 
 
 def losses(save):
-    out = {}
-    p = os.path.join(save, "metrics.jsonl")
-    if os.path.exists(p):
-        for line in open(p):
-            r = json.loads(line)
-            if r.get("kind") == "train":
-                out[r["iteration"]] = r["loss"]
-    return out
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from common import train_records
+    return {r["iteration"]: r["loss"] for r in train_records(save)}
 
 
 def max_rel(a, b):

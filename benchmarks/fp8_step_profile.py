@@ -267,7 +267,7 @@ def main():
     if a.profile_iter + 1 > a.iters:
         raise SystemExit(f"--profile-iter {a.profile_iter} needs --iters >= {a.profile_iter + 1}")
     import torch
-    from common import environment
+    from common import environment, train_records
     cuda = torch.cuda.is_available()
     a.work = a.work or tempfile.mkdtemp(prefix="fp8_step_profile_")
     out = a.out or os.path.join(a.work, "result.json")
@@ -289,13 +289,9 @@ def main():
     rc = cli_main(args)
     res.update(rc=rc, wall_s=round(time.time() - t, 1), record=record)
     times, tfl = {}, {}
-    mp = os.path.join(save, "metrics.jsonl")
-    if os.path.exists(mp):
-        for line in open(mp):
-            r = json.loads(line)
-            if r.get("kind") == "train":
-                times[r["iteration"]] = r["step_s"]
-                tfl[r["iteration"]] = r.get("tflops_per_gpu")
+    for r in train_records(save):
+        times[r["iteration"]] = r["step_s"]
+        tfl[r["iteration"]] = r.get("tflops_per_gpu")
     clean = [i for i in sorted(times) if 2 <= i < a.profile_iter or i > a.profile_iter + 1]
     res["step_s_all"] = [times[i] for i in sorted(times)]
     if clean:

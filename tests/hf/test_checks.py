@@ -107,8 +107,8 @@ def test_cache_of_another_tokenizer(tmp_path):
 
 def test_without_bridge_the_error_names_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "megatron.bridge", None)  # import fails as when not installed
-    with pytest.raises(HFCheckpointError, match=r"model.hf_path needs Megatron-Bridge 0.6.2 .*pip install "
-                                                r"'megatron-kd\[bridge\]'"):
+    with pytest.raises(HFCheckpointError, match=r"model.hf_path needs Megatron-Bridge 0.6.2 .*NeMo container.*"
+                                                r"pip install --no-build-isolation 'megatron-kd\[bridge\]'"):
         require_bridge("model.hf_path")
 
 
